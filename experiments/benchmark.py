@@ -14,20 +14,25 @@ speedup. See fedora_jax/benchmarking.py for how each number is measured. With --
 last line printed is one JSON object.
 """
 
+import dataclasses
 import importlib.util
 import json
 import logging
 import os
 import subprocess
 import sys
+from typing import Any, NamedTuple
 
 from absl import app, flags
+
+import jax
 
 import numpy as np
 
 from experiments import flags as run_flags
 from fedora_jax import benchmarking
 from fedora_jax.data import datasets
+from fedora_jax.experiment import prepare_run
 from fedora_jax.errors import ConfigError, FedoraError
 from fedora_jax.models import build_model
 
@@ -68,6 +73,10 @@ _IMBALANCE = flags.DEFINE_bool("imbalance_check", False, "Sweep: the balanced an
                                " imbalanced round with its SGD steps x the balanced"
                                " time per step.")
 
+_CLIENT_BATCHES = flags.DEFINE_list(
+    "client_batches", [], "Sweep: compile the round once per --client_batch value in this"
+    " list (0 or 'vmap': every client at once) and time them in turn in one process.")
+
 _SWEEP_FLAGS = ("profile_dir", "scale_clients", "imbalance_check", "json", "num_clients", "setting",
                 "torch", "notorch", "noimbalance_check")
 
@@ -76,13 +85,21 @@ def log(message: str) -> None:
   print(message, file=sys.stderr if _JSON.value else sys.stdout, flush=True)
 
 
-def single_run() -> dict:
+class Setup(NamedTuple):
+  data: Any
+  model: Any
+  hidden: tuple
+  train: Any
+  config: Any
+  train_per_client: int
+  val_per_client: int
+
+
+def _setup() -> Setup:
+  """The run's data (sized to fit K clients), model, train and algorithm configs."""
   spec = datasets.get_spec(FLAGS.dataset)
   num_clients = FLAGS.num_clients or spec.num_clients
   data_seed = FLAGS.seed if FLAGS.data_seed is None else FLAGS.data_seed
-  train = run_flags.train_config()
-  config = run_flags.algorithm_config(FLAGS.algorithm)
-  hidden = run_flags.hidden_widths()
   train_per_client, val_per_client = _TRAIN_PER_CLIENT.value, _VAL_PER_CLIENT.value
   if train_per_client is None or val_per_client is None:
     fit = benchmarking.client_sizes_that_fit(
@@ -95,23 +112,33 @@ def single_run() -> dict:
       val_per_client=val_per_client)
   data = federated.data
   log(f"{FLAGS.dataset} {FLAGS.setting}: {datasets.describe(data)}")
+  hidden = run_flags.hidden_widths()
   model = build_model(FLAGS.model or spec.model, data.num_classes, hidden)
+  return Setup(data=data, model=model, hidden=hidden, train=run_flags.train_config(),
+               config=run_flags.algorithm_config(FLAGS.algorithm),
+               train_per_client=train_per_client, val_per_client=val_per_client)
+
+
+def single_run() -> dict:
+  setup = _setup()
+  data, train, config = setup.data, setup.train, setup.config
   bench_config = benchmarking.BenchmarkConfig(
       algorithm=FLAGS.algorithm, algorithm_config=config, dataset=FLAGS.dataset,
-      num_clients=num_clients, setting=FLAGS.setting, train=train,
+      num_clients=data.num_clients, setting=FLAGS.setting, train=train,
       repeats=_REPEATS.value, warmup=_WARMUP.value, time_server=_SERVER.value,
       peak_repeats=_PEAK_REPEATS.value, peak_size=_PEAK_SIZE.value,
       profile_dir=_PROFILE.value)
-  report, final_state, prepared = benchmarking.run_benchmark(bench_config, model, data,
-                                                              log)
-  report.update(train_per_client=train_per_client, val_per_client=val_per_client,
-                hidden=list(hidden), fedora_variant=FLAGS.fedora_variant)
+  report, final_state, prepared = benchmarking.run_benchmark(bench_config, setup.model,
+                                                              data, log)
+  report.update(train_per_client=setup.train_per_client,
+                val_per_client=setup.val_per_client, hidden=list(setup.hidden),
+                fedora_variant=FLAGS.fedora_variant)
 
   if _TORCH.value and FLAGS.algorithm == "fedora":
     if importlib.util.find_spec("torch") is None:
       log("PyTorch not installed (pip install -e '.[bench]'): no sequential baseline")
     else:
-      report.update(torch_baseline(data, hidden, train, config,
+      report.update(torch_baseline(data, setup.hidden, train, config,
                                    np.array(final_state.algorithm.server.graph),
                                    prepared, final_state))
   return report
@@ -225,6 +252,31 @@ def imbalance_sweep() -> dict:
           "predicted_round_seconds": predicted, "imbalanced_ratio": ratio}
 
 
+def client_batch_sweep(values: list[str]) -> dict:
+  """The same round compiled once per --client_batch value, timed in turn in one process."""
+  setup = _setup()
+  runs = {}
+  for value in values:
+    client_batch = None if value in ("0", "vmap") else int(value)
+    train = dataclasses.replace(setup.train, client_batch=client_batch)
+    runs[value] = prepare_run(FLAGS.algorithm, setup.config, setup.model, setup.data, train)
+    log(f"client_batch={value}: compiled in {runs[value].compile_seconds:.2f} s")
+  durations = benchmarking.interleaved_rounds(runs, _REPEATS.value, _WARMUP.value)
+  medians = {value: float(np.median(d)) for value, d in durations.items()}
+  first = values[0]
+  for value, seconds in medians.items():
+    log(f"client_batch={value:>5}: {seconds * 1e3:8.1f} ms per round (median of"
+        f" {len(durations[value])}), {medians[first] / seconds:.2f}x client_batch={first}")
+  fastest = min(medians, key=medians.get)
+  log(f"fastest: client_batch={fastest}")
+  return {"sweep": "client_batches", "algorithm": FLAGS.algorithm,
+          "dataset": FLAGS.dataset, "num_clients": setup.data.num_clients,
+          "platform": jax.default_backend(), "num_devices": jax.device_count(),
+          "round_seconds": medians,
+          "round_seconds_all": {v: [float(x) for x in d] for v, d in durations.items()},
+          "fastest": fastest}
+
+
 def run() -> dict:
   if _SCALE.value:
     try:
@@ -234,6 +286,8 @@ def run() -> dict:
     report = scale_sweep(clients)
   elif _IMBALANCE.value:
     report = imbalance_sweep()
+  elif _CLIENT_BATCHES.value:
+    report = client_batch_sweep(_CLIENT_BATCHES.value)
   else:
     report = single_run()
     log(summary(report))

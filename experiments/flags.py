@@ -17,7 +17,7 @@ from fedora_jax.engine import sharding
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError
 from fedora_jax.experiment import TrainConfig
-from fedora_jax.models import CLIENT_BATCH, MODELS
+from fedora_jax.models import MODELS, default_client_batch
 
 FLAGS = flags.FLAGS
 
@@ -101,8 +101,9 @@ flags.DEFINE_float("participation", 1.0, "Fraction of clients sampled each round
                   " the others keep their state.", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_integer("eval_batch_size", 1024, "Evaluation chunk size.", lower_bound=1)
 flags.DEFINE_integer("client_batch", None, "Clients trained together: 0 vmaps all of them,"
-                     " n > 0 runs lax.map over chunks of n (default: the model's; cnn 1,"
-                     " mlp 0; see experiments/bench_vmap_vs_map.py).", lower_bound=0)
+                     " n > 0 runs lax.map over chunks of n (default on one CPU device: cnn 1,"
+                     " mlp 4; elsewhere 0; see models.default_client_batch).",
+                     lower_bound=0)
 
 # FEDORA (Wu et al., KDD 2023). Explicit flags override the variant's preset.
 flags.DEFINE_enum("fedora_variant", "paper", sorted(fedora_lib.PRESETS),
@@ -182,11 +183,11 @@ def train_config() -> TrainConfig:
 
 
 def client_batch() -> int | None:
-  """--client_batch, else the model's default (models.CLIENT_BATCH); None means vmap."""
+  """--client_batch, else models.default_client_batch for this platform; None means vmap."""
   if FLAGS.client_batch is not None:
     return FLAGS.client_batch or None
   model = FLAGS.model or datasets.get_spec(FLAGS.dataset).model
-  return CLIENT_BATCH.get(model)
+  return default_client_batch(model, jax.default_backend(), jax.device_count())
 
 
 # Flags that change nothing a run computes, so a workdir may be resumed with other values.

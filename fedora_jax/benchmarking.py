@@ -195,6 +195,22 @@ def paired_rounds(prepared: PreparedRun, state, other_round: Callable[[], Any],
   return ours, theirs, state
 
 
+def interleaved_rounds(runs: dict[str, PreparedRun], repeats: int,
+                       warmup: int) -> dict[str, list[float]]:
+  """Wall times of `repeats` rounds of each compiled run, taken in turn (one round of
+  each per pass) so that all of them see the same drift in load."""
+  states = {name: run.state for name, run in runs.items()}
+  durations: dict[str, list[float]] = {name: [] for name in runs}
+  for r in range(warmup + repeats):
+    for name, run in runs.items():
+      tic = time.perf_counter()
+      states[name], metrics = run.compiled(states[name], run.buckets, run.keys["train"])
+      _to_host(metrics)
+      if r >= warmup:
+        durations[name].append(time.perf_counter() - tic)
+  return durations
+
+
 def time_server(prepared: PreparedRun, state, data: FederatedData,
                 repeats: int) -> list[float]:
   """The server's per-round part (broadcast + aggregate), jitted and timed on its own.

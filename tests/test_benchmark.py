@@ -1,5 +1,6 @@
 """experiments.benchmark: the FLOP count in closed form, the JSON report, the PyTorch loop."""
 
+import dataclasses
 import json
 import math
 import os
@@ -11,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedora_jax import benchmarking, propagation
+from fedora_jax import algorithms, benchmarking, propagation
+from fedora_jax.experiment import TrainConfig, prepare_run
 from tests.tiny import init_params, tiny_data, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,3 +113,17 @@ def test_torch_reference_round_and_propagation():
     assert np.all(np.isfinite(after)) and not np.allclose(after, before)
   durations, server = torch_reference.time_torch_fedora(reference, repeats=2, warmup=0)
   assert len(durations) == 2 and all(d > 0 for d in durations) and server > 0
+
+
+def test_interleaved_rounds_times_each_compiled_run_in_turn():
+  data, _ = tiny_data([6, 6, 6])
+  model = tiny_model()
+  train = TrainConfig(rounds=1, local_epochs=1, batch_size=4, log_every=0)
+  config = algorithms.get("fedavg").config_class()
+  runs = {str(cb): prepare_run("fedavg", config, model, data,
+                               dataclasses.replace(train, client_batch=cb))
+          for cb in (None, 2)}
+  durations = benchmarking.interleaved_rounds(runs, repeats=3, warmup=1)
+  assert sorted(durations) == ["2", "None"]
+  for times in durations.values():
+    assert len(times) == 3 and all(t > 0 for t in times)

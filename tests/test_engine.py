@@ -11,6 +11,7 @@ from fedora_jax.algorithms.base import InitContext
 from fedora_jax.engine.round import RoundMetrics, RoundState, build_train_round
 from fedora_jax.errors import TrainingDivergedError
 from fedora_jax.experiment import check_finite
+from fedora_jax.models import default_client_batch
 from tiny import TraceCounter, init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
 
@@ -122,3 +123,28 @@ def test_nan_stops_the_run_naming_round_and_clients():
   with pytest.raises(TrainingDivergedError, match=r"round 7 at client\(s\) 1, 4 \(2 of 5\)"):
     check_finite(metrics, round_number=7)
   check_finite(metrics._replace(train_loss=finite), round_number=7)
+
+
+def test_client_chunks_give_the_vmapped_round():
+  """lax.map over chunks of clients (the single-CPU default) computes what vmap does,
+  with a chunk that does not divide a bucket (7 = 3 + 3 + 1) and two buckets."""
+  data, _ = tiny_data([4, 4, 4, 4, 4, 4, 4, 12, 12])
+  model = tiny_model()
+  trainer = tiny_trainer(model, batch_size=2, momentum=0.9, weight_decay=1e-3)
+  algorithm = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)
+  outputs = {}
+  for client_batch in (None, 3):
+    round_fn = jax.jit(build_train_round(algorithm, trainer, data, client_batch))
+    state = _start(algorithm, trainer, data, init_params(model))
+    for _ in range(2):
+      state, metrics = round_fn(state, data.buckets, jax.random.key(1))
+    outputs[client_batch] = (state, metrics)
+  chex.assert_trees_all_close(outputs[3], outputs[None], rtol=1e-5, atol=1e-6)
+
+
+def test_default_client_batch_chunks_only_on_one_cpu_device():
+  assert default_client_batch("mlp", "cpu", 1) == 4
+  assert default_client_batch("cnn", "cpu", 1) == 1
+  assert default_client_batch("mlp", "cpu", 4) is None  # a mesh: vmap, sharded
+  assert default_client_batch("mlp", "gpu", 1) is None
+  assert default_client_batch("cnn", "tpu", 8) is None

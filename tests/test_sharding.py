@@ -103,8 +103,10 @@ def _free_port() -> int:
 def test_two_processes_give_the_single_process_results(tmp_path):
   """experiments.main as two jax.distributed processes on a loopback coordinator, against
   the same command in one process."""
+  # --client_batch=0: one CPU device would otherwise default to chunks of clients, two
+  # to vmap (models.default_client_batch); both sides run the same program here.
   fast = ["--algorithm=fedavg", "--num_clients=5", "--rounds=2", "--local_epochs=1",
-          "--hidden=16", "--checkpoint_every=0", "--log_every=0"]
+          "--hidden=16", "--checkpoint_every=0", "--log_every=0", "--client_batch=0"]
   main = [sys.executable, "-m", "experiments.main", *fast]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   single = subprocess.run([*main, f"--workdir={tmp_path / 'one'}"], cwd=ROOT, env=env,
