@@ -306,7 +306,8 @@ def summary(r: dict) -> str:
       f" {100 * r['fraction_of_peak']:.1f}% of the measured matmul peak"
       f" {r['peak_flops_per_second'] / 1e9:.1f} GFLOP/s",
       f"  compile      {r['compile_seconds']:.2f} s;  peak RSS"
-      f" {r['peak_memory_bytes'] / 2**20:.0f} MiB",
+      f" {r['peak_memory_bytes'] / 2**20:.0f} MiB;"
+      f"  {r['page_faults_per_round']:.0f} page faults per round",
   ]
   if "server_seconds" in r:
     lines.append(f"  server step  {r['server_seconds'] * 1e3:.2f} ms per round"

@@ -302,7 +302,12 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   train = config.train
   prepared = prepare_run(config.algorithm, config.algorithm_config, model, data, train)
   log(f"compiled train_round in {prepared.compile_seconds:.2f} s")
+  faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   durations, final_state, metrics = time_rounds(prepared, config.repeats, config.warmup)
+  # Minor page faults: XLA:CPU allocates a round's temporaries afresh each call, and the
+  # kernel zeroes every page first touched (glibc.malloc.hugetlb=1 cuts their number).
+  faults_per_round = ((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
+                      / (config.warmup + config.repeats))
   round_seconds = float(np.median(durations))
   rss_after_rounds = peak_rss_bytes()
   log(f"round: median {round_seconds * 1e3:.1f} ms over {len(durations)}"
@@ -352,6 +357,8 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
                           " 1x per evaluated sample, + server propagation)",
       "compile_seconds": prepared.compile_seconds,
       "peak_memory_bytes": rss_after_rounds,
+      "page_faults_per_round": faults_per_round,
+      "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
       "device_peak_bytes_in_use": device_peak_bytes(),
       "repeats": config.repeats, "warmup": config.warmup,
       "local_epochs": train.local_epochs, "batch_size": train.batch_size,
