@@ -91,8 +91,8 @@ class Setup(NamedTuple):
   hidden: tuple
   train: Any
   config: Any
-  train_per_client: int
-  val_per_client: int
+  train_per_client: int | None  # None: the partition decides each client's size
+  val_per_client: int | None
 
 
 def _setup() -> Setup:
@@ -100,23 +100,32 @@ def _setup() -> Setup:
   spec = datasets.get_spec(FLAGS.dataset)
   num_clients = FLAGS.num_clients or spec.num_clients
   data_seed = FLAGS.seed if FLAGS.data_seed is None else FLAGS.data_seed
-  train_per_client, val_per_client = _TRAIN_PER_CLIENT.value, _VAL_PER_CLIENT.value
-  if train_per_client is None or val_per_client is None:
-    fit = benchmarking.client_sizes_that_fit(
-        num_clients, len(spec.load_source(FLAGS.data_dir).x_train), FLAGS.setting)
-    train_per_client = train_per_client or fit[0]
-    val_per_client = val_per_client or fit[1]
+  partition = run_flags.partition_config(FLAGS.dataset)
+  if partition.kind != "rotation" and (_TRAIN_PER_CLIENT.value or _VAL_PER_CLIENT.value):
+    raise ConfigError("--train_per_client / --val_per_client size the rotation partition's"
+                      f" clients; for --partition={partition.kind} use --fixed_train_size /"
+                      " --fixed_val_size")
+  if partition.kind == "rotation":  # FEDORA's fixed sizes, shrunk until K clients fit
+    train_per_client, val_per_client = _TRAIN_PER_CLIENT.value, _VAL_PER_CLIENT.value
+    if train_per_client is None or val_per_client is None:
+      source = datasets.load_source(FLAGS.dataset, FLAGS.data_dir, FLAGS.data_source)
+      fit = benchmarking.client_sizes_that_fit(num_clients, len(source.x_train),
+                                               FLAGS.setting)
+      train_per_client = train_per_client or fit[0]
+      val_per_client = val_per_client or fit[1]
+    partition = partition._replace(train_per_client=train_per_client,
+                                   val_per_client=val_per_client)
   federated = datasets.build_federated_dataset(
       FLAGS.dataset, FLAGS.data_dir, num_clients, FLAGS.setting, data_seed,
-      FLAGS.max_pad_ratio, train_per_client=train_per_client,
-      val_per_client=val_per_client)
+      FLAGS.max_pad_ratio, data_source=FLAGS.data_source, partition_config=partition)
   data = federated.data
   log(f"{FLAGS.dataset} {FLAGS.setting}: {datasets.describe(data)}")
   hidden = run_flags.hidden_widths()
   model = build_model(FLAGS.model or spec.model, data.num_classes, hidden)
   return Setup(data=data, model=model, hidden=hidden, train=run_flags.train_config(),
                config=run_flags.algorithm_config(FLAGS.algorithm),
-               train_per_client=train_per_client, val_per_client=val_per_client)
+               train_per_client=partition.train_per_client,
+               val_per_client=partition.val_per_client)
 
 
 def single_run() -> dict:

@@ -11,7 +11,7 @@ import pytest
 from fedora_jax import algorithms
 from fedora_jax.algorithms import ala, confree
 from fedora_jax.errors import ConfigError
-from tiny import run_rounds, tiny_data, tiny_model, tiny_trainer
+from tiny import default_config, run_rounds, tiny_data, tiny_model, tiny_trainer
 
 
 def test_update_is_projected_onto_the_normal_plane_of_the_one_it_conflicts_with():
@@ -89,8 +89,8 @@ def test_server_moves_shared_parameters_by_d_star():
 def _two_rounds(name, **plugins):
   data, _ = tiny_data([5, 6, 7, 9])  # one size bucket (test_registry covers two): one vmap
   model = tiny_model(hidden=(5,))
-  trainer = tiny_trainer(model, batch_size=4, epochs=1, momentum=0.9)
-  algorithm = algorithms.build(name, algorithms.get(name).config_class(), trainer, **plugins)
+  trainer = tiny_trainer(model, batch_size=4, epochs=2, momentum=0.9)
+  algorithm = algorithms.build(name, default_config(name), trainer, **plugins)
   state, metrics, _, traces = run_rounds(algorithm, trainer, data, model)
   assert traces == 1
   chex.assert_tree_all_finite((metrics, state))

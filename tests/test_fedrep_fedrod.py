@@ -52,6 +52,8 @@ def test_fedrep_trains_the_head_then_the_body_and_uploads_the_body():
   chex.assert_trees_all_close(out.upload["params"]["Dense_0"], expected["params"]["Dense_0"])
   with pytest.raises(ConfigError, match="fedrep_head_epochs"):
     fedrep.fedrep(fedrep.FedRepConfig(head_epochs=0), trainer)
+  with pytest.raises(ConfigError, match="smaller than --local_epochs"):  # body never trains
+    fedrep.fedrep(fedrep.FedRepConfig(head_epochs=3), trainer)
 
 
 def test_balanced_softmax_is_cross_entropy_with_the_log_prior_in_the_bias():

@@ -4,7 +4,7 @@ import chex
 import pytest
 
 from fedora_jax import algorithms
-from tiny import run_rounds, tiny_data, tiny_model, tiny_trainer
+from tiny import default_config, run_rounds, tiny_data, tiny_model, tiny_trainer
 
 
 @pytest.mark.parametrize("name", sorted(algorithms.REGISTRY))
@@ -13,7 +13,7 @@ def test_two_rounds(name):
   model = tiny_model()
   trainer = tiny_trainer(model, batch_size=4, epochs=2, momentum=0.9)
   registered = algorithms.get(name)
-  algorithm = registered.factory(registered.config_class(), trainer)
+  algorithm = registered.factory(default_config(name), trainer)
   state, metrics, stacked, traces = run_rounds(algorithm, trainer, data, model)
   assert traces == 1
   chex.assert_tree_all_finite(metrics)

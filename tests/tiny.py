@@ -63,3 +63,11 @@ def run_rounds(algorithm, trainer, data, model, rounds=2):
   for _ in range(rounds):
     state, metrics = round_fn(state, data.buckets, jax.random.key(1))
   return state, metrics, stacked, counter.traces
+
+
+def default_config(name: str):
+  """The algorithm's default config, fitted to tiny trainers' 1-2 local epochs (FedRep's
+  default 4 head epochs would leave no epoch for the body)."""
+  from fedora_jax import algorithms  # pylint: disable=import-outside-toplevel
+  config = algorithms.get(name).config_class()
+  return config._replace(head_epochs=1) if name == "fedrep" else config

@@ -118,6 +118,9 @@ def alternating_train(trainer: ClientTrainer, params: Params, first: list[str],
 def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
   if config.head_epochs < 1:
     raise ConfigError(f"fedrep_head_epochs must be >= 1, got {config.head_epochs}")
+  if config.head_epochs >= trainer.epochs:
+    raise ConfigError(f"fedrep_head_epochs ({config.head_epochs}) must be smaller than"
+                      f" --local_epochs ({trainer.epochs}), or the body never trains")
   if config.head_layers < 1:
     raise ConfigError(f"fedrep_head_layers must be >= 1, got {config.head_layers}")
   batch_size = batch_size_of(trainer)

@@ -52,6 +52,7 @@ class ClientTrainer(NamedTuple):
   evaluate: Callable[[Params, ClientData], EvalStats]
   steps_per_epoch: Callable[[int], int]
   task: str = "classification"
+  epochs: int = 1  # local epochs per call of `train`
 
 
 def _masked_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
@@ -173,7 +174,7 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     return EvalStats(loss=jnp.sum(ce_sums) / count, accuracy=jnp.sum(correct_sums) / count)
 
   return ClientTrainer(loss=loss, train=train, evaluate=evaluate,
-                       steps_per_epoch=steps_per_epoch, task=task)
+                       steps_per_epoch=steps_per_epoch, task=task, epochs=epochs)
 
 
 def make_optimizer(lr: float, momentum: float = 0.9,
