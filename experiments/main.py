@@ -43,12 +43,12 @@ def run() -> dict:
   model_name = FLAGS.model or spec.model
   workdir = FLAGS.workdir or os.path.join(
       "runs", f"{FLAGS.dataset}_{FLAGS.setting}_{FLAGS.algorithm}_seed{FLAGS.seed}")
-  if jax.process_count() > 1:
-    if FLAGS.checkpoint_every:
-      raise ConfigError("checkpoints are single-process for now: pass --checkpoint_every=0"
-                        " to a multi-process run")
-    if jax.process_index() > 0:  # every process computes the same results; no two writers
-      workdir = os.path.join(workdir, f"process{jax.process_index()}")
+  # Every process computes the same results: process 0 writes them to the workdir, the
+  # others to workdir/process<i> (no two writers), and all save into the workdir's
+  # checkpoints (orbax's multi-process saves: one folder, process 0 finalizes).
+  checkpoint_root = workdir
+  if jax.process_index() > 0:
+    workdir = os.path.join(workdir, f"process{jax.process_index()}")
   run_info = {"dataset": FLAGS.dataset, "algorithm": FLAGS.algorithm,
               "setting": FLAGS.setting, "num_clients": num_clients, "seed": FLAGS.seed,
               "data_seed": data_seed, "rounds": FLAGS.rounds, "model": model_name,
@@ -73,12 +73,13 @@ def run() -> dict:
     reference = results_lib.load_reference(FLAGS.reference, run_info)
   # Before any work: refuse a workdir holding another run, and find checkpoints to resume.
   checkpointer = checkpoint_lib.open_run(workdir, run_flags.run_identity(FLAGS.algorithm),
-                                         FLAGS.rounds, FLAGS.checkpoint_every)
+                                         FLAGS.rounds, FLAGS.checkpoint_every,
+                                         checkpoint_root)
   local_checkpointer = None
   if FLAGS.algorithm != "local" and reference is None:
     local_checkpointer = checkpoint_lib.open_run(
         os.path.join(workdir, "local"), run_flags.run_identity("local"), FLAGS.rounds,
-        FLAGS.checkpoint_every)
+        FLAGS.checkpoint_every, os.path.join(checkpoint_root, "local"))
 
   federated = datasets.build_federated_dataset(
       FLAGS.dataset, FLAGS.data_dir, num_clients, FLAGS.setting, data_seed,

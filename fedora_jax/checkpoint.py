@@ -179,14 +179,17 @@ def claim_workdir(workdir: str, identity: dict[str, Any]) -> None:
 
 
 def open_run(workdir: str, identity: dict[str, Any], rounds: int,
-             checkpoint_every: int) -> Checkpointer | None:
+             checkpoint_every: int, checkpoint_root: str | None = None) -> Checkpointer | None:
   """Claims `workdir` for this run and returns its Checkpointer (None: checkpoints off).
 
   Called before any training, so a mismatched workdir or a --rounds below what the
-  workdir already holds stops the run at once.
+  workdir already holds stops the run at once. `checkpoint_root` (default `workdir`)
+  holds the checkpoints: in a multi-process run every process writes its results to its
+  own workdir but all of them save into one checkpoint folder, which orbax needs.
   """
   claim_workdir(workdir, identity)
-  checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINTS), checkpoint_every)
+  checkpointer = Checkpointer(os.path.join(checkpoint_root or workdir, CHECKPOINTS),
+                              checkpoint_every)
   done = checkpointer.latest_round()
   if done is not None:  # even with checkpoints off: a shorter run would overwrite it
     check_not_past(workdir, done, rounds)

@@ -102,24 +102,30 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_give_the_single_process_results(tmp_path):
   """experiments.main as two jax.distributed processes on a loopback coordinator, against
-  the same command in one process."""
+  the same command in one process. The two-process run stops after round 1 and resumes
+  from the checkpoint both processes saved into one folder."""
   # --client_batch=0: one CPU device would otherwise default to chunks of clients, two
   # to vmap (models.default_client_batch); both sides run the same program here.
-  fast = ["--algorithm=fedavg", "--num_clients=5", "--rounds=2", "--local_epochs=1",
-          "--hidden=16", "--checkpoint_every=0", "--log_every=0", "--client_batch=0"]
+  fast = ["--algorithm=fedavg", "--num_clients=5", "--local_epochs=1", "--hidden=16",
+          "--log_every=0", "--client_batch=0"]
   main = [sys.executable, "-m", "experiments.main", *fast]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  single = subprocess.run([*main, f"--workdir={tmp_path / 'one'}"], cwd=ROOT, env=env,
+  single = subprocess.run([*main, "--rounds=2", "--checkpoint_every=0",
+                           f"--workdir={tmp_path / 'one'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
   assert single.returncode == 0, single.stderr[-3000:]
-  address = f"127.0.0.1:{_free_port()}"
-  workers = [subprocess.Popen(
-      [*main, f"--workdir={tmp_path / 'two'}", f"--coordinator_address={address}",
-       "--num_processes=2", f"--process_id={i}"], cwd=ROOT, env=env,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  for worker in workers:
-    _, stderr = worker.communicate(timeout=600)
-    assert worker.returncode == 0, stderr[-3000:]
+  for rounds in (1, 2):
+    address = f"127.0.0.1:{_free_port()}"
+    workers = [subprocess.Popen(
+        [*main, f"--rounds={rounds}", "--checkpoint_every=1",
+         f"--workdir={tmp_path / 'two'}", f"--coordinator_address={address}",
+         "--num_processes=2", f"--process_id={i}"], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for worker in workers:
+      _, stderr = worker.communicate(timeout=600)
+      assert worker.returncode == 0, stderr[-3000:]
+  assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["1", "2"]
+  assert not (tmp_path / "two" / "process1" / "checkpoints").exists()
 
   def clients(path):
     results = json.loads(path.read_text())
