@@ -4,6 +4,7 @@
   python -m experiments.benchmark --flagfile=experiments/configs/rmnist_authors.flags --json
   python -m experiments.benchmark --scale_clients=36,144,576,1152   # one process per K
   python -m experiments.benchmark --imbalance_check                  # balanced vs imbalanced
+  python -m experiments.benchmark --client_batches=vmap,1,2,4,8      # clients per lax.map chunk
 
 Takes every flag of experiments.main (same flags, same flagfiles) plus the ones below.
 Reports seconds per round (median over --repeats after --warmup rounds), client updates
@@ -261,12 +262,18 @@ def imbalance_sweep() -> dict:
           "predicted_round_seconds": predicted, "imbalanced_ratio": ratio}
 
 
+def _positive_int(text: str) -> int:
+  if not text.isdigit() or int(text) < 1:
+    raise ConfigError(f"--client_batches takes 'vmap', 0 or positive integers, got {text!r}")
+  return int(text)
+
+
 def client_batch_sweep(values: list[str]) -> dict:
   """The same round compiled once per --client_batch value, timed in turn in one process."""
+  client_batches = {v: None if v in ("0", "vmap") else _positive_int(v) for v in values}
   setup = _setup()
   runs = {}
-  for value in values:
-    client_batch = None if value in ("0", "vmap") else int(value)
+  for value, client_batch in client_batches.items():
     train = dataclasses.replace(setup.train, client_batch=client_batch)
     runs[value] = prepare_run(FLAGS.algorithm, setup.config, setup.model, setup.data, train)
     log(f"client_batch={value}: compiled in {runs[value].compile_seconds:.2f} s")
