@@ -315,7 +315,7 @@ def run() -> dict:
 def summary(r: dict) -> str:
   lines = [
       f"{r['algorithm']} on {r['dataset']} ({r['setting']}, K={r['num_clients']},"
-      f" {r['platform']} x{r['num_devices']}):",
+      f" {r['platform']} x{r['mesh_devices']}, client_batch {r['client_batch'] or 'vmap'}):",
       f"  round        {r['round_seconds'] * 1e3:.1f} ms (median of {r['repeats']}),"
       f" {r['client_updates_per_second']:.0f} client updates/s",
       f"  throughput   {r['flops_per_second'] / 1e9:.1f} GFLOP/s of model FLOPs ="
@@ -340,6 +340,7 @@ def main(argv):
     sys.exit(1)
   logging.getLogger("fedora_jax").setLevel(logging.WARNING)
   try:
+    run_flags.configure_cpu_devices()
     run()
   except FedoraError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -166,6 +166,7 @@ def run_command(argv, run_fn, interrupted: str = "interrupted") -> None:
     sys.exit(1)
   logging.getLogger("fedora_jax").setLevel(logging.INFO)
   try:
+    run_flags.configure_cpu_devices()
     run_flags.initialize_distributed()
     run_fn()
     run_flags.shutdown_distributed()

@@ -38,6 +38,7 @@ from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.engine.round import client_keys
+from fedora_jax.engine.sharding import constrain_to_clients
 from fedora_jax.experiment import (PreparedRun, TrainConfig, _to_host, prepare_run,
                                    shared_initial_params)
 
@@ -236,12 +237,15 @@ def time_server(prepared: PreparedRun, state, data: FederatedData,
 
   @jax.jit
   def server_step(server, clients, new_clients, uploads):
-    messages = algorithm.broadcast(server, clients)
+    # Split over the clients as the round's client step consumes them: each device
+    # computes its own clients' messages (FEDORA: its rows of P Theta).
+    messages = constrain_to_clients(algorithm.broadcast(server, clients))
     aggregated = algorithm.aggregate(server, new_clients, uploads, weights)
     return messages, aggregated
 
-  return _median_seconds(lambda: server_step(server, clients, new_clients, uploads),
-                         repeats)
+  with jax.set_mesh(jax.tree.leaves(prepared.buckets)[0].sharding.mesh):
+    return _median_seconds(lambda: server_step(server, clients, new_clients, uploads),
+                           repeats)
 
 
 def time_init(prepared: PreparedRun, model, data: FederatedData, repeats: int) -> float:
@@ -337,6 +341,9 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
       "num_clients": data.num_clients, "setting": config.setting,
       "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
       "num_devices": jax.device_count(), "cpu_count": os.cpu_count(),
+      # the devices the clients are split over (sharding.default_mesh may use fewer)
+      "mesh_devices": len(jax.tree.leaves(prepared.buckets)[0].sharding.device_set),
+      "client_batch": train.client_batch,
       "jax_version": jax.__version__,
       "round_seconds": round_seconds,
       "round_seconds_min": float(min(durations)),

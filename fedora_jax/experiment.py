@@ -95,14 +95,15 @@ class PreparedRun(NamedTuple):
 def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
                 train: TrainConfig, mesh=None) -> PreparedRun:
   """Builds the algorithm, its initial state and the compiled train_round of a run, the
-  client data split over `mesh` (default: every device, engine/sharding.py)."""
+  client data split over `mesh` (default: `sharding.default_mesh`)."""
   registered = algorithms.get(name)
   trainer = make_client_trainer(
       model.apply, make_optimizer(train.lr, train.momentum, train.weight_decay),
       train.local_epochs, train.batch_size, train.eval_batch_size, task=data.task)
   algorithm = algorithms.build(name, algorithm_config, trainer)  # with any plug-ins
   keys = root_keys(train.seed)
-  mesh = sharding.client_mesh() if mesh is None else mesh
+  if mesh is None:
+    mesh = sharding.default_mesh([len(ids) for ids in data.client_ids])
   buckets = sharding.place_buckets(data.buckets, mesh)
 
   start = time.perf_counter()

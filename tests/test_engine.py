@@ -11,6 +11,7 @@ from fedora_jax.algorithms.base import InitContext
 from fedora_jax.engine.round import RoundMetrics, RoundState, build_train_round
 from fedora_jax.errors import TrainingDivergedError
 from fedora_jax.experiment import check_finite
+from fedora_jax.engine import sharding
 from fedora_jax.models import default_client_batch
 from tiny import TraceCounter, init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
@@ -142,9 +143,13 @@ def test_client_chunks_give_the_vmapped_round():
   chex.assert_trees_all_close(outputs[3], outputs[None], rtol=1e-5, atol=1e-6)
 
 
-def test_default_client_batch_chunks_only_on_one_cpu_device():
-  assert default_client_batch("mlp", "cpu", 1) == 4
-  assert default_client_batch("cnn", "cpu", 1) == 1
-  assert default_client_batch("mlp", "cpu", 4) is None  # a mesh: vmap, sharded
-  assert default_client_batch("mlp", "gpu", 1) is None
-  assert default_client_batch("cnn", "tpu", 8) is None
+def test_default_client_batch_chunks_on_cpus_only():
+  assert default_client_batch("mlp", "cpu") == 2
+  assert default_client_batch("cnn", "cpu") == 1
+  assert default_client_batch("mlp", "gpu") is None
+  assert default_client_batch("cnn", "tpu") is None
+
+
+def test_default_mesh_spans_no_more_cpu_devices_than_the_smallest_bucket():
+  assert sharding.default_mesh([36]).size == 1  # this process has one CPU device
+  assert sharding.default_mesh([35, 1]).size == 1

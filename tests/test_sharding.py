@@ -47,7 +47,7 @@ def test_padded_buckets_give_the_unpadded_results():
 
 
 _FOUR_DEVICES = textwrap.dedent("""
-    import json, sys
+    import dataclasses, json, sys
     import jax, numpy as np
     sys.path[:0] = [{root!r}, {tests!r}]
     from fedora_jax import algorithms
@@ -59,21 +59,26 @@ _FOUR_DEVICES = textwrap.dedent("""
     data, _ = tiny.tiny_data([6, 6, 6, 6, 6, 16, 16])  # buckets of 5 and 2 clients
     model = tiny.tiny_model()
     train = TrainConfig(rounds=3, local_epochs=1, batch_size=4, lr=0.1, log_every=0)
-    report = {{}}
+    report = {{"default_mesh": [sharding.default_mesh(sizes).size
+                                for sizes in ([36], [5, 2], [35, 1])]}}
     for name in ("fedavg", "fedora"):
       config = algorithms.get(name).config_class()
       runs = {{}}
-      for count in (1, 4):
-        mesh = sharding.client_mesh(jax.devices()[:count])
-        prepared = prepare_run(name, config, model, data, train, mesh=mesh)
-        shards = [len(b.train.x.sharding.device_set) for b in prepared.buckets]
-        slots = [b.train.x.shape[0] for b in prepared.buckets]
-        history = run_algorithm(name, config, model, data, train, mesh=mesh).history
-        runs[count] = (shards, slots, history)
-      (s1, k1, h1), (s4, k4, h4) = runs[1], runs[4]
+      # vmap, and chunks of 2 clients (each device loops over its own: shard_map).
+      for client_batch in (None, 2):
+        for count in (1, 4):
+          mesh = sharding.client_mesh(jax.devices()[:count])
+          chunked = dataclasses.replace(train, client_batch=client_batch)
+          prepared = prepare_run(name, config, model, data, chunked, mesh=mesh)
+          shards = [len(b.train.x.sharding.device_set) for b in prepared.buckets]
+          slots = [b.train.x.shape[0] for b in prepared.buckets]
+          history = run_algorithm(name, config, model, data, chunked, mesh=mesh).history
+          runs[client_batch, count] = (shards, slots, history)
+      (s1, k1, h1), (s4, k4, _) = runs[None, 1], runs[None, 4]
       report[name] = {{
           "shards": [s1, s4], "slots": [k1, k4],
-          "max_diff": max(float(np.max(np.abs(getattr(h1, f) - getattr(h4, f))))
+          "max_diff": max(float(np.max(np.abs(getattr(h1, f) - getattr(h, f))))
+                          for (_, _, h) in runs.values()
                           for f in ("train_loss", "val_loss", "val_acc", "test_acc"))}}
     print(json.dumps(report))
 """)
@@ -81,12 +86,14 @@ _FOUR_DEVICES = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_one_and_four_devices_give_the_same_per_client_results():
+  """Vmapped and in chunks of clients, on 1 and on 4 devices: the same numbers."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _FOUR_DEVICES.format(root=ROOT, tests=os.path.join(ROOT, 'tests'))], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert report.pop("default_mesh") == [4, 2, 1]  # at most the smallest bucket's clients
   for name, entry in report.items():
     assert entry["shards"] == [[1, 1], [4, 4]], (name, entry)
     assert entry["slots"] == [[5, 2], [8, 4]], (name, entry)  # padded to multiples of 4

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedora_jax.engine.sharding import constrain_to_clients
+from jax.sharding import PartitionSpec
+
+from fedora_jax.engine.sharding import CLIENT_AXIS, constrain_to_clients
 
 
 def _is_identity(client_ids: Sequence[np.ndarray], num_clients: int) -> bool:
@@ -35,7 +37,19 @@ def over_clients(fn: Callable[..., Any], client_batch: int | None = None) -> Cal
     return jax.vmap(fn)
   if client_batch < 1:
     raise ValueError(f"client_batch must be >= 1 or None, got {client_batch}")
-  return lambda *args: jax.lax.map(lambda a: fn(*a), args, batch_size=client_batch)
+
+  def chunked(*args):
+    return jax.lax.map(lambda a: fn(*a), args, batch_size=client_batch)
+
+  def mapped(*args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or CLIENT_AXIS not in mesh.axis_names or mesh.size == 1:
+      return chunked(*args)
+    # Under a mesh each device loops over the chunks of its own clients; a lax.map over
+    # the sharded axis itself would gather every client onto every device.
+    spec = PartitionSpec(CLIENT_AXIS)
+    return jax.shard_map(chunked, in_specs=(spec,) * len(args), out_specs=spec)(*args)
+  return mapped
 
 
 def map_over_buckets(fn: Callable[..., Any], per_client_args: tuple, buckets: tuple,

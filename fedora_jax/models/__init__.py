@@ -20,20 +20,19 @@ def _cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
 
 MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn}
 
-# Default --client_batch per model on a single CPU device (None: vmap over all clients).
-# There a few clients at a time keep their weights, gradients and momentum in cache:
-# vmapping all 36 MLP clients streams ~50 MB through memory every SGD step. Measured on a
-# 2-core CPU with `python -m experiments.benchmark --client_batches=vmap,1,2,4,6,9`
-# (FEDORA rmnist round 1.2-1.3x faster at 4 than vmapped) and experiments/bench_vmap_vs_map.py
-# (the CNN ~1.5x faster one client at a time). Accelerators and multi-device meshes vmap.
-CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "mlp": 4}
+# Default --client_batch per model on CPU devices (None: vmap over all clients). There a
+# few clients at a time keep their weights, gradients and momentum in cache: vmapping all
+# 36 MLP clients streams ~50 MB through memory every SGD step. Measured on a 2-core CPU,
+# one device per core, with `python -m experiments.benchmark --client_batches=1,2,3,4,6`
+# (FEDORA rmnist round 183 / 172 / 178 / 195 / 224 ms; 313 ms vmapped) and
+# experiments/bench_vmap_vs_map.py (the CNN ~1.5x faster one client at a time).
+# Accelerators vmap.
+CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "mlp": 2}
 
 
-def default_client_batch(model: str, platform: str, num_devices: int) -> int | None:
-  """The --client_batch a run uses unless told: None (vmap) off a single CPU device."""
-  if platform != "cpu" or num_devices > 1:
-    return None
-  return CPU_CLIENT_BATCH.get(model)
+def default_client_batch(model: str, platform: str) -> int | None:
+  """The --client_batch a run uses unless told: None (vmap) off CPUs."""
+  return CPU_CLIENT_BATCH.get(model) if platform == "cpu" else None
 
 
 def build_model(name: str, num_outputs: int, hidden: Sequence[int] = (128, 128)) -> nn.Module:
