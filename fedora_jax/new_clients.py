@@ -66,5 +66,8 @@ def evaluate_new_clients(config: fedora.FedoraConfig, finetune_trainer: ClientTr
                                     client_keys(key, new.num_clients)),
                             new_buckets, new.client_ids, new.num_clients)
 
+  # A few clients, once: on one device. (The trained state comes back replicated over the
+  # run's mesh; a jit over those CPU devices hung in the SVDs of this step.)
+  fedora_state, fedavg_global = jax.device_get((fedora_state, fedavg_global))
   accuracies = run(fedora_state, trained.buckets, new.buckets, fedavg_global, key)
   return NewClientAccuracy(*(np.asarray(a) for a in accuracies))
