@@ -34,7 +34,7 @@ class TrainConfig:
   eval_batch_size: int = 1024
   log_every: int = 50
   # None: every client's update at once (vmap); n: lax.map over chunks of n clients,
-  # faster on one CPU device (engine/buckets.py over_clients, models.default_client_batch).
+  # faster on CPUs (engine/buckets.py over_clients, models.default_client_batch).
   client_batch: int | None = None
   participation: float = 1.0  # fraction of clients sampled each round (engine/round.py)
 

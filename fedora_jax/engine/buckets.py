@@ -29,7 +29,8 @@ def over_clients(fn: Callable[..., Any], client_batch: int | None = None) -> Cal
   """`fn` mapped over a leading client axis of all its arguments.
 
   None: `jax.vmap` (every client at once). n > 0: `jax.lax.map` over chunks of n clients,
-  each chunk vmapped; the results are the same. Vmapped convolutions lower to grouped
+  each chunk vmapped (under a multi-device mesh, inside `shard_map`: each device loops
+  over its own clients); the results are the same. Vmapped convolutions lower to grouped
   convolutions, which XLA's CPU backend may run slower than a loop over smaller groups:
   experiments/bench_vmap_vs_map.py measures both.
   """

@@ -11,7 +11,8 @@ works on the [K, ...] stacked state, which XLA keeps replicated or shards as it 
 The same code runs on one CPU, on several (fake, via
 XLA_FLAGS=--xla_force_host_platform_device_count=N) devices, on GPUs and across hosts
 after `jax.distributed.initialize()` (`initialize_distributed`): the mesh spans
-`jax.devices()`, every process's devices. Client k's randomness is fold_in(round key, k)
+`jax.devices()`, every process's devices (on one process's CPU devices, see
+`default_mesh`). Client k's randomness is fold_in(round key, k)
 whatever device it lands on, so per-client results do not depend on the device count.
 """
 
