@@ -206,6 +206,14 @@ _NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "checkpoint_ever
                  "cpu_devices")
 
 
+def identity_defaults() -> dict:
+  """Each identity flag's default: at its default a flag counts as absent when a workdir's
+  recorded run is compared (checkpoint.claim_workdir), so runs recorded before a flag
+  was added still resume."""
+  return {flag.name: flag.default for flag in FLAGS.get_flags_for_module(__name__)
+          if flag.name not in _NOT_IDENTITY}
+
+
 def run_identity(algorithm: str) -> dict:
   """What a run of `algorithm` with these flags computes, kept in run_config.json.
 

@@ -72,14 +72,15 @@ def run() -> dict:
   if FLAGS.reference and FLAGS.algorithm != "local":
     reference = results_lib.load_reference(FLAGS.reference, run_info)
   # Before any work: refuse a workdir holding another run, and find checkpoints to resume.
+  defaults = run_flags.identity_defaults()
   checkpointer = checkpoint_lib.open_run(workdir, run_flags.run_identity(FLAGS.algorithm),
                                          FLAGS.rounds, FLAGS.checkpoint_every,
-                                         checkpoint_root)
+                                         checkpoint_root, defaults)
   local_checkpointer = None
   if FLAGS.algorithm != "local" and reference is None:
     local_checkpointer = checkpoint_lib.open_run(
         os.path.join(workdir, "local"), run_flags.run_identity("local"), FLAGS.rounds,
-        FLAGS.checkpoint_every, os.path.join(checkpoint_root, "local"))
+        FLAGS.checkpoint_every, os.path.join(checkpoint_root, "local"), defaults)
 
   federated = datasets.build_federated_dataset(
       FLAGS.dataset, FLAGS.data_dir, num_clients, FLAGS.setting, data_seed,

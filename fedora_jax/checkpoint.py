@@ -154,13 +154,21 @@ def holds_a_run(workdir: str) -> bool:
           (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
 
 
-def claim_workdir(workdir: str, identity: dict[str, Any]) -> None:
+def _without_defaults(identity: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+  return {k: v for k, v in identity.items() if k not in defaults or v != defaults[k]}
+
+
+def claim_workdir(workdir: str, identity: dict[str, Any],
+                  defaults: dict[str, Any] | None = None) -> None:
   """Records `identity` in workdir/run_config.json, or raises ConfigError if the workdir
   holds a run (results or a checkpoint) with another identity. A run that stopped before
   leaving either (say, a typo caught at start-up), or a workdir made before
-  run_config.json existed, is taken over."""
+  run_config.json existed, is taken over. `defaults` (flag -> default value): an entry at
+  its default counts as absent, so a run recorded before a flag existed still matches a
+  run that leaves that flag at its default."""
   path = os.path.join(workdir, RUN_CONFIG)
   current = json.loads(json.dumps(identity))  # as it reads back: tuples become lists
+  defaults = json.loads(json.dumps(defaults or {}))
   try:
     with open(path) as f:
       recorded = json.load(f)
@@ -168,26 +176,31 @@ def claim_workdir(workdir: str, identity: dict[str, Any]) -> None:
     recorded = None
   except (OSError, json.JSONDecodeError) as e:
     raise ConfigError(f"{path}: cannot read the run's settings ({e})") from None
-  if recorded == current:
+  if recorded is not None and (_without_defaults(recorded, defaults) ==
+                               _without_defaults(current, defaults)):
     return
   if recorded is not None and holds_a_run(workdir):
+    differences = _differences(_without_defaults(recorded, defaults),
+                               _without_defaults(current, defaults))
     raise ConfigError(f"--workdir {workdir} holds a run with other settings: "
-                      f"{', '.join(_differences(recorded, current))}; rerun with its flags"
+                      f"{', '.join(differences)}; rerun with its flags"
                       " or use another --workdir")
   os.makedirs(workdir, exist_ok=True)
   _write_json_atomically(path, current)
 
 
 def open_run(workdir: str, identity: dict[str, Any], rounds: int,
-             checkpoint_every: int, checkpoint_root: str | None = None) -> Checkpointer | None:
+             checkpoint_every: int, checkpoint_root: str | None = None,
+             defaults: dict[str, Any] | None = None) -> Checkpointer | None:
   """Claims `workdir` for this run and returns its Checkpointer (None: checkpoints off).
 
   Called before any training, so a mismatched workdir or a --rounds below what the
   workdir already holds stops the run at once. `checkpoint_root` (default `workdir`)
   holds the checkpoints: in a multi-process run every process writes its results to its
   own workdir but all of them save into one checkpoint folder, which orbax needs.
+  `defaults`: see `claim_workdir`.
   """
-  claim_workdir(workdir, identity)
+  claim_workdir(workdir, identity, defaults)
   checkpointer = Checkpointer(os.path.join(checkpoint_root or workdir, CHECKPOINTS),
                               checkpoint_every)
   done = checkpointer.latest_round()

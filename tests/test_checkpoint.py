@@ -89,6 +89,11 @@ def test_workdir_keeps_the_identity_of_its_run(tmp_path):
                      r"\(now 1\); rerun with its flags"):
     claim_workdir(str(tmp_path), {**identity, "lr": 0.1, "seed": 1})
   assert open_run(str(tmp_path), identity, rounds=5, checkpoint_every=0) is None
+  # A flag added after this run was recorded, left at its default: the same run.
+  defaults = {"participation": 1.0, "lr": 0.005}
+  claim_workdir(str(tmp_path), {**identity, "participation": 1.0}, defaults)
+  with pytest.raises(ConfigError, match=r"participation=None \(now 0.5\)"):
+    claim_workdir(str(tmp_path), {**identity, "participation": 0.5}, defaults)
 
 
 def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
