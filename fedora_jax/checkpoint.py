@@ -180,8 +180,7 @@ def claim_workdir(workdir: str, identity: dict[str, Any],
                                _without_defaults(current, defaults)):
     return
   if recorded is not None and holds_a_run(workdir):
-    differences = _differences(_without_defaults(recorded, defaults),
-                               _without_defaults(current, defaults))
+    differences = _differences({**defaults, **recorded}, {**defaults, **current})
     raise ConfigError(f"--workdir {workdir} holds a run with other settings: "
                       f"{', '.join(differences)}; rerun with its flags"
                       " or use another --workdir")

@@ -92,7 +92,7 @@ def test_workdir_keeps_the_identity_of_its_run(tmp_path):
   # A flag added after this run was recorded, left at its default: the same run.
   defaults = {"participation": 1.0, "lr": 0.005}
   claim_workdir(str(tmp_path), {**identity, "participation": 1.0}, defaults)
-  with pytest.raises(ConfigError, match=r"participation=None \(now 0.5\)"):
+  with pytest.raises(ConfigError, match=r"participation=1.0 \(now 0.5\)"):
     claim_workdir(str(tmp_path), {**identity, "participation": 0.5}, defaults)
 
 

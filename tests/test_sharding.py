@@ -140,6 +140,7 @@ def test_two_processes_give_the_single_process_results(tmp_path):
   one, expected = clients(tmp_path / "one" / "results.json")
   two, got = clients(tmp_path / "two" / "results.json")
   _, got_other = clients(tmp_path / "two" / "process1" / "results.json")
-  assert (one["processes"], one["devices"]) == (1, 1)
+  # One process: a CPU device per core (--cpu_devices); several: one device each.
+  assert (one["processes"], one["devices"]) == (1, sharding.cpu_device_count())
   assert (two["processes"], two["devices"]) == (2, 2)
   assert got == expected and got_other == expected
