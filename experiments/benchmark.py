@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from experiments import flags as run_flags
+from experiments.main import run_command
 from fedora_jax import benchmarking
 from fedora_jax.data import datasets
 from fedora_jax.experiment import prepare_run
@@ -335,16 +336,7 @@ def summary(r: dict) -> str:
 
 
 def main(argv):
-  if len(argv) > 1:
-    print(f"error: unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
-    sys.exit(1)
-  logging.getLogger("fedora_jax").setLevel(logging.WARNING)
-  try:
-    run_flags.configure_cpu_devices()
-    run()
-  except FedoraError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+  run_command(argv, run, log_level=logging.WARNING)
 
 
 if __name__ == "__main__":

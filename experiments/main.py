@@ -159,13 +159,14 @@ def serve_new_clients(federated, config, model, train, fedora_result) -> dict:
                                         FLAGS.new_client_epochs)
 
 
-def run_command(argv, run_fn, interrupted: str = "interrupted") -> None:
+def run_command(argv, run_fn, interrupted: str = "interrupted",
+                log_level: int = logging.INFO) -> None:
   """Runs `run_fn` as a command: one-line errors and a non-zero exit, never a traceback
-  unless --verbose (shared by experiments.main and experiments.reproduce)."""
+  unless --verbose (shared by experiments.main, reproduce and benchmark)."""
   if len(argv) > 1:
     print(f"error: unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
     sys.exit(1)
-  logging.getLogger("fedora_jax").setLevel(logging.INFO)
+  logging.getLogger("fedora_jax").setLevel(log_level)
   try:
     run_flags.configure_cpu_devices()
     run_flags.initialize_distributed()
