@@ -79,3 +79,19 @@ def test_fedamp_client_takes_the_proximal_step_towards_its_cloud_model():
                           params, grads, cloud)
   chex.assert_trees_all_close(out.state, expected, atol=1e-6)
   np.testing.assert_allclose(out.metrics["self_weight"], 0.3)
+
+
+def test_fedamp_warns_when_the_first_cloud_models_extrapolate(caplog):
+  # All clients start equal (d = 0): xi_ij = alpha_k / sigma, xi_ii = 1 - (K - 1) alpha_k / sigma.
+  params = {"w": jnp.zeros((4, 2))}
+  assert fedamp.first_round_self_weight(4, fedamp.FedAmpConfig(alpha_k=0.5, sigma=2.0)) == 0.25
+  trainer = tiny_trainer(tiny_model())
+  context = InitContext(params=params, data=None, trainer=trainer, key=jax.random.key(0))
+  with caplog.at_level("WARNING"):
+    state = fedamp.fedamp(fedamp.FedAmpConfig(), trainer).init(context)
+  np.testing.assert_allclose(np.diag(state.server.attention), -2.0)
+  assert "xi_ii = -2 < 0" in caplog.text and "sigma / (K - 1) = 0.333" in caplog.text
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    fedamp.fedamp(fedamp.FedAmpConfig(alpha_k=0.3), trainer).init(context)
+  assert "extrapolate" not in caplog.text
