@@ -143,13 +143,43 @@ def _build_regression_results(run_info: dict[str, Any], ours: ClientAccuracies,
   }
 
 
-def timing(result: RunResult) -> dict:
-  """timing.json: wall times of this process only, kept out of results.json so that the
-  same flags and seed give a byte-identical results.json, resumed or not."""
+def timing(result: RunResult, earlier: dict | None = None) -> dict:
+  """timing.json: wall times, kept out of results.json so that the same flags and seed give
+  a byte-identical results.json, resumed or not.
+
+  The top-level fields are this process's. `segments` lists every finished process that
+  trained rounds of this run (resumed runs carry the earlier ones over from `earlier`, the
+  previous timing.json); `round_seconds_all` and `seconds_all` sum them up, so a sweep
+  extended from checkpoints still reports its whole cost. A process killed before it
+  wrote this file leaves no segment.
+  """
+  first, last = result.resumed_from_round, int(np.shape(result.history.test_acc)[0])
+  segments = [segment for segment in (earlier or {}).get("segments", [])
+              if first and segment["last_round"] <= first]
+  if last > first:
+    segments.append({"first_round": first, "last_round": last,
+                     "compile_seconds": round(result.compile_seconds, 3),
+                     "round_seconds": round(result.round_seconds, 5),
+                     "train_seconds": round(result.total_seconds, 3)})
+  rounds = [s["last_round"] - s["first_round"] for s in segments]
   return {"compile_seconds": round(result.compile_seconds, 3),
           "round_seconds": round(result.round_seconds, 5),
           "train_seconds": round(result.total_seconds, 3),
-          "resumed_from_round": result.resumed_from_round}
+          "resumed_from_round": first,
+          "segments": segments,
+          # rounds-weighted mean of the segments' median round times
+          "round_seconds_all": round(sum(n * s["round_seconds"] for n, s in
+                                         zip(rounds, segments)) / max(sum(rounds), 1), 5),
+          "seconds_all": round(sum(s["compile_seconds"] + s["train_seconds"]
+                                   for s in segments), 3)}
+
+
+def _read_json(path: str) -> dict | None:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
 
 
 def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
@@ -158,8 +188,12 @@ def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
-  with open(os.path.join(workdir, "timing.json"), "w") as f:
-    json.dump(timing(result), f, indent=2)
+  timing_path = os.path.join(workdir, "timing.json")
+  earlier = _read_json(timing_path) if result.resumed_from_round else None
+  trained = np.shape(result.history.test_acc)[0] > result.resumed_from_round
+  if trained or earlier is None:  # a rerun of a finished run keeps the times it measured
+    with open(timing_path, "w") as f:
+      json.dump(timing(result, earlier), f, indent=2)
   with open(os.path.join(workdir, "clients.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(results["clients"][0]))
     writer.writeheader()

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedora_jax import results as results_lib
 from fedora_jax.algorithms import fedora
 from fedora_jax.algorithms.base import AlgorithmState
 from fedora_jax.checkpoint import Checkpointer, claim_workdir, open_run
@@ -107,7 +108,8 @@ def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
                                      log_every=0), checkpointer=checkpointer)
   straight = train(5)
   checkpointer = Checkpointer(str(tmp_path), every=2)
-  assert train(3, checkpointer).resumed_from_round == 0  # saves after rounds 2 and 3
+  first = train(3, checkpointer)
+  assert first.resumed_from_round == 0  # saves after rounds 2 and 3
   finished = train(3, checkpointer)  # restored after its last round: nothing to train
   assert finished.resumed_from_round == 3 and finished.round_seconds == 0.0
   np.testing.assert_array_equal(finished.history.test_acc, straight.history.test_acc[:3])
@@ -116,6 +118,20 @@ def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
   for got, want in zip(jax.tree.leaves((extended.history, extended.final_state)),
                        jax.tree.leaves((straight.history, straight.final_state))):
     np.testing.assert_array_equal(got, want)
+
+  # timing.json: one segment per process that trained rounds, summed over the run.
+  timing = results_lib.timing(first)
+  assert [(s["first_round"], s["last_round"]) for s in timing["segments"]] == [(0, 3)]
+  assert results_lib.timing(finished, timing)["segments"] == timing["segments"]
+  timing = results_lib.timing(extended, timing)
+  assert [(s["first_round"], s["last_round"]) for s in timing["segments"]] == [(0, 3), (3, 5)]
+  r1, r2 = (round(r.round_seconds, 5) for r in (first, extended))
+  np.testing.assert_allclose(timing["round_seconds_all"], (3 * r1 + 2 * r2) / 5, atol=1e-5)
+  np.testing.assert_allclose(
+      timing["seconds_all"], sum(r.compile_seconds + r.total_seconds
+                                 for r in (first, extended)), atol=2e-3)
+  # A fresh run (nothing resumed) starts its own record.
+  assert len(results_lib.timing(straight, timing)["segments"]) == 1
 
 
 # --- The CLI: kill -9 and resume, determinism, refusal. ---------------------------------
