@@ -60,3 +60,19 @@ def test_bad_row_hyperparameters_fail_before_the_sweep(tmp_path):
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines()[-1].endswith("fedamp_sigma must be > 0, got 0.0")
   assert not os.path.exists(tmp_path / "seed0")
+
+
+def test_seeds_give_mean_and_population_std_beside_the_paper():
+  runs = [{"acc": 0.70, "r_acc": 0.01, "ptr": 0.5, "round_seconds": 0.2,
+           "wall_seconds": 10.0, "results": "a"},
+          {"acc": 0.80, "r_acc": 0.03, "ptr": None, "round_seconds": 0.4,
+           "wall_seconds": 30.0, "results": "b"}]
+  paper = {"fedora": {"acc": 0.8251, "r_acc": 0.0806, "ptr": 1.0, "source": "Table 1"}}
+  row = reproduce.summarize("fedora", runs, paper)
+  assert row["acc"] == pytest.approx(0.75) and row["acc_std"] == pytest.approx(0.05)
+  assert row["r_acc"] == pytest.approx(0.02) and row["r_acc_std"] == pytest.approx(0.01)
+  assert row["ptr"] == pytest.approx(0.5)  # a missing value is left out, not taken as 0
+  assert row["paper_acc"] == 0.8251 and row["paper_source"] == "Table 1"
+  assert row["round_seconds"] == pytest.approx(0.3) and row["wall_seconds"] == 40.0
+  markdown = reproduce.format_markdown("T", "settings", [row])
+  assert "| fedora | 0.7500 ± 0.0500 | +0.0200 ± 0.0100 |" in markdown
