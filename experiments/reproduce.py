@@ -97,6 +97,7 @@ def summarize(row: str, runs: list[dict], paper: dict) -> dict:
 def _cell(value, std=None, signed=False) -> str:
   if value is None:
     return "—"
+  value = round(value, 4) + 0.0  # no "-0.0000"
   text = f"{value:+.4f}" if signed else f"{value:.4f}"
   return text + (f" ± {std:.4f}" if std is not None else "")
 

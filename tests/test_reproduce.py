@@ -76,3 +76,9 @@ def test_seeds_give_mean_and_population_std_beside_the_paper():
   assert row["round_seconds"] == pytest.approx(0.3) and row["wall_seconds"] == 40.0
   markdown = reproduce.format_markdown("T", "settings", [row])
   assert "| fedora | 0.7500 ± 0.0500 | +0.0200 ± 0.0100 |" in markdown
+
+
+def test_cells_round_to_four_places_without_negative_zero():
+  assert reproduce._cell(-0.00001, signed=True) == "+0.0000"
+  assert reproduce._cell(0.08056, 0.01, signed=True) == "+0.0806 ± 0.0100"
+  assert reproduce._cell(None) == "—"
