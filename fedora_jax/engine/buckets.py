@@ -47,9 +47,14 @@ def over_clients(fn: Callable[..., Any], client_batch: int | None = None) -> Cal
     if mesh.empty or CLIENT_AXIS not in mesh.axis_names or mesh.size == 1:
       return chunked(*args)
     # Under a mesh each device loops over the chunks of its own clients; a lax.map over
-    # the sharded axis itself would gather every client onto every device.
+    # the sharded axis itself would gather every client onto every device. No type
+    # check of varying axes (check_vma): the body is per-client with no collective over
+    # `clients`, and the check rejects every lax.scan / while_loop whose carry starts
+    # from a constant (an optimizer's step count, ALA's weights) as soon as the body
+    # mixes in a client's data.
     spec = PartitionSpec(CLIENT_AXIS)
-    return jax.shard_map(chunked, in_specs=(spec,) * len(args), out_specs=spec)(*args)
+    return jax.shard_map(chunked, in_specs=(spec,) * len(args), out_specs=spec,
+                         check_vma=False)(*args)
   return mapped
 
 
