@@ -32,7 +32,7 @@ def round_scalars(metrics: RoundMetrics, algorithm: str,
   scalars = {tag: float(np.nanmean(getattr(metrics, field))) for field, tag in MEAN_TAGS.items()}
   if task == "regression":
     scalars = {_REGRESSION_TAGS.get(tag, tag): value for tag, value in scalars.items()}
-  scalars.update({f"{algorithm}/{name}": float(np.mean(values))
+  scalars.update({f"{algorithm}/{name}": float(np.nanmean(values))  # NaN: sat out
                   for name, values in metrics.extra.items()})
   return scalars
 

@@ -8,6 +8,7 @@ import pytest
 
 from fedora_jax.algorithms import fedavg, local
 from fedora_jax.algorithms.base import InitContext
+from fedora_jax.engine import buckets
 from fedora_jax.engine.round import (RoundState, build_train_round, num_sampled_clients,
                                      sampled_clients)
 from fedora_jax.errors import ConfigError
@@ -84,3 +85,38 @@ def test_local_non_sampled_clients_are_untouched_and_nothing_retraces():
       assert not np.allclose(np.asarray(new)[active], np.asarray(old)[active])
     assert (metrics.local_steps > 0).sum() == 2
   assert counter.traces == 1
+
+
+def test_sampled_clients_get_the_full_rounds_update():
+  data, _ = tiny_data([4, 4, 4, 4, 12, 12])  # buckets of 4 and 2 clients
+  model = tiny_model()
+  trainer = tiny_trainer(model, batch_size=2)
+  algorithm = local.local(local.LocalConfig(), trainer)
+  key = jax.random.key(5)
+  start = _start(algorithm, trainer, data, init_params(model))
+  full, _ = jax.jit(build_train_round(algorithm, trainer, data))(start, data.buckets, key)
+  partial, _ = jax.jit(build_train_round(algorithm, trainer, data, participation=0.5))(
+      start, data.buckets, key)
+  active = np.asarray(sampled_clients(jax.random.fold_in(key, 0), 6, 3))
+  for f, p in zip(jax.tree.leaves(full.algorithm.clients),
+                  jax.tree.leaves(partial.algorithm.clients)):
+    np.testing.assert_allclose(np.asarray(p)[active], np.asarray(f)[active], rtol=1e-6)
+
+
+def test_map_over_sampled_slots_and_scatter():
+  data, _ = tiny_data([3, 3, 3, 3, 9])  # buckets of 4 clients and 1
+  sampled = jnp.asarray([False, True, False, True, True])
+  def fn(scale, splits):
+    del splits
+    return scale * 10.0
+
+  values, slot_clients = buckets.map_over_sampled(
+      fn, (jnp.arange(5.0),), data.buckets, data.client_ids, 5, sampled, 3)
+  # Bucket 0: min(3, 4) = 3 slots, its sampled clients 1 and 3 first, then filler 0;
+  # bucket 1: 1 slot, client 4.
+  np.testing.assert_array_equal(slot_clients, [1, 3, 5, 4])
+  np.testing.assert_allclose(values, [10.0, 30.0, 0.0, 40.0])
+  merged = buckets.scatter_to_clients(-jnp.ones(5), slot_clients, values)
+  np.testing.assert_allclose(merged, [-1.0, 10.0, -1.0, 30.0, 40.0])
+  assert [buckets.sampled_slots(k, s, m, d) for k, s, m, d in
+          ((4, 4, 3, 1), (1, 1, 3, 1), (3, 4, 1, 2), (5, 6, 5, 4))] == [3, 1, 2, 6]

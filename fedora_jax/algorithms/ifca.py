@@ -77,8 +77,9 @@ def ifca(config: IfcaConfig, trainer: ClientTrainer) -> Algorithm:
                                  "cluster_loss": losses[chosen]})
 
   def aggregate(server: IfcaServer, clients: IfcaClients, uploads, weights):
-    del weights  # the paper's cluster average is unweighted
-    clusters = model_space.group_means(uploads, clients.cluster, server.clusters)
+    # The paper's cluster average is unweighted, over the clients that took part.
+    clusters = model_space.group_means(uploads, clients.cluster, server.clusters,
+                                       members=weights > 0)
     return AlgorithmState(server=IfcaServer(clusters=clusters), clients=clients)
 
   def personalized_params(server: IfcaServer, clients: IfcaClients):

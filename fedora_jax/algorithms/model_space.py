@@ -51,13 +51,16 @@ def mix(weights: jax.Array, stacked):
   return jax.tree.map(lambda leaf: jnp.tensordot(weights, leaf, axes=(-1, 0)), stacked)
 
 
-def group_means(stacked, assignment: jax.Array, previous):
+def group_means(stacked, assignment: jax.Array, previous, members: jax.Array | None = None):
   """Mean of the models assigned to each group; a group nobody chose keeps `previous`.
 
-  `assignment` [N] int holds each model's group in [0, C); `previous` has leaves [C, ...].
+  `assignment` [N] int holds each model's group in [0, C); `previous` has leaves [C, ...];
+  `members` [N] bool, if given, says which models count (a round's sampled clients).
   """
   num_groups = num_models(previous)
   one_hot = jax.nn.one_hot(assignment, num_groups, dtype=jnp.float32)   # [N, C]
+  if members is not None:
+    one_hot = one_hot * members[:, None]
   counts = jnp.sum(one_hot, axis=0)                                       # [C]
   sums = mix(one_hot.T, stacked)                                          # [C, ...]
 

@@ -161,7 +161,7 @@ def pfedhn(config: PfedhnConfig, trainer: ClientTrainer) -> Algorithm:
     return ClientOutput(state=client_state, upload=delta, train=stats)
 
   def aggregate(server: PfedhnServer, clients, deltas, weights):
-    del weights
+    del weights  # a client that sat the round out uploads a zero delta: it adds nothing
     grads = hypergradient(server.params, deltas)
     updates, opt_state = optimizer.update(grads, server.opt_state, server.params)
     return AlgorithmState(server=PfedhnServer(params=optax.apply_updates(server.params, updates),

@@ -1,9 +1,14 @@
-"""Runs a per-client function over all clients, one vmap per size bucket.
+"""Runs a per-client function over all clients, or over a round's sampled ones, one vmap
+per size bucket.
 
 The round sees every per-client quantity stacked in client order [K, ...]. For each
 bucket we gather its clients' slices, vmap the function over them together with the
 bucket's data, then put the results back in client order. With one bucket holding every
 client in order (the balanced setting) there is no gather or scatter at all.
+
+`map_over_sampled` runs the function for the clients a round samples only: a static
+number of slots per bucket, filled with the sampled clients' arguments and data, so a
+round at participation f costs about f of a full one (the DESIGN's client sampling).
 """
 
 from typing import Any, Callable, Sequence
@@ -14,7 +19,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec
 
-from fedora_jax.engine.sharding import CLIENT_AXIS, constrain_to_clients
+from fedora_jax.engine.sharding import CLIENT_AXIS, constrain_to_clients, padded_size
 
 
 def _is_identity(client_ids: Sequence[np.ndarray], num_clients: int) -> bool:
@@ -81,3 +86,55 @@ def map_over_buckets(fn: Callable[..., Any], per_client_args: tuple, buckets: tu
                    jax.tree.map(lambda a, n=len(ids): a[:n], out))
   inverse = np.argsort(np.concatenate(client_ids))
   return jax.tree.map(lambda *parts: jnp.concatenate(parts)[inverse], *outputs)
+
+
+def _mesh_size() -> int:
+  """Devices along the `clients` axis of the mesh being traced under (1 without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or CLIENT_AXIS not in mesh.axis_names:
+    return 1
+  return mesh.shape[CLIENT_AXIS]
+
+
+def sampled_slots(bucket_size: int, bucket_slots: int, num_sampled: int,
+                  num_devices: int) -> int:
+  """Static slots a bucket gets for a round's sampled clients: as many as can be sampled
+  from it (min(M, K_b)), rounded up to the device count, never past its padded size."""
+  return min(bucket_slots, padded_size(min(num_sampled, bucket_size), num_devices))
+
+
+def map_over_sampled(fn: Callable[..., Any], per_client_args: tuple, buckets: tuple,
+                     client_ids: Sequence[np.ndarray], num_clients: int,
+                     sampled: jax.Array, num_sampled: int,
+                     client_batch: int | None = None) -> tuple[Any, jax.Array]:
+  """fn(*per_client_args_k, bucket_data_k) for the sampled clients k only.
+
+  `sampled` [K] bool marks `num_sampled` clients (a static count). Bucket b gets
+  `sampled_slots` slots: its sampled clients first, in client order, then unsampled or
+  padded ones that fill the static shape. Returns (outputs [S, ...], slot_clients [S]):
+  slot s holds client slot_clients[s]'s output, or slot_clients[s] == K for a filler,
+  whose output `scatter_to_clients` drops. Per-client results equal `map_over_buckets`'s.
+  """
+  mapped = over_clients(fn, client_batch)
+  num_devices = _mesh_size()
+  outputs, slot_clients = [], []
+  for ids, data in zip(client_ids, buckets):
+    bucket_slots = jax.tree.leaves(data)[0].shape[0]
+    padded_ids = np.concatenate([ids, np.repeat(ids[-1:], bucket_slots - len(ids))])
+    in_bucket = sampled[padded_ids] & (np.arange(bucket_slots) < len(ids))
+    slots = sampled_slots(len(ids), bucket_slots, num_sampled, num_devices)
+    # Stable: sampled positions first, each group in client order.
+    positions = jnp.argsort(~in_bucket, stable=True)[:slots]
+    chosen = jnp.asarray(padded_ids)[positions]
+    args = constrain_to_clients(gather(per_client_args, chosen))
+    outputs.append(mapped(*args, constrain_to_clients(gather(data, positions))))
+    slot_clients.append(jnp.where(in_bucket[positions], chosen, num_clients))
+  return (jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs),
+          jnp.concatenate(slot_clients))
+
+
+def scatter_to_clients(stacked: Any, slot_clients: jax.Array, values: Any) -> Any:
+  """`stacked` [K, ...] with client slot_clients[s]'s entry replaced by values[s]; slots
+  whose client is K (fillers) change nothing."""
+  return jax.tree.map(lambda a, v: a.at[slot_clients].set(v.astype(a.dtype), mode="drop"),
+                      stacked, values)

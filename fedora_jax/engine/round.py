@@ -11,9 +11,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.algorithms.base import Algorithm, AlgorithmState
+from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput
 from fedora_jax.data.client_data import ClientSplits, FederatedData
-from fedora_jax.engine.buckets import map_over_buckets
+from fedora_jax.engine.buckets import map_over_buckets, map_over_sampled, scatter_to_clients
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
 
@@ -64,11 +64,26 @@ def num_sampled_clients(participation: float, num_clients: int) -> int:
   return max(1, min(num_clients, round(participation * num_clients)))
 
 
-def _where_clients(active: jax.Array, new: Any, old: Any) -> Any:
-  """Per leaf [K, ...]: client k's `new` entry where active[k], else its `old` one."""
-  def pick(a, b):
-    return jnp.where(active.reshape(active.shape + (1,) * (a.ndim - 1)), a, b)
-  return jax.tree.map(pick, new, old)
+def _filled(values: Any, num_clients: int, fill) -> Any:
+  """[K, ...] arrays shaped like the per-slot `values` [S, ...], every entry `fill`
+  (0 where the dtype has no NaN)."""
+  def full(v):
+    value = fill if jnp.issubdtype(v.dtype, jnp.inexact) else 0
+    return jnp.full((num_clients,) + v.shape[1:], value, v.dtype)
+  return jax.tree.map(full, values)
+
+
+def _sampled_outputs(out: ClientOutput, slot_clients: jax.Array, clients: Any,
+                     num_clients: int) -> ClientOutput:
+  """The sampled clients' outputs put back in client order [K, ...]: the others keep their
+  state, upload zeros, report no steps and NaN train loss and metrics."""
+  def scatter(template, values):
+    return scatter_to_clients(template, slot_clients, values)
+  return ClientOutput(
+      state=scatter(clients, out.state),
+      upload=scatter(_filled(out.upload, num_clients, 0), out.upload),
+      train=scatter(_filled(out.train, num_clients, jnp.nan), out.train),
+      metrics=scatter(_filled(out.metrics, num_clients, jnp.nan), out.metrics))
 
 
 def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: FederatedData,
@@ -78,12 +93,14 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
   `layout` supplies the static bucket structure; the arrays themselves are passed to
   each call as `data` (a tuple of ClientSplits), so they are arguments, not constants.
 
-  participation < 1: each round `sampled_clients` picks round(f K) clients. Every client's
-  update is still computed (one static shape, one compilation); the others' results are
-  dropped: they keep their state, report zero local steps and a NaN train loss, and
+  participation < 1: each round `sampled_clients` picks M = round(f K) clients, and only
+  they are trained: their state, messages, keys and data are gathered into static slots
+  (`map_over_sampled`), so the round costs about what M clients cost. The others keep
+  their state, upload zeros, report zero local steps and NaN train loss and metrics, and
   carry zero weight into `aggregate` (so FedAvg-style averages are over the sampled
   clients; algorithms that read every client's state, like FEDORA's propagation, see the
-  non-sampled clients' last state).
+  non-sampled clients' last state). Every client is still evaluated every round: a
+  personalized model can change without its client training (FEDORA, pFedHN, FedAvg).
   """
   num_clients = layout.num_clients
   train_weights = jnp.asarray(layout.split_sizes("train"), jnp.float32)
@@ -93,18 +110,18 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
     round_key = jax.random.fold_in(key, state.round)
     server, clients = state.algorithm
     messages = algorithm.broadcast(server, clients)
-    out = map_over_buckets(
-        _client_step(algorithm), (clients, messages, client_keys(round_key, num_clients)),
-        data, layout.client_ids, num_clients, client_batch)
+    per_client = (clients, messages, client_keys(round_key, num_clients))
     weights = train_weights
     if num_sampled < num_clients:
       active = sampled_clients(round_key, num_clients, num_sampled)
-      out = out._replace(
-          state=_where_clients(active, out.state, clients),
-          train=out.train._replace(
-              loss=jnp.where(active, out.train.loss, jnp.nan),
-              steps=jnp.where(active, out.train.steps, 0)))
+      out, slot_clients = map_over_sampled(
+          _client_step(algorithm), per_client, data, layout.client_ids, num_clients,
+          active, num_sampled, client_batch)
+      out = _sampled_outputs(out, slot_clients, clients, num_clients)
       weights = jnp.where(active, train_weights, 0.0)
+    else:
+      out = map_over_buckets(_client_step(algorithm), per_client, data, layout.client_ids,
+                             num_clients, client_batch)
     new_state = algorithm.aggregate(server, out.state, out.upload, weights)
     evaluated = algorithm.personalized_params(new_state.server, new_state.clients)
     val, test = evaluate_clients(trainer, evaluated, layout, data, client_batch)
