@@ -1,0 +1,87 @@
+"""The algorithm matrix: every registered algorithm and every plug-in on every host it
+accepts, two rounds on each engine path (tests/test_algorithm_matrix.py).
+
+Run as a script it prints the multi-device rows as one JSON line (one process per device
+count: JAX fixes the CPU device count when it starts):
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/algorithm_matrix.py 0 2
+"""
+
+import dataclasses
+import json
+import os
+import sys
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.path.dirname(os.path.abspath(__file__))]
+
+# pylint: disable=wrong-import-position
+from fedora_jax import algorithms
+from fedora_jax.algorithms import ala, confree
+from fedora_jax.engine import sharding
+from fedora_jax.experiment import TrainConfig, run_algorithm
+import tiny
+
+SIZES = (5, 6, 9, 5, 30, 28)   # two size buckets, of 4 and 2 clients
+PARTIAL = 0.5                  # 3 of the 6 clients a round
+
+
+class Path(NamedTuple):
+  devices: int
+  client_batch: int | None     # None: vmap; n: lax.map over chunks of n (shard_map on 2+)
+  participation: float
+
+
+# Pairs of paths that must give the same per-client numbers.
+SINGLE_DEVICE = (Path(1, None, 1.0), Path(1, 2, 1.0))
+MULTI_DEVICE = (Path(1, None, PARTIAL), Path(2, 1, PARTIAL))
+
+
+def pairings() -> list[tuple[str, str]]:
+  """(algorithm, plug-in) for every algorithm alone and every plug-in on every host."""
+  pairs = [(name, "") for name in sorted(algorithms.REGISTRY)]
+  pairs += [(host, "ala") for host in sorted(ala.HOOKS)]
+  pairs += [(host, "confree") for host in sorted(confree.HOSTS)]
+  return pairs
+
+
+def config_of(name: str, plugin: str):
+  config = tiny.default_config(name)
+  if plugin == "ala":
+    return algorithms.Plugged(config, ala=ala.AlaConfig())
+  if plugin == "confree":
+    return algorithms.Plugged(config, aggregation=confree.ConfreeConfig())
+  return config
+
+
+def run_path(name: str, plugin: str, path: Path) -> dict:
+  """Two rounds on `path`: the per-client metrics of both, as lists."""
+  data, _ = tiny.tiny_data(SIZES)
+  train = TrainConfig(rounds=2, local_epochs=2, batch_size=4, lr=0.1, momentum=0.9,
+                      log_every=0, client_batch=path.client_batch,
+                      participation=path.participation)
+  mesh = sharding.client_mesh(jax.devices()[:path.devices])
+  result = run_algorithm(name, config_of(name, plugin), tiny.tiny_model(), data, train,
+                         mesh=mesh)
+  history = result.history
+  return {"val_loss": history.val_loss.tolist(), "test_acc": history.test_acc.tolist(),
+          "train_loss": history.train_loss.tolist(),
+          "local_steps": history.local_steps.tolist()}
+
+
+def main(shard: int, num_shards: int) -> None:
+  assert jax.device_count() >= 2, jax.devices()
+  rows = {}
+  for name, plugin in pairings()[shard::num_shards]:
+    try:
+      rows[f"{name}+{plugin}"] = [run_path(name, plugin, p) for p in MULTI_DEVICE]
+    except Exception as e:  # pylint: disable=broad-except
+      rows[f"{name}+{plugin}"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+  print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]), int(sys.argv[2]))
