@@ -177,6 +177,26 @@ def _committed_checkpoint(directory) -> bool:
   return directory.is_dir() and any(name.isdigit() for name in os.listdir(directory))
 
 
+def test_a_run_of_the_old_default_variant_is_not_resumed_as_the_new(straight, cli_env,
+                                                                   tmp_path):
+  # FEDORA's default was the equations as printed until 2026-11-26: a workdir recorded
+  # then holds fedora_variant="paper" and must not continue as the authors' variant.
+  old = tmp_path / "old_default"
+  old.mkdir()
+  recorded = json.loads((straight / "run_config.json").read_text())
+  assert recorded["fedora_variant"] == "authors"  # the new default, recorded as a value
+  (old / "run_config.json").write_text(json.dumps({**recorded, "fedora_variant": "paper"}))
+  (old / "results.json").write_bytes((straight / "results.json").read_bytes())
+  proc = _run_main(cli_env, old)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "other settings: fedora_variant='paper' (now 'authors')" in proc.stderr
+  # A record without the flag at all reads as the old default, so it is refused too.
+  del recorded["fedora_variant"]
+  (old / "run_config.json").write_text(json.dumps(recorded))
+  proc = _run_main(cli_env, old)
+  assert proc.returncode == 1 and "fedora_variant='paper' (now 'authors')" in proc.stderr
+
+
 def test_killed_run_resumes_to_the_same_results(straight, cli_env, tmp_path):
   workdir = tmp_path / "killed"
   with open(tmp_path / "killed.log", "w") as log:
@@ -209,6 +229,7 @@ def test_same_flags_give_identical_results(straight, cli_env, tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     (["--lr=0.1"], "holds a run with other settings: lr=0.005 (now 0.1)"),
+    (["--fedora_variant=paper"], "other settings: fedora_variant='authors' (now 'paper')"),
     (["--rounds=8"], "trained for 12 rounds; --rounds=8 cannot shorten it"),
 ])
 def test_workdir_of_another_run_is_refused(straight, cli_env, extra, message):
