@@ -19,7 +19,7 @@ import pytest
 from fedora_jax import results as results_lib
 from fedora_jax.algorithms import fedora
 from fedora_jax.algorithms.base import AlgorithmState
-from fedora_jax.checkpoint import Checkpointer, claim_workdir, open_run
+from fedora_jax.checkpoint import Checkpointer, check_workdir, claim_workdir, open_run
 from fedora_jax.engine.round import RoundMetrics, RoundState
 from fedora_jax.errors import ConfigError
 from fedora_jax.experiment import TrainConfig, run_algorithm
@@ -95,6 +95,14 @@ def test_workdir_keeps_the_identity_of_its_run(tmp_path):
   claim_workdir(str(tmp_path), {**identity, "participation": 1.0}, defaults)
   with pytest.raises(ConfigError, match=r"participation=1.0 \(now 0.5\)"):
     claim_workdir(str(tmp_path), {**identity, "participation": 0.5}, defaults)
+  # check_workdir says the same and writes nothing (a sweep checks every row first).
+  before = (tmp_path / "run_config.json").read_bytes()
+  assert check_workdir(str(tmp_path), identity)
+  with pytest.raises(ConfigError, match=r"seed=0 \(now 1\)"):
+    check_workdir(str(tmp_path), {**identity, "seed": 1})
+  assert (tmp_path / "run_config.json").read_bytes() == before
+  assert not check_workdir(str(tmp_path / "fresh"), identity)
+  assert not (tmp_path / "fresh").exists()
 
 
 def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
