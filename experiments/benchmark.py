@@ -1,7 +1,7 @@
 """Times the production train_round; compares it with a sequential PyTorch loop.
 
-  python -m experiments.benchmark --flagfile=experiments/configs/rmnist_authors.flags
-  python -m experiments.benchmark --flagfile=experiments/configs/rmnist_authors.flags --json
+  python -m experiments.benchmark --flagfile=experiments/configs/rmnist.flags
+  python -m experiments.benchmark --flagfile=experiments/configs/rmnist.flags --json
   python -m experiments.benchmark --scale_clients=36,144,576,1152   # one process per K
   python -m experiments.benchmark --imbalance_check                  # balanced vs imbalanced
   python -m experiments.benchmark --client_batches=vmap,1,2,4,8      # clients per lax.map chunk

@@ -1,7 +1,7 @@
 """Runs one pFL algorithm on one federated dataset and reports the paper's metrics.
 
-  python -m experiments.main --dataset=rmnist             # FEDORA, the paper's settings
-  python -m experiments.main --flagfile=experiments/configs/rmnist_authors.flags
+  python -m experiments.main --dataset=rmnist             # FEDORA as the paper reports it
+  python -m experiments.main --dataset=rmnist --fedora_variant=paper  # equations as printed
 
 Writes results.json, clients.csv, rounds.csv, history.npz, flags.txt and (FEDORA)
 similarity.npy to --workdir with PNG plots (fedora_jax/plots.py) and per-round TensorBoard

@@ -1,23 +1,45 @@
 """Runs every row of a FEDORA paper table and prints ours beside the paper's numbers.
 
   python -m experiments.reproduce --table=fedora1 --dataset=rmnist        # Table 1
+  python -m experiments.reproduce --table=fedora1 --dataset=rfmnist --data_dir=...
   python -m experiments.reproduce --table=fedora3 --dataset=rmnist        # Table 3
+  python -m experiments.reproduce --table=fedora4                         # Table 4
+  python -m experiments.reproduce --table=fedora5                         # Table 5
   python -m experiments.reproduce --table=fedora1 --seeds=3 --rounds=100  # mean +- std
+
+The tables (experiments/paper/fedora_tables.json, the paper's numbers as data):
+  fedora1  Table 1, every method on balanced clients: rmnist, rfmnist, cifar10, yearbook,
+           gtsrb (the paper's five image columns);
+  fedora3  Table 3, every method with one client holding the rest of the training set
+           (--setting=imbalanced): rmnist, rfmnist;
+  fedora4  Table 4, FEDORA's client similarity replaced by a random, a parameter or a
+           gradient similarity: rmnist, balanced;
+  fedora5  Table 5, FEDORA with every lambda_k one constant (0.01, 0.1, 1, 10): rmnist,
+           imbalanced.
+A dataset the table does not report is refused. Every table also runs LOCAL (the
+reference of R-Acc and PTR) and, beside the paper's FEDORA row, `fedora_paper`: FEDORA's
+equations as printed (`--fedora_variant=paper`), compared with the same paper row; the
+`fedora` row is the default, authors' variant, whose numbers the paper reports.
+
+Rows that need what fedora_jax does not have (Table 4's other similarity measures,
+Table 5's constant lambda) are listed with the paper's numbers and what is missing, and
+not run; asking for one with --rows is a one-line error.
 
 Every row is one `experiments.main` run on the same split and seed, LOCAL first, then each
 algorithm measured against it (--reference), so R-Acc and PTR compare like with like.
 Each row keeps its own run directory <workdir>/seed<s>/<row> with checkpoints: a killed
-sweep rerun with the same command resumes where it stopped. All run flags (--rounds,
+sweep rerun with the same command resumes where it stopped; a row directory holding a
+run with other settings is refused before anything trains. All run flags (--rounds,
 --lr, --<algorithm>_<field>, ...) pass through to every row.
 
-Writes <workdir>/table.md, table.json and table.png. The paper's numbers are data, in
-experiments/paper/fedora_tables.json, each with the table it comes from.
+Writes <workdir>/table.md, table.json and table.png.
 """
 
 import json
 import logging
 import os
 import sys
+from typing import NamedTuple
 
 from absl import app, flags
 
@@ -25,47 +47,135 @@ import numpy as np
 
 from experiments import flags as run_flags
 from experiments import main as main_lib
+from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import plots
 from fedora_jax.errors import ConfigError
 
 FLAGS = run_flags.FLAGS
 PAPER_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper",
                             "fedora_tables.json")
-
-# Table 1 / Table 3 rows, in the paper's order; "fedora_authors" is FEDORA as the
-# authors' public code runs it, the row that shows where the paper's number comes from.
-ROWS = ("local", "fedavg", "fedavg_ft", "fedprox", "fedprox_ft", "lg_fedavg", "fedper",
-        "pfedhn", "apfl", "ditto", "ifca", "fesem", "fedfomo", "fedu", "fedamp", "fedora",
-        "fedora_authors")
-TABLES = {"fedora1": "balanced", "fedora3": "imbalanced"}
 METRICS = ("acc", "r_acc", "ptr")
 
-flags.DEFINE_enum("table", "fedora1", sorted(TABLES),
-                  "fedora1: Table 1 (balanced); fedora3: Table 3 (imbalanced).")
+
+def load_paper_tables() -> dict:
+  """The paper's tables by name (fedora1, ...), as experiments/paper/fedora_tables.json
+  holds them."""
+  with open(PAPER_TABLES) as f:
+    return {name: table for name, table in json.load(f).items() if not name.startswith("_")}
+
+
+TABLES = tuple(sorted(load_paper_tables()))
+
+
+class RowRun(NamedTuple):
+  """How a row runs here: the registry algorithm, and the variant of a FEDORA row."""
+  algorithm: str
+  fedora_variant: str | None = None
+
+
+# The paper's rows that run as one of our algorithms with its own (paper) defaults.
+_BASELINES = ("local", "fedavg", "fedavg_ft", "fedprox", "fedprox_ft", "lg_fedavg",
+              "fedper", "pfedhn", "apfl", "ditto", "ifca", "fesem", "fedfomo", "fedu",
+              "fedamp")
+RUNS = {**{row: RowRun(row) for row in _BASELINES},
+        # The variant whose numbers the paper reports: the default of --algorithm=fedora.
+        "fedora": RowRun("fedora", "authors"),
+        # Ours, not a paper row: the equations as printed, beside the paper's FEDORA row.
+        "fedora_paper": RowRun("fedora", "paper")}
+# Our rows that have no paper row of their own -> the paper row they are compared with.
+EXTRA_ROWS = {"fedora_paper": "fedora"}
+
+# Paper rows fedora_jax cannot run: what each needs that it does not have.
+_CONSTANT_LAMBDA = ("FEDORA with one constant lambda_k for every client (Table 5):"
+                    " fedora_jax has only the selective rules of --fedora_lambda_rule"
+                    " (paper, authors)")
+MISSING = {
+    "fedora_random_similarity": "FEDORA with a random client similarity (Table 4, as in"
+                                " FedU): fedora_jax builds W only from principal angles",
+    "fedora_parameter_similarity": "FEDORA with a model-parameter similarity (Table 4, as"
+                                   " in FedAMP): fedora_jax builds W only from principal"
+                                   " angles",
+    "fedora_gradient_similarity": "FEDORA with a gradient similarity (Table 4, as in"
+                                  " clustered FL): fedora_jax builds W only from"
+                                  " principal angles",
+    "fedora_lambda_0.01": _CONSTANT_LAMBDA, "fedora_lambda_0.1": _CONSTANT_LAMBDA,
+    "fedora_lambda_1": _CONSTANT_LAMBDA, "fedora_lambda_10": _CONSTANT_LAMBDA,
+}
+
+flags.DEFINE_enum("table", "fedora1", TABLES,
+                  "fedora1: Table 1 (balanced, every method); fedora3: Table 3 (imbalanced);"
+                  " fedora4: Table 4 (FEDORA's similarity measure); fedora5: Table 5"
+                  " (FEDORA with a constant lambda_k).")
 flags.DEFINE_integer("seeds", 1, "Run seeds --seed .. --seed+N-1 and report mean and std.",
                      lower_bound=1)
-flags.DEFINE_list("rows", list(ROWS), "Rows to run (default: all of the table's).")
+flags.DEFINE_list("rows", [], "Rows to run (default: every row of the table that fedora_jax"
+                  " can run; LOCAL always runs).")
+
+
+def table_rows(table: str) -> list[str]:
+  """Every row the table prints, in the paper's order: LOCAL first (run as the reference
+  even where the paper prints no LOCAL row), our extra rows after the row they sit by."""
+  rows = ["local"]
+  for row in load_paper_tables()[table]["rows"]:
+    if row != "local":
+      rows.append(row)
+    rows += [extra for extra, beside in EXTRA_ROWS.items() if beside == row]
+  return rows
 
 
 def load_paper_rows(table: str, dataset: str) -> dict:
-  with open(PAPER_TABLES) as f:
-    tables = json.load(f)
-  return tables[table]["datasets"].get(dataset, {}).get("rows", {})
+  """Row -> {acc, r_acc, ptr, label, source}: the paper's numbers for `dataset`'s column
+  of `table`; a ConfigError if the paper does not report that dataset there."""
+  tables = load_paper_tables()
+  paper = tables[table]
+  if dataset not in paper["datasets"]:
+    raise ConfigError(f"--table={table}: Table {paper['table']} reports"
+                      f" {', '.join(paper['datasets'])}, not {dataset}")
+  column = paper["datasets"][dataset]
+  rows = {row: {**values, "label": paper["rows"][row],
+                "source": f"Table {paper['table']}, {paper['rows'][row]} row,"
+                          f" {column['column']}"}
+          for row, values in column["values"].items()}
+  if "local_from" in column:  # the table prints no LOCAL row; one of the same setting
+    other = tables[column["local_from"]["table"]]
+    rows["local"] = {**other["datasets"][dataset]["values"]["local"], "label": "LOCAL",
+                     "source": f"Table {other['table']}, LOCAL row, {column['column']}",
+                     "note": f"Table {paper['table']} prints no LOCAL row; this is Table"
+                             f" {other['table']}'s: {column['local_from']['why']}"}
+  return rows
 
 
-def row_algorithm(row: str) -> tuple[str, str]:
-  """The registry algorithm and FEDORA variant a row runs."""
-  if row == "fedora_authors":
-    return "fedora", "authors"
-  return row, "paper"
+def check_rows(rows: list[str], table: str) -> list[str]:
+  """The rows to run, in the table's order with LOCAL first; a ConfigError naming what is
+  missing for a row fedora_jax cannot run, or the rows a table has for an unknown one."""
+  known = table_rows(table)
+  unknown = [r for r in rows if r not in known]
+  if unknown:
+    raise ConfigError(f"--table={table} has no row {', '.join(unknown)}; its rows:"
+                      f" {', '.join(known)}")
+  for row in rows:
+    if row in MISSING:
+      raise ConfigError(f"--rows={row} needs {MISSING[row]}")
+  wanted = set(rows) or {r for r in known if r not in MISSING}
+  # LOCAL is every other row's reference, so it always runs first.
+  return ["local"] + [r for r in known if r in wanted and r != "local"]
+
+
+def _use_row(row: str, seed: int, workdir: str, reference: str | None) -> None:
+  """Sets the flags of one row's experiments.main run."""
+  run = RUNS[row]
+  FLAGS.algorithm, FLAGS.seed, FLAGS.reference = run.algorithm, seed, reference
+  FLAGS.fedora_variant = run.fedora_variant or FLAGS["fedora_variant"].default
+  FLAGS.workdir = row_workdir(workdir, seed, row)
+
+
+def row_workdir(workdir: str, seed: int, row: str) -> str:
+  return os.path.join(workdir, f"seed{seed}", row)
 
 
 def run_row(row: str, seed: int, workdir: str, reference: str | None) -> dict:
   """One row: experiments.main with this row's algorithm, its own workdir and LOCAL."""
-  algorithm, variant = row_algorithm(row)
-  FLAGS.algorithm, FLAGS.fedora_variant, FLAGS.seed = algorithm, variant, seed
-  FLAGS.workdir = os.path.join(workdir, f"seed{seed}", row)
-  FLAGS.reference = reference
+  _use_row(row, seed, workdir, reference)
   logging.info("table row %s, seed %d -> %s", row, seed, FLAGS.workdir)
   results = main_lib.run()
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
@@ -78,6 +188,10 @@ def run_row(row: str, seed: int, workdir: str, reference: str | None) -> dict:
           "results": os.path.join(FLAGS.workdir, "results.json")}
 
 
+def _paper_entry(row: str, paper: dict) -> dict:
+  return paper.get(EXTRA_ROWS.get(row, row), {})
+
+
 def summarize(row: str, runs: list[dict], paper: dict) -> dict:
   """Mean (and std over seeds) of a row's metrics beside the paper's numbers."""
   entry = {"algorithm": row, "seeds": len(runs)}
@@ -85,13 +199,38 @@ def summarize(row: str, runs: list[dict], paper: dict) -> dict:
     values = np.array([np.nan if r[m] is None else r[m] for r in runs], float)
     entry[m] = None if np.isnan(values).all() else round(float(np.nanmean(values)), 4)
     entry[f"{m}_std"] = round(float(np.nanstd(values)), 4) if len(runs) > 1 else None
-  for m in METRICS:
-    entry[f"paper_{m}"] = paper.get(row, {}).get(m)
-  entry["paper_source"] = paper.get(row, {}).get("source")
+  entry.update(_paper_columns(row, paper))
   entry["round_seconds"] = round(float(np.median([r["round_seconds"] for r in runs])), 4)
   entry["wall_seconds"] = round(float(sum(r["wall_seconds"] for r in runs)), 1)
   entry["results"] = [r["results"] for r in runs]
   return entry
+
+
+def _paper_columns(row: str, paper: dict) -> dict:
+  entry = _paper_entry(row, paper)
+  columns = {f"paper_{m}": entry.get(m) for m in METRICS}
+  columns["paper_row"] = entry.get("label")
+  columns["paper_source"] = entry.get("source")
+  if entry.get("note"):
+    columns["paper_note"] = entry["note"]
+  if row in EXTRA_ROWS:
+    columns["paper_source"] = f"{columns['paper_source']} (ours: not a paper row)"
+  return columns
+
+
+def table_summary(table: str, runs: dict[str, list[dict]], paper: dict) -> list[dict]:
+  """The table's rows in the paper's order, each beside the paper's numbers: ours (mean
+  over seeds) where we ran it, else the reason fedora_jax cannot."""
+  return [summarize(row, runs[row], paper) if row in runs else not_run_entry(row, paper)
+          for row in table_rows(table) if row in runs or row in MISSING]
+
+
+def not_run_entry(row: str, paper: dict) -> dict:
+  """A paper row fedora_jax cannot run: the paper's numbers, ours left out, and why."""
+  return {"algorithm": row, "seeds": 0, **{m: None for m in METRICS},
+          **{f"{m}_std": None for m in METRICS}, **_paper_columns(row, paper),
+          "round_seconds": None, "wall_seconds": None, "results": [],
+          "not_run": MISSING[row]}
 
 
 def _cell(value, std=None, signed=False) -> str:
@@ -105,21 +244,31 @@ def _cell(value, std=None, signed=False) -> str:
 def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
   lines = [f"# {title}", "", settings, "",
            "| algorithm | acc | r_acc | ptr | paper_acc | paper_r_acc | paper_ptr |"
-           " s/round | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+           " s/round | wall s | paper's row |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     r_acc = None if r["algorithm"] == "local" else r["r_acc"]
     ptr = None if r["algorithm"] == "local" else r["ptr"]
+    timing = ("not run | —" if r.get("not_run") else
+              f"{r['round_seconds']:.3f} | {r['wall_seconds']:.0f}")
+    paper_row = r.get("paper_row") or "—"
+    if r["algorithm"] in EXTRA_ROWS:
+      paper_row += " (ours: the equations as printed)"
     lines.append(
         f"| {r['algorithm']} | {_cell(r['acc'], r['acc_std'])} |"
         f" {_cell(r_acc, r['r_acc_std'], signed=True)} | {_cell(ptr, r['ptr_std'])} |"
         f" {_cell(r['paper_acc'])} | {_cell(r['paper_r_acc'], signed=True)} |"
-        f" {_cell(r['paper_ptr'])} | {r['round_seconds']:.3f} | {r['wall_seconds']:.0f} |")
+        f" {_cell(r['paper_ptr'])} | {timing} | {paper_row} |")
   lines += ["", "acc: mean per-client test accuracy at the final round; r_acc: mean relative"
             " accuracy against LOCAL on the same split and seed; ptr: fraction of clients"
-            " at or above LOCAL. — : the paper's number is not in"
-            " experiments/paper/fedora_tables.json. s/round: median round time (rounds-"
-            "weighted over the processes that trained the row, when extended from"
-            " checkpoints); wall s: its compile and training time, summed over them."]
+            " at or above LOCAL. paper_*: experiments/paper/fedora_tables.json; — : the"
+            " paper prints none (LOCAL's R-Acc and PTR). s/round: median round time"
+            " (rounds-weighted over the processes that trained the row, when extended"
+            " from checkpoints); wall s: its compile and training time, summed over them."]
+  for r in rows:
+    if r.get("not_run"):
+      lines.append(f"\nnot run: {r['algorithm']} needs {r['not_run']}.")
+    if r.get("paper_note"):
+      lines.append(f"\npaper_acc of {r['algorithm']}: {r['paper_note']}.")
   return "\n".join(lines) + "\n"
 
 
@@ -127,32 +276,38 @@ def command_line() -> str:
   return " ".join(["python -m experiments.reproduce", *sys.argv[1:]])
 
 
-def check_rows(rows: list[str]) -> list[str]:
-  unknown = [r for r in rows if r not in ROWS]
-  if unknown:
-    raise ConfigError(f"unknown --rows {', '.join(unknown)}; known: {', '.join(ROWS)}")
-  # LOCAL is every other row's reference, so it always runs first.
-  return ["local"] + [r for r in ROWS if r in rows and r != "local"]
+def check_before_the_sweep(rows: list[str], workdir: str, first_seed: int) -> None:
+  """Bad hyperparameters, and a row directory holding a run with other settings (say,
+  a sweep from before FEDORA's default changed), fail now, not an hour into the sweep."""
+  defaults = run_flags.identity_defaults()
+  for seed in range(first_seed, first_seed + FLAGS.seeds):
+    for row in rows:
+      _use_row(row, seed, workdir, None)  # --reference is not part of a run's identity
+      run_flags.plugged_config(RUNS[row].algorithm)
+      checkpoint_lib.check_workdir(FLAGS.workdir, run_flags.run_identity(FLAGS.algorithm),
+                                   defaults)
+  FLAGS.seed = first_seed
 
 
 def reproduce() -> dict:
-  rows = check_rows(FLAGS.rows)
-  FLAGS.setting = TABLES[FLAGS.table]
-  for row in rows:  # bad hyperparameters fail now, not an hour into the sweep
-    algorithm, variant = row_algorithm(row)
-    FLAGS.fedora_variant = variant
-    run_flags.plugged_config(algorithm)
-  workdir = FLAGS.workdir or os.path.join("runs", f"reproduce_{FLAGS.table}_{FLAGS.dataset}")
+  if FLAGS["fedora_variant"].present:
+    raise ConfigError("reproduce picks each FEDORA row's variant (fedora: authors,"
+                      " fedora_paper: paper); leave out --fedora_variant")
+  paper_table = load_paper_tables()[FLAGS.table]
   paper = load_paper_rows(FLAGS.table, FLAGS.dataset)
+  rows = check_rows(FLAGS.rows, FLAGS.table)
+  FLAGS.setting = paper_table["setting"]
+  workdir = FLAGS.workdir or os.path.join("runs", f"reproduce_{FLAGS.table}_{FLAGS.dataset}")
   first_seed = FLAGS.seed
+  check_before_the_sweep(rows, workdir, first_seed)
   runs = {row: [] for row in rows}
   for seed in range(first_seed, first_seed + FLAGS.seeds):
     for row in rows:
       reference = None if row == "local" else runs["local"][-1]["results"]
       runs[row].append(run_row(row, seed, workdir, reference))
-  with open(PAPER_TABLES) as f:
-    title = json.load(f)[FLAGS.table]["title"]
-  summary = [summarize(row, runs[row], paper) for row in rows]
+  summary = table_summary(FLAGS.table, runs, paper)
+  column = paper_table["datasets"][FLAGS.dataset]["column"]
+  title = f"FEDORA Table {paper_table['table']} ({column}): {paper_table['caption']}"
   settings = (f"{FLAGS.dataset}, {FLAGS.setting}, {summary[0]['seeds']} seed(s) from"
               f" {first_seed}, {FLAGS.rounds} rounds, {FLAGS.local_epochs} local epochs,"
               f" batch {FLAGS.batch_size}, lr {FLAGS.lr}; `{command_line()}`")

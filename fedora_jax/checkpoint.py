@@ -158,14 +158,14 @@ def _without_defaults(identity: dict[str, Any], defaults: dict[str, Any]) -> dic
   return {k: v for k, v in identity.items() if k not in defaults or v != defaults[k]}
 
 
-def claim_workdir(workdir: str, identity: dict[str, Any],
-                  defaults: dict[str, Any] | None = None) -> None:
-  """Records `identity` in workdir/run_config.json, or raises ConfigError if the workdir
-  holds a run (results or a checkpoint) with another identity. A run that stopped before
-  leaving either (say, a typo caught at start-up), or a workdir made before
-  run_config.json existed, is taken over. `defaults` (flag -> default value): an entry at
-  its default counts as absent, so a run recorded before a flag existed still matches a
-  run that leaves that flag at its default."""
+def check_workdir(workdir: str, identity: dict[str, Any],
+                  defaults: dict[str, Any] | None = None) -> bool:
+  """Raises ConfigError if `workdir` holds a run (results or a checkpoint) recorded with
+  another identity; returns whether its run_config.json already records this one.
+  Writes nothing, so a sweep can check all its runs before training any (reproduce).
+  `defaults` (flag -> default value): an entry at its default counts as absent, so a run
+  recorded before a flag existed still matches a run that leaves that flag at its
+  default."""
   path = os.path.join(workdir, RUN_CONFIG)
   current = json.loads(json.dumps(identity))  # as it reads back: tuples become lists
   defaults = json.loads(json.dumps(defaults or {}))
@@ -173,19 +173,29 @@ def claim_workdir(workdir: str, identity: dict[str, Any],
     with open(path) as f:
       recorded = json.load(f)
   except FileNotFoundError:
-    recorded = None
+    return False
   except (OSError, json.JSONDecodeError) as e:
     raise ConfigError(f"{path}: cannot read the run's settings ({e})") from None
-  if recorded is not None and (_without_defaults(recorded, defaults) ==
-                               _without_defaults(current, defaults)):
-    return
-  if recorded is not None and holds_a_run(workdir):
+  if _without_defaults(recorded, defaults) == _without_defaults(current, defaults):
+    return True
+  if holds_a_run(workdir):
     differences = _differences({**defaults, **recorded}, {**defaults, **current})
     raise ConfigError(f"--workdir {workdir} holds a run with other settings: "
                       f"{', '.join(differences)}; rerun with its flags"
                       " or use another --workdir")
+  return False
+
+
+def claim_workdir(workdir: str, identity: dict[str, Any],
+                  defaults: dict[str, Any] | None = None) -> None:
+  """Records `identity` in workdir/run_config.json, or raises ConfigError if the workdir
+  holds a run (results or a checkpoint) with another identity (check_workdir). A run that
+  stopped before leaving either (say, a typo caught at start-up), or a workdir made before
+  run_config.json existed, is taken over."""
+  if check_workdir(workdir, identity, defaults):
+    return
   os.makedirs(workdir, exist_ok=True)
-  _write_json_atomically(path, current)
+  _write_json_atomically(os.path.join(workdir, RUN_CONFIG), json.loads(json.dumps(identity)))
 
 
 def open_run(workdir: str, identity: dict[str, Any], rounds: int,

@@ -19,7 +19,7 @@ import pytest
 from fedora_jax import results as results_lib
 from fedora_jax.algorithms import fedora
 from fedora_jax.algorithms.base import AlgorithmState
-from fedora_jax.checkpoint import Checkpointer, claim_workdir, open_run
+from fedora_jax.checkpoint import Checkpointer, check_workdir, claim_workdir, open_run
 from fedora_jax.engine.round import RoundMetrics, RoundState
 from fedora_jax.errors import ConfigError
 from fedora_jax.experiment import TrainConfig, run_algorithm
@@ -95,6 +95,14 @@ def test_workdir_keeps_the_identity_of_its_run(tmp_path):
   claim_workdir(str(tmp_path), {**identity, "participation": 1.0}, defaults)
   with pytest.raises(ConfigError, match=r"participation=1.0 \(now 0.5\)"):
     claim_workdir(str(tmp_path), {**identity, "participation": 0.5}, defaults)
+  # check_workdir says the same and writes nothing (a sweep checks every row first).
+  before = (tmp_path / "run_config.json").read_bytes()
+  assert check_workdir(str(tmp_path), identity)
+  with pytest.raises(ConfigError, match=r"seed=0 \(now 1\)"):
+    check_workdir(str(tmp_path), {**identity, "seed": 1})
+  assert (tmp_path / "run_config.json").read_bytes() == before
+  assert not check_workdir(str(tmp_path / "fresh"), identity)
+  assert not (tmp_path / "fresh").exists()
 
 
 def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
@@ -177,6 +185,26 @@ def _committed_checkpoint(directory) -> bool:
   return directory.is_dir() and any(name.isdigit() for name in os.listdir(directory))
 
 
+def test_a_run_of_the_old_default_variant_is_not_resumed_as_the_new(straight, cli_env,
+                                                                   tmp_path):
+  # FEDORA's default was the equations as printed until 2026-11-26: a workdir recorded
+  # then holds fedora_variant="paper" and must not continue as the authors' variant.
+  old = tmp_path / "old_default"
+  old.mkdir()
+  recorded = json.loads((straight / "run_config.json").read_text())
+  assert recorded["fedora_variant"] == "authors"  # the new default, recorded as a value
+  (old / "run_config.json").write_text(json.dumps({**recorded, "fedora_variant": "paper"}))
+  (old / "results.json").write_bytes((straight / "results.json").read_bytes())
+  proc = _run_main(cli_env, old)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "other settings: fedora_variant='paper' (now 'authors')" in proc.stderr
+  # A record without the flag at all reads as the old default, so it is refused too.
+  del recorded["fedora_variant"]
+  (old / "run_config.json").write_text(json.dumps(recorded))
+  proc = _run_main(cli_env, old)
+  assert proc.returncode == 1 and "fedora_variant='paper' (now 'authors')" in proc.stderr
+
+
 def test_killed_run_resumes_to_the_same_results(straight, cli_env, tmp_path):
   workdir = tmp_path / "killed"
   with open(tmp_path / "killed.log", "w") as log:
@@ -209,6 +237,7 @@ def test_same_flags_give_identical_results(straight, cli_env, tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     (["--lr=0.1"], "holds a run with other settings: lr=0.005 (now 0.1)"),
+    (["--fedora_variant=paper"], "other settings: fedora_variant='authors' (now 'paper')"),
     (["--rounds=8"], "trained for 12 rounds; --rounds=8 cannot shorten it"),
 ])
 def test_workdir_of_another_run_is_refused(straight, cli_env, extra, message):

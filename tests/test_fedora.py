@@ -41,6 +41,19 @@ def test_authors_graph_keeps_top2_exp_weights_without_self_loops():
       fedora.propagation_graph(cosines, fedora.config_for_variant("paper")), cosines)
 
 
+def test_the_default_variant_is_the_authors_and_the_config_defaults_the_equations():
+  # The run's default reproduces the paper's numbers; FedoraConfig() keeps the paper's
+  # printed values, each field's own default (the registry's convention).
+  assert fedora.DEFAULT_VARIANT == "authors"
+  default = fedora.config_for_variant(lr=0.01)
+  assert default == fedora.config_for_variant("authors", lr=0.01)
+  assert (default.weights, default.top_k, default.zero_diagonal, default.alpha,
+          default.lambda_rule, default.pull) == ("exp", 2, True, 4.0, "authors", "decoupled")
+  assert fedora.config_for_variant("paper") == fedora.FedoraConfig()
+  # An explicit field overrides the preset.
+  assert fedora.config_for_variant(pull="prox").pull == "prox"
+
+
 def test_bad_config_is_refused():
   with pytest.raises(ConfigError, match="variant"):
     fedora.config_for_variant("mine")

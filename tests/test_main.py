@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from absl import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--num_clients=4", "--rounds=2", "--local_epochs=1", "--hidden=16",
@@ -28,6 +29,9 @@ def test_fedora_end_to_end_writes_results(tmp_path):
               "best_val", "clients"):
     assert key in results
   assert results["algorithm"] == "fedora" and results["rounds"] == 2
+  # With no other flag, FEDORA is the authors' variant, whose numbers the paper reports.
+  assert {k: results["fedora"][k] for k in ("weights", "top_k", "alpha", "pull")} == {
+      "weights": "exp", "top_k": 2, "alpha": 4.0, "pull": "decoupled"}
   assert len(results["clients"]) == 4
   accs = np.array([c["acc"] for c in results["clients"]])
   local = np.array([c["local_acc"] for c in results["clients"]])
@@ -69,6 +73,24 @@ def test_new_clients_are_held_out_and_served(tmp_path):
                "fedavg_with_labels"):
     assert 0.0 <= block[name] <= 1.0
   assert "new clients (2, held out of training" in proc.stdout
+
+
+@pytest.mark.parametrize("preset,variant", [
+    ("rmnist", "authors"), ("rmnist_paper", "paper"), ("rmnist_imbalanced", "authors"),
+    ("rfmnist", "authors"), ("rfmnist_paper", "paper")])
+def test_presets_pick_their_fedora_variant(preset, variant):
+  # The flags a preset expands to, nested --flagfile included, as the command reads them.
+  flag_values = flags.FlagValues()
+  cwd = os.getcwd()
+  os.chdir(ROOT)  # nested --flagfile paths are relative to the repository root
+  try:
+    expanded = flag_values.read_flags_from_files(
+        [f"--flagfile=experiments/configs/{preset}.flags"])
+  finally:
+    os.chdir(cwd)
+  variants = [a.split("=", 1)[1] for a in expanded if a.startswith("--fedora_variant=")]
+  assert variants[-1] == variant  # the last one given wins
+  assert "--algorithm=fedora" in expanded
 
 
 @pytest.mark.parametrize("args,message", [

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from experiments import reproduce
+from fedora_jax import algorithms
+from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError
 from test_main import FAST, ROOT
 
@@ -38,20 +40,128 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   fedavg = json.loads((tmp_path / "seed0" / "fedavg" / "results.json").read_text())
   assert rows["fedavg"]["acc"] == pytest.approx(fedavg["acc"], abs=1e-4)
   assert rows["local"]["r_acc"] == pytest.approx(0.0, abs=1e-6)
+  # The fedora row is the default, authors' variant.
+  fedora = json.loads((tmp_path / "seed0" / "fedora" / "results.json").read_text())
+  assert fedora["fedora"]["pull"] == "decoupled" and fedora["fedora"]["top_k"] == 2
   # The paper's numbers come from the data file, with where they were printed.
   paper = reproduce.load_paper_rows("fedora1", "rmnist")
-  assert rows["fedora"]["paper_acc"] == paper["fedora"]["acc"]
-  assert rows["fedavg"]["paper_acc"] is None and "Table 1" in rows["fedora"]["paper_source"]
+  for name, row in rows.items():
+    assert row["paper_acc"] == paper[name]["acc"]
+    assert row["paper_source"] == f"Table 1, {paper[name]['label']} row, Rotated MNIST"
+  assert rows["fedavg"]["paper_acc"] == 0.6889 and rows["fedavg"]["paper_ptr"] == 0.0
   markdown = (tmp_path / "table.md").read_text()
-  assert "| fedora |" in markdown and f"{paper['fedora']['acc']:.4f}" in markdown
+  assert "# FEDORA Table 1 (Rotated MNIST): Results on image data sets" in markdown
+  assert "| 0.6889 | -0.0976 | 0.0000 |" in _line(markdown, "fedavg")
+  assert "| 0.8251 | +0.0806 | 1.0000 |" in _line(markdown, "fedora")
   assert (tmp_path / "table.png").stat().st_size > 0
   np.testing.assert_equal(table["rounds"], 2)
 
 
-def test_unknown_rows_are_refused():
-  with pytest.raises(ConfigError, match="unknown --rows nope"):
-    reproduce.check_rows(["fedavg", "nope"])
-  assert reproduce.check_rows(["fedora", "fedavg"]) == ["local", "fedavg", "fedora"]
+def _line(markdown: str, row: str) -> str:
+  [line] = [line for line in markdown.splitlines() if line.startswith(f"| {row} |")]
+  return line
+
+
+def test_paper_data_has_every_row_of_every_table_with_finite_numbers():
+  tables = reproduce.load_paper_tables()
+  assert {name: t["table"] for name, t in tables.items()} == {
+      "fedora1": 1, "fedora3": 3, "fedora4": 4, "fedora5": 5}
+  expected_rows = {"fedora1": 16, "fedora3": 16, "fedora4": 4, "fedora5": 5}
+  expected_columns = {"fedora1": ["rmnist", "rfmnist", "cifar10", "yearbook", "gtsrb"],
+                      "fedora3": ["rmnist", "rfmnist"], "fedora4": ["rmnist"],
+                      "fedora5": ["rmnist"]}
+  for name, table in tables.items():
+    assert table["caption"] and table["setting"] in partitions.SETTINGS
+    assert table["metrics"] == list(reproduce.METRICS)
+    assert len(table["rows"]) == expected_rows[name]
+    assert list(table["datasets"]) == expected_columns[name]
+    for dataset, column in table["datasets"].items():
+      assert dataset in datasets.DATASETS and column["column"]
+      assert column["num_clients"] == datasets.get_spec(dataset).num_clients
+      assert list(column["values"]) == list(table["rows"])  # every row, in its order
+      for row, values in column["values"].items():
+        assert set(values) == set(reproduce.METRICS)
+        assert 0.0 < values["acc"] < 1.0
+        if row == "local":  # the reference: the paper prints "-"
+          assert values["r_acc"] is None and values["ptr"] is None
+          continue
+        assert np.isfinite(values["r_acc"]) and -1.0 < values["r_acc"] < 1.0
+        # PTR is a fraction of K clients: a transcription slip would rarely keep that.
+        clients = values["ptr"] * column["num_clients"]
+        assert clients == pytest.approx(round(clients), abs=0.01), (name, dataset, row)
+      # Every row runs as one of ours, or is named as one fedora_jax cannot run.
+      for row in table["rows"]:
+        assert (row in reproduce.RUNS) != (row in reproduce.MISSING), row
+      if "local" not in column["values"]:  # LOCAL's numbers from a table of its setting
+        other = tables[column["local_from"]["table"]]
+        assert other["setting"] == table["setting"]
+        assert other["datasets"][dataset]["values"]["fedora"] == column["values"]["fedora"]
+  for run in reproduce.RUNS.values():
+    assert run.algorithm in algorithms.REGISTRY
+
+
+@pytest.mark.parametrize("table", reproduce.TABLES)
+def test_every_row_of_every_table_prints_the_papers_numbers(table):
+  for dataset in reproduce.load_paper_tables()[table]["datasets"]:
+    paper = reproduce.load_paper_rows(table, dataset)
+    runs = {row: [{"acc": 0.5, "r_acc": 0.01, "ptr": 0.5, "round_seconds": 0.1,
+                   "wall_seconds": 1.0, "results": "r"}]
+            for row in reproduce.check_rows([], table)}
+    summary = reproduce.table_summary(table, runs, paper)
+    markdown = reproduce.format_markdown("T", "settings", summary)
+    # Every row the paper prints, LOCAL (run as the reference) and our fedora_paper.
+    assert [r["algorithm"] for r in summary] == reproduce.table_rows(table)
+    assert {r["algorithm"] for r in summary} >= set(paper)
+    for row in reproduce.table_rows(table):
+      values = paper[reproduce.EXTRA_ROWS.get(row, row)]
+      line = _line(markdown, row)
+      cells = [c.strip() for c in line.split("|")[5:8]]  # paper_acc, paper_r_acc, paper_ptr
+      assert cells[0] == f"{values['acc']:.4f}", (table, dataset, row)
+      if row != "local":
+        assert cells[1] == f"{values['r_acc']:+.4f}" and cells[2] == f"{values['ptr']:.4f}"
+      assert ("not run" in line) == (row in reproduce.MISSING)
+    for row in reproduce.MISSING.keys() & set(paper):
+      assert f"not run: {row} needs " in markdown
+
+
+def test_rows_tables_and_datasets_are_checked():
+  with pytest.raises(ConfigError, match="--table=fedora1 has no row nope; its rows: local,"):
+    reproduce.check_rows(["fedavg", "nope"], "fedora1")
+  assert reproduce.check_rows(["fedora", "fedavg"], "fedora1") == ["local", "fedavg", "fedora"]
+  # By default every row fedora_jax can run; Tables 4 and 5 have only FEDORA's own.
+  assert reproduce.check_rows([], "fedora1")[-2:] == ["fedora", "fedora_paper"]
+  assert len(reproduce.check_rows([], "fedora1")) == 17
+  assert reproduce.check_rows([], "fedora4") == ["local", "fedora", "fedora_paper"]
+  assert reproduce.check_rows([], "fedora5") == ["local", "fedora", "fedora_paper"]
+  # A row that needs what the simulator lacks is refused, naming what is missing.
+  with pytest.raises(ConfigError, match="fedora_gradient_similarity needs FEDORA with a"
+                     " gradient similarity .* only from principal angles"):
+    reproduce.check_rows(["fedora_gradient_similarity"], "fedora4")
+  with pytest.raises(ConfigError, match="constant lambda_k"):
+    reproduce.check_rows(["fedora", "fedora_lambda_10"], "fedora5")
+  with pytest.raises(ConfigError, match="Table 3 reports rmnist, rfmnist, not cifar10"):
+    reproduce.load_paper_rows("fedora3", "cifar10")
+  assert reproduce.load_paper_rows("fedora1", "cifar10")["fedora"]["acc"] == 0.8570
+  # Table 5 prints no LOCAL row: Table 3's, whose FEDORA row it repeats, with a note.
+  local = reproduce.load_paper_rows("fedora5", "rmnist")["local"]
+  assert local["acc"] == 0.7736 and "Table 5 prints no LOCAL row" in local["note"]
+
+
+def test_a_sweep_from_before_the_default_changed_is_refused_before_training(tmp_path):
+  # Until 2026-11-26 the fedora row ran the printed equations.
+  old_row = tmp_path / "seed0" / "fedora"
+  old_row.mkdir(parents=True)
+  (old_row / "run_config.json").write_text(json.dumps(
+      {"algorithm": "fedora", "fedora_variant": "paper"}))
+  (old_row / "results.json").write_text("{}")
+  proc = run_reproduce("--table=fedora1", "--rows=fedora", f"--workdir={tmp_path}", *FAST)
+  assert proc.returncode == 1
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: --workdir {old_row} holds a run with other settings")
+  assert "fedora_variant='paper' (now 'authors')" in last
+  assert not (tmp_path / "seed0" / "local").exists()  # nothing trained
+  proc = run_reproduce("--fedora_variant=paper", f"--workdir={tmp_path}", *FAST)
+  assert proc.returncode == 1 and "leave out --fedora_variant" in proc.stderr
 
 
 def test_bad_row_hyperparameters_fail_before_the_sweep(tmp_path):
@@ -67,7 +177,8 @@ def test_seeds_give_mean_and_population_std_beside_the_paper():
            "wall_seconds": 10.0, "results": "a"},
           {"acc": 0.80, "r_acc": 0.03, "ptr": None, "round_seconds": 0.4,
            "wall_seconds": 30.0, "results": "b"}]
-  paper = {"fedora": {"acc": 0.8251, "r_acc": 0.0806, "ptr": 1.0, "source": "Table 1"}}
+  paper = {"fedora": {"acc": 0.8251, "r_acc": 0.0806, "ptr": 1.0, "label": "FEDORA",
+                      "source": "Table 1"}}
   row = reproduce.summarize("fedora", runs, paper)
   assert row["acc"] == pytest.approx(0.75) and row["acc_std"] == pytest.approx(0.05)
   assert row["r_acc"] == pytest.approx(0.02) and row["r_acc_std"] == pytest.approx(0.01)
