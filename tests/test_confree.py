@@ -86,6 +86,33 @@ def test_server_moves_shared_parameters_by_d_star():
     chex.assert_trees_all_close(state.server, expected, atol=1e-5)
 
 
+def _fedavg_with_confree(config):
+  host = algorithms.build("fedavg", algorithms.get("fedavg").config_class(),
+                          tiny_trainer(tiny_model()))
+  return confree.with_confree(host, config)
+
+
+def test_clients_that_sat_the_round_out_do_not_enter_the_step():
+  # Issue 17: uploads [1,0], [0,1], [-5,-5]; client 3 unsampled (weight 0) must give the
+  # two-client step. By hand: [1,0] and [0,1] do not conflict, so g0 = [.5,.5]; by
+  # symmetry w* = [.5,.5], g_w = g0, and d* = g0 + c ||g0|| g0 / ||g0|| = (1 + c) g0.
+  wrapped = _fedavg_with_confree(confree.ConfreeConfig(c=0.5))
+  server = {"w": jnp.zeros(2)}
+  three = {"w": jnp.array([[1.0, 0.0], [0.0, 1.0], [-5.0, -5.0]])}
+  two = {"w": three["w"][:2]}
+  pair = wrapped.aggregate(server, jnp.zeros(2), two, jnp.array([3.0, 5.0]))
+  sat_out = wrapped.aggregate(server, jnp.zeros(3), three, jnp.array([3.0, 5.0, 0.0]))
+  chex.assert_trees_all_close(sat_out.server, pair.server, atol=1e-6)
+  np.testing.assert_allclose(pair.server["w"], [0.75, 0.75], atol=1e-5)
+  # The engine sends zeros for an unsampled client's upload: still the same step.
+  zeros = {"w": three["w"].at[2].set(0.0)}
+  zeroed = wrapped.aggregate(server, jnp.zeros(3), zeros, jnp.array([3.0, 5.0, 0.0]))
+  chex.assert_trees_all_close(zeroed.server, pair.server, atol=1e-6)
+  # Sampled, client 3 does count.
+  everyone = wrapped.aggregate(server, jnp.zeros(3), three, jnp.array([3.0, 5.0, 1.0]))
+  assert not np.allclose(everyone.server["w"], pair.server["w"], atol=1e-2)
+
+
 def _two_rounds(name, **plugins):
   data, _ = tiny_data([5, 6, 7, 9])  # one size bucket (test_registry covers two): one vmap
   model = tiny_model(hidden=(5,))
