@@ -175,9 +175,11 @@ flags.DEFINE_bool("ala", False, "FedALA's Adaptive Local Aggregation in front of
 flags.DEFINE_enum("aggregation", "mean", ["mean", "confree"],
                   "Server aggregation of the shared part: mean (the algorithm's own) or"
                   " confree (ConFREE, conflict-free; settings --confree_*).")
+# "default", not "paper": ConFREE's paper gives none of these values (confree.py says
+# where each default comes from).
 for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():
   _DEFINE_BY_TYPE[type(_default)](f"confree_{_field}", None,
-                                  f"{confree_lib.FLAG_HELP[_field]} (paper: {_default!r}).")
+                                  f"{confree_lib.FLAG_HELP[_field]} (default: {_default!r}).")
 _ALA_FLAGS = tuple(f"ala_{field}" for field in ala_lib.AlaConfig._fields)
 _CONFREE_FLAGS = tuple(f"confree_{field}" for field in confree_lib.ConfreeConfig._fields)
 

@@ -1,12 +1,11 @@
 """ConFREE: the projection, the guidance vector (Eq. 3), w* (Eq. 5), d* (Eq. 4), the hosts."""
 
-import itertools
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import optimize
 
 from fedora_jax import algorithms
 from fedora_jax.algorithms import ala, confree
@@ -24,7 +23,7 @@ def test_update_is_projected_onto_the_normal_plane_of_the_one_it_conflicts_with(
   np.testing.assert_allclose(projected[1] @ updates[0], 0.0, atol=1e-6)
   np.testing.assert_allclose(projected[2], updates[2])  # conflicts with nobody
   # The authors' code subtracts min(dot, 0) g_j without dividing by ||g_j||^2.
-  code = confree.project_conflicts(updates, "code")
+  code = confree.project_conflicts(updates, projection="code")
   np.testing.assert_allclose(code[0], [1.0, 0.0, 0.0] - (-1.0) * np.array([-1.0, 1.0, 0.0]),
                              atol=1e-6)
 
@@ -40,29 +39,78 @@ def test_guidance_vector_by_hand_with_two_conflicts():
   np.testing.assert_allclose(confree.guidance_vector(updates), [1 / 6, -1 / 6], atol=1e-6)
 
 
-def _grid_minimum(gram, g_dot_g0, radius, steps=300):
-  grid = np.array([(a, b, steps - a - b) for a, b in itertools.product(range(steps + 1), repeat=2)
-                   if a + b <= steps]) / steps
-  values = jax.vmap(lambda w: confree.dual_objective(w, gram, g_dot_g0, radius))(grid)
-  return float(jnp.min(values))
+def test_sequential_projection_and_eq3_as_printed_by_hand():
+  # a = [1,0], b = [-1,1], c = [-1,3]: a.b = -1, a.c = -1, b.c = 4; ||b||^2 = 2, ||c||^2 = 10.
+  updates = jnp.array([[1.0, 0.0], [-1.0, 1.0], [-1.0, 3.0]])
+  # Sequential (j ascending, against the partially projected a'):
+  #   a' = a - (-1/2) b = [0.5, 0.5];  then a'.c = 1 >= 0: c is no longer a conflict.
+  #   b' = b - (-1/1) a = [0, 1];      then b'.c = 3 >= 0.
+  #   c' = c - (-1/1) a = [0, 3];      then c'.b = 3 >= 0.
+  sequential = [[0.5, 0.5], [0.0, 1.0], [0.0, 3.0]]
+  np.testing.assert_allclose(confree.project_conflicts(updates), sequential, atol=1e-6)
+  np.testing.assert_allclose(confree.guidance_vector(updates), [1 / 6, 1.5], atol=1e-6)
+  # Eq. 3 as printed (every term from the original a): a conflicts with b and c,
+  #   a' = a - (-1/2) b - (-1/10) c = [0.4, 0.8];  b and c as above.
+  eq3 = [[0.4, 0.8], [0.0, 1.0], [0.0, 3.0]]
+  np.testing.assert_allclose(confree.project_conflicts(updates, order="eq3"), eq3, atol=1e-6)
+  np.testing.assert_allclose(confree.guidance_vector(updates, order="eq3"), [2 / 15, 1.6],
+                             atol=1e-6)
+  # The authors' unnormalised subtraction, in Eq. 3's form: a' = a + b + c = [-1, 4].
+  np.testing.assert_allclose(
+      confree.project_conflicts(updates, projection="code", order="eq3")[0], [-1.0, 4.0],
+      atol=1e-6)
+  # Outside the sample: no row, and no conflict with it (b alone is a's only conflict).
+  sampled = jnp.array([True, True, False])
+  np.testing.assert_allclose(confree.project_conflicts(updates, sampled, order="eq3"),
+                             [[0.5, 0.5], [0.0, 1.0], [0.0, 0.0]], atol=1e-6)
 
 
-def test_direction_is_eq4_at_the_eq5_optimum():
-  updates = jnp.array([[2.0, 0.0, 0.5], [0.0, 1.0, 0.2], [-1.0, -0.5, 1.0]])
-  config = confree.ConfreeConfig(c=0.5)
-  direction, g0, w = confree.conflict_free_step(updates, config)
-  np.testing.assert_allclose(g0, confree.guidance_vector(updates), atol=1e-6)
-  np.testing.assert_allclose(jnp.sum(w), 1.0, atol=1e-5)
-  assert bool(jnp.all(w >= 0))
-  radius = np.sqrt(0.5) * np.linalg.norm(g0)
+def test_projection_onto_the_simplex_of_the_sampled_clients_by_hand():
+  v = jnp.array([0.5, 2.0, -1.0, 0.3])
+  # Sorted 2, 0.5, ...: only the largest stays positive with shift 2 - 1 = 1.
+  np.testing.assert_allclose(confree.project_to_simplex(v, jnp.ones(4, bool)), [0, 1, 0, 0])
+  # Without client 1: 0.5, 0.3 stay (shift (0.8 - 1) / 2 = -0.1), -1 + 0.1 < 0 does not.
+  np.testing.assert_allclose(
+      confree.project_to_simplex(v, jnp.array([True, False, True, True])),
+      [0.6, 0.0, 0.0, 0.4], atol=1e-6)
+
+
+def _reference_weights(updates, g0, radius):
+  """Eq. 5 by scipy's SLSQP (the authors' solver) with exact gradients, in float64."""
+  updates, g0 = np.asarray(updates, np.float64), np.asarray(g0, np.float64)
   gram, g_dot_g0 = updates @ updates.T, updates @ g0
-  found = float(confree.dual_objective(w, gram, g_dot_g0, radius))
-  assert found <= _grid_minimum(gram, g_dot_g0, radius) + 1e-4
-  g_w = w @ updates
-  np.testing.assert_allclose(direction, g0 + radius / np.linalg.norm(g_w) * g_w, atol=1e-5)
+  num = len(updates)
+  result = optimize.minimize(
+      lambda w: w @ g_dot_g0 + radius * np.sqrt(w @ gram @ w), np.full(num, 1.0 / num),
+      jac=lambda w: g_dot_g0 + radius * gram @ w / np.sqrt(w @ gram @ w),
+      method="SLSQP", bounds=[(0.0, 1.0)] * num,
+      constraints={"type": "eq", "fun": lambda w: 1.0 - w.sum(), "jac": lambda w: -np.ones(num)},
+      options={"ftol": 1e-15, "maxiter": 1000})
+  assert result.success, result.message
+  return result.x
+
+
+def test_w_star_and_d_star_match_a_reference_solver_on_the_sampled_clients():
+  rng = np.random.default_rng(0)
+  updates = jnp.asarray(0.3 + rng.normal(size=(8, 5)), jnp.float32)  # many conflicts
+  sampled = jnp.array([True, True, False, True, True, True, False, True])
+  config = confree.ConfreeConfig(c=0.4)
+  direction, g0, w = confree.conflict_free_step(updates, config, sampled)
+  live = np.asarray(updates)[np.asarray(sampled)]
+  np.testing.assert_allclose(g0, confree.guidance_vector(jnp.asarray(live)), atol=1e-6)
+  radius = 0.4 * np.linalg.norm(g0)
+  reference = _reference_weights(live, g0, radius)
+  np.testing.assert_array_equal(w[~sampled], 0.0)
+  g_w, g_ref = w @ updates, reference @ live
+  objective = lambda g: g @ np.asarray(g0, np.float64) + radius * np.linalg.norm(g)
+  np.testing.assert_allclose(objective(np.asarray(g_w, np.float64)), objective(g_ref),
+                             rtol=1e-5)
+  expected = g0 + radius * g_ref / np.linalg.norm(g_ref)
+  np.testing.assert_allclose(direction, expected, rtol=1e-4, atol=1e-5)
+  # Eq. 4's d* sits on the ball's boundary.
   np.testing.assert_allclose(np.linalg.norm(direction - g0), radius, rtol=1e-5)
-  rescaled, _, _ = confree.conflict_free_step(updates, config._replace(rescale=True))
-  np.testing.assert_allclose(rescaled, direction / 1.5, atol=1e-5)
+  rescaled, _, _ = confree.conflict_free_step(updates, config._replace(rescale=True), sampled)
+  np.testing.assert_allclose(rescaled, direction / (1 + 0.4 ** 2), rtol=1e-5)
 
 
 def test_server_moves_shared_parameters_by_d_star():
@@ -84,6 +132,34 @@ def test_server_moves_shared_parameters_by_d_star():
       expected = {k: server[k] + confree.conflict_free_step(updates[k], config)[0]
                   for k in server}
     chex.assert_trees_all_close(state.server, expected, atol=1e-5)
+
+
+def _fedavg_with_confree(config):
+  host = algorithms.build("fedavg", algorithms.get("fedavg").config_class(),
+                          tiny_trainer(tiny_model()))
+  return confree.with_confree(host, config)
+
+
+@pytest.mark.parametrize("order", ["sequential", "eq3"])
+def test_clients_that_sat_the_round_out_do_not_enter_the_step(order):
+  # Issue 17: uploads [1,0], [0,1], [-5,-5]; client 3 unsampled (weight 0) must give the
+  # two-client step. By hand: [1,0] and [0,1] do not conflict, so g0 = [.5,.5]; by
+  # symmetry w* = [.5,.5], g_w = g0, and d* = g0 + c ||g0|| g0 / ||g0|| = (1 + c) g0.
+  wrapped = _fedavg_with_confree(confree.ConfreeConfig(c=0.5, projection_order=order))
+  server = {"w": jnp.zeros(2)}
+  three = {"w": jnp.array([[1.0, 0.0], [0.0, 1.0], [-5.0, -5.0]])}
+  two = {"w": three["w"][:2]}
+  pair = wrapped.aggregate(server, jnp.zeros(2), two, jnp.array([3.0, 5.0]))
+  sat_out = wrapped.aggregate(server, jnp.zeros(3), three, jnp.array([3.0, 5.0, 0.0]))
+  chex.assert_trees_all_close(sat_out.server, pair.server, atol=1e-6)
+  np.testing.assert_allclose(pair.server["w"], [0.75, 0.75], atol=1e-5)
+  # The engine sends zeros for an unsampled client's upload: still the same step.
+  zeros = {"w": three["w"].at[2].set(0.0)}
+  zeroed = wrapped.aggregate(server, jnp.zeros(3), zeros, jnp.array([3.0, 5.0, 0.0]))
+  chex.assert_trees_all_close(zeroed.server, pair.server, atol=1e-6)
+  # Sampled, client 3 does count.
+  everyone = wrapped.aggregate(server, jnp.zeros(3), three, jnp.array([3.0, 5.0, 1.0]))
+  assert not np.allclose(everyone.server["w"], pair.server["w"], atol=1e-2)
 
 
 def _two_rounds(name, **plugins):
@@ -112,3 +188,5 @@ def test_unsupported_plugins_fail_before_any_work():
       algorithms.check_plugins(name, ala=ala.AlaConfig())
   with pytest.raises(ConfigError, match="confree_projection"):
     confree.validate(confree.ConfreeConfig(projection="other"))
+  with pytest.raises(ConfigError, match="confree_projection_order"):
+    confree.validate(confree.ConfreeConfig(projection_order="parallel"))

@@ -9,6 +9,8 @@ import pytest
 
 from fedora_jax import algorithms
 from fedora_jax.algorithms import ala
+from fedora_jax.algorithms.base import InitContext
+from fedora_jax.engine.round import RoundState, build_train_round
 from fedora_jax.errors import ConfigError
 from test_confree import _two_rounds
 from tiny import init_params, tiny_data, tiny_model, tiny_trainer
@@ -94,6 +96,36 @@ def test_ala_composes_with_each_host(name):
   algorithm, state = _two_rounds(name, ala=ala.AlaConfig(batch_size=4, max_epochs=5))
   assert algorithm.name == f"{name}+ala"
   np.testing.assert_array_equal(state.algorithm.clients.rounds, [2, 2, 2, 2])
+
+
+def test_at_partial_participation_only_the_sampled_clients_run_ala():
+  # ala.py's definition: a client that sits a round out keeps theta_i, W_i and its count
+  # of rounds; ALA's schedule counts the client's own rounds (rest, converge, one epoch).
+  data, _ = tiny_data([5, 6, 7, 9])
+  model = tiny_model(hidden=(5,))
+  trainer = tiny_trainer(model, batch_size=4)
+  config = ala.AlaConfig(batch_size=4, max_epochs=5)  # 10 losses never collect in 5 epochs
+  algorithm = algorithms.build("fedala", config, trainer)
+  stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (4,) + a.shape), init_params(model))
+  state = RoundState(round=jnp.zeros((), jnp.int32), algorithm=algorithm.init(
+      InitContext(params=stacked, data=data, trainer=trainer, key=jax.random.key(0))))
+  round_fn = jax.jit(build_train_round(algorithm, trainer, data, participation=0.5))
+  schedule_seen = set()
+  for _ in range(4):
+    before = state.algorithm.clients
+    state, metrics = round_fn(state, data.buckets, jax.random.key(1))
+    after = state.algorithm.clients
+    took_part = np.asarray(after.rounds - before.rounds) == 1
+    assert took_part.sum() == 2 and np.all(np.asarray(after.rounds - before.rounds) <= 1)
+    for k in np.flatnonzero(~took_part):  # untouched: local model, W and host state
+      chex.assert_trees_all_equal(jax.tree.map(lambda a: a[k], after),
+                                  jax.tree.map(lambda a: a[k], before))
+    for k in np.flatnonzero(took_part):
+      expected = {0: 0, 1: 5}.get(int(before.rounds[k]), 1)
+      assert int(metrics.extra["ala_epochs"][k]) == expected
+      schedule_seen.add(expected)
+  assert int(state.algorithm.clients.rounds.sum()) == 8
+  assert schedule_seen == {0, 5, 1}, schedule_seen
 
 
 def test_fedala_is_fedavg_with_ala_and_evaluates_local_models():

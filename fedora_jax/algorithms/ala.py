@@ -35,6 +35,25 @@ message to client i has its global model replaced by theta_hat_i, everything els
 host (its training, uploads and server) is untouched. `AlaHooks` say, per host, where
 that model sits in the message and which trained model is the client's next theta_i.
 
+Partial participation (--participation < 1), the definition here: ALA is part of a
+client's round, so only the round's sampled clients run it (then their host's local
+training). A client that sits a round out does nothing: it keeps theta_i, W_i and its
+count of rounds (the engine keeps an unsampled client's state), and is evaluated on the
+model it kept. ALA's schedule above counts the client's own rounds: it rests the first
+time the client takes part (theta_i is still the shared initial model, so theta_hat is
+the global model), trains W_i until convergence the second time, one epoch every later
+time; at full participation these are rounds 1, 2 and 3 on.
+The authors' code does otherwise (TsingZ0/FedALA system/flcore/servers/serverALA.py,
+and the FedALA host of StuZheng/ConFREE, server/serverala.py, from PFLlib): its
+send_models runs ALA on every client every round, sampled or not, before it evaluates
+and before the sampled ones train. An unsampled client there learns W_i and replaces
+theta_i by theta_hat_i without training, every client's W_i converges in global round
+2, and every client is evaluated on a theta_hat_i built from the latest global model.
+That needs a client step for the clients outside the round, which the engine
+(engine/round.py) does not give, so it is not offered. The poster ("after downloading
+the global model ... we update W") describes ALA as the step of a client that receives
+the global model, i.e. the definition above.
+
 Departures, all written down here:
   * p counts layers (flax top-level modules, e.g. Dense_2 = kernel + bias); the
     authors' layer_idx counts parameter tensors (their layer_idx=2 is one Linear layer).

@@ -5,10 +5,11 @@ Personalized Federated Learning." AAAI 2023. https://arxiv.org/abs/2212.01197
 (code: github.com/TsingZ0/FedALA; also TsingZ0/PFLlib)
 
 The paper's Algorithm 1: the server averages the uploaded local models (FedAvg, weighted
-by training-set size, full participation here); each client builds theta_hat from the
-received global model and its own previous local model by ALA (see ala.py for the
-equations and the departures from the authors' code), trains theta_hat with the run's
-local SGD, keeps the result as its local (personalised) model and uploads it.
+by training-set size over the round's sampled clients); each sampled client builds
+theta_hat from the received global model and its own previous local model by ALA (see
+ala.py for the equations, what --participation < 1 does, and the departures from the
+authors' code), trains theta_hat with the run's local SGD, keeps the result as its local
+(personalised) model and uploads it.
 
 Hyperparameters are ALA's and share the --ala_* flags with the --ala plug-in. Defaults
 are the authors': s = 80 (rand_percent), eta = 1.0, threshold 0.1 over 10 losses, and
