@@ -3,8 +3,9 @@
   python -m experiments.main --dataset=rmnist             # FEDORA, the paper's settings
   python -m experiments.main --flagfile=experiments/configs/rmnist_authors.flags
 
-Writes results.json, clients.csv, rounds.csv, history.npz, flags.txt and (FEDORA)
-similarity.npy to --workdir with PNG plots (fedora_jax/plots.py) and per-round TensorBoard
+Writes results.json, clients.csv, rounds.csv, history.npz, flags.txt and the algorithm's
+arrays (FEDORA: similarity.npy; coaching: relation_cube.npy) to --workdir with PNG plots
+(fedora_jax/plots.py; coaching's relation cube as relation.png) and per-round TensorBoard
 events in <workdir>/tensorboard/<algorithm>, the LOCAL reference it trained to
 <workdir>/local/, and prints a per-client table with the summary.
 """
