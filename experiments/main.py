@@ -3,8 +3,9 @@
   python -m experiments.main --dataset=rmnist             # FEDORA as the paper reports it
   python -m experiments.main --dataset=rmnist --fedora_variant=paper  # equations as printed
 
-Writes results.json, clients.csv, rounds.csv, history.npz, flags.txt and (FEDORA)
-similarity.npy to --workdir with PNG plots (fedora_jax/plots.py) and per-round TensorBoard
+Writes results.json, clients.csv, rounds.csv, history.npz, flags.txt and the algorithm's
+arrays (FEDORA: similarity.npy; coaching: relation_cube.npy) to --workdir with PNG plots
+(fedora_jax/plots.py; coaching's relation cube as relation.png) and per-round TensorBoard
 events in <workdir>/tensorboard/<algorithm>, the LOCAL reference it trained to
 <workdir>/local/, and prints a per-client table with the summary.
 """

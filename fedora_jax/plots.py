@@ -19,7 +19,7 @@ from typing import Mapping
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 NEGATIVE_COLOR = "tab:red"    # R-Acc_k < 0: negative transfer
@@ -108,17 +108,31 @@ def similarity_figure(similarity: np.ndarray, graph: np.ndarray | None = None,
 def relation_figure(relation_cube: np.ndarray, client: int = 0, title: str = "",
                     client_ids: np.ndarray | None = None) -> Figure:
   """Knowledge-aware coaching's relation matrix of one client (Zhi et al., AAAI 2024,
-  Figure 2): its weight r_ilj on every client j (columns) at every layer l (rows)."""
+  Figure 2): its weight r_ij^l on every client j (columns) at every layer l (rows, layer
+  0 nearest the input, as fedora_jax.algorithms.layers orders them). The client's own
+  column is outlined; with few cells each carries its value."""
   matrix = np.asarray(relation_cube)[client]              # [L, K]
-  fig = Figure(figsize=(7.0, 1.2 + 0.45 * matrix.shape[0]), layout="constrained")
+  num_layers, num_clients = matrix.shape
+  fig = Figure(figsize=(max(5.0, min(12.0, 1.5 + 0.6 * num_clients)),
+                        1.6 + 0.5 * num_layers), layout="constrained")
   ax = fig.add_subplot(1, 1, 1)
   image = ax.imshow(matrix, cmap="viridis", aspect="auto", interpolation="nearest")
-  fig.colorbar(image, ax=ax, shrink=0.9)
+  fig.colorbar(image, ax=ax, shrink=0.9, label="r (weight on client j)")
+  if num_layers * num_clients <= 200:
+    low, high = image.get_clim()
+    for (l, j), value in np.ndenumerate(matrix):
+      light = (value - low) / max(high - low, 1e-12) > 0.6  # dark text on the light end
+      ax.text(j, l, f"{value:.2f}", ha="center", va="center", fontsize=7,
+              color="black" if light else "white")
+  ax.add_patch(Rectangle((client - 0.5, -0.5), 1.0, num_layers, fill=False,
+                         edgecolor="tab:red", linewidth=2.0, label="own column (j = i)"))
+  ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.25 if num_layers < 4 else -0.12),
+            fontsize=7, frameon=False)
   name = client if client_ids is None else client_ids[client]
   ax.set_title(f"relation matrix of client {name}: r[layer, client]", fontsize=9)
-  ax.set_xlabel("client")
-  ax.set_ylabel("layer")
-  ax.set_yticks(range(matrix.shape[0]))
+  ax.set_xlabel("client j")
+  ax.set_ylabel("layer (0: input)")
+  ax.set_yticks(range(num_layers))
   _label_clients(ax.xaxis, client_ids, max_ticks=12)
   if title:
     fig.suptitle(title, fontsize=10)

@@ -1,16 +1,94 @@
-"""Knowledge-aware parameter coaching: the relation cube's objective and gradient, its
-projected update, the coaching models and the client's regularised step."""
+"""Knowledge-aware parameter coaching: the relation cube's gradient step (Eq. 11) and the
+coaching models (Eq. 14) against hand-computed values, the objective's gradient against
+finite differences, the initial cube, the simplex_others deviation, and the client's
+regularised step (Eq. 16)."""
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedora_jax.algorithms import coaching
+from fedora_jax.algorithms.base import InitContext
+from fedora_jax.errors import ConfigError
 from fedora_jax.plots import relation_figure
 from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
 K = 4
+
+# Two clients, two layers. Layer 0: w_0 = (1, 0), w_1 = (0, 2); layer 1: w_0 = 3, w_1 = -1.
+TWO_CLIENTS = {"params": {"Dense_0": {"kernel": jnp.array([[1.0, 0.0], [0.0, 2.0]])},
+                          "Dense_1": {"bias": jnp.array([[3.0], [-1.0]])}}}
+# relation[i, l] = client i's weights (on client 0, on client 1) at layer l.
+RELATION = jnp.array([[[0.75, 0.25], [0.5, 1.0]],
+                      [[0.5, 0.5], [0.25, 0.5]]])
+
+
+def test_coaching_models_combine_every_client_layer_by_layer():
+  coach = coaching.coaching_models(RELATION, TWO_CLIENTS)
+  # s_0^0 = 0.75 (1, 0) + 0.25 (0, 2); s_1^0 = 0.5 (1, 0) + 0.5 (0, 2); client i's own
+  # model counts (Eq. 14 sums over all j).
+  np.testing.assert_allclose(coach["params"]["Dense_0"]["kernel"], [[0.75, 0.5], [0.5, 1.0]])
+  # s_0^1 = 0.5 * 3 + 1.0 * -1; s_1^1 = 0.25 * 3 + 0.5 * -1.
+  np.testing.assert_allclose(coach["params"]["Dense_1"]["bias"], [[0.5], [0.25]])
+
+
+def test_relation_step_is_the_plain_gradient_step_of_eq_11():
+  config = coaching.CoachingConfig(lam=1.0, beta=2.0, lr_r=0.1, r_steps=1)
+  grams = coaching.layer_grams(TWO_CLIENTS)
+  np.testing.assert_allclose(grams, [[[1, 0], [0, 4]], [[9, -3], [-3, 1]]])
+  # r_ij^l <- r_ij^l - 0.1 (2 lam <s_i^l - w_i^l, w_j^l> + beta (r_ij^l - 1/2)):
+  # client 0, layer 0: s - w_0 = (-0.25, 0.5); gradient (-0.5 + 0.5, 2 - 0.5) = (0, 1.5).
+  # client 1, layer 0: s - w_1 = (0.5, -1); gradient (1 + 0, -4 + 0).
+  # client 0, layer 1: s - w_0 = -2.5; gradient (-15 + 0, 5 + 1).
+  # client 1, layer 1: s - w_1 = 1.25; gradient (7.5 - 0.5, -2.5 + 0).
+  expected = [[[0.75, 0.10], [2.0, 0.4]],
+              [[0.4, 0.9], [-0.45, 0.75]]]
+  np.testing.assert_allclose(coaching.relation_step(RELATION, grams, config), expected,
+                             atol=1e-6)
+  # E_r steps are E_r such steps; the row sums and signs are left free (no projection).
+  np.testing.assert_allclose(coaching.update_relation(RELATION, grams, config), expected,
+                             atol=1e-6)
+  twice = coaching.relation_step(jnp.array(expected), grams, config)
+  np.testing.assert_allclose(
+      coaching.update_relation(RELATION, grams, config._replace(r_steps=2)), twice, atol=1e-5)
+
+
+def test_lipschitz_deviation_steps_each_layer_by_one_over_its_smoothness():
+  config = coaching.CoachingConfig(lam=1.0, beta=2.0, lr_r_rule="lipschitz")
+  grams = coaching.layer_grams(TWO_CLIENTS)
+  # lambda_max(G_0 = diag(1, 4)) = 4 -> L = 2 + 2 * 4 = 10; G_1 has eigenvalues 0 and 10
+  # -> L = 2 + 2 * 10 = 22.
+  np.testing.assert_allclose(coaching.step_sizes(grams, config), [[0.1], [1 / 22]], rtol=1e-6)
+  stepped = coaching.relation_step(RELATION, grams, config)
+  # Layer 0 takes the 0.1 step of the test above; layer 1 the gradients there over 22.
+  np.testing.assert_allclose(stepped[:, 0], [[0.75, 0.10], [0.4, 0.9]], atol=1e-6)
+  np.testing.assert_allclose(stepped[:, 1], [[0.5 + 15 / 22, 1.0 - 6 / 22],
+                                             [0.25 - 7 / 22, 0.5 + 2.5 / 22]], atol=1e-6)
+
+
+def test_fixed_step_diverges_on_large_layers_where_the_lipschitz_step_descends():
+  # Ten similar clients (trained from one initial model) with one layer of squared norm
+  # 50 each, a realistic layer's: the objective's curvature along the all-ones direction
+  # is about 2 * 10 * 50 = 1000, past 2 / 0.01, so the paper's stated eta_r = 0.01
+  # amplifies any error there ~9x per step.
+  rng = np.random.default_rng(0)
+  layer = rng.normal(size=(1, 500)) + 0.1 * rng.normal(size=(10, 500))
+  layer *= np.sqrt(50.0 / np.mean(np.sum(layer ** 2, axis=1)))
+  grams = coaching.layer_grams({"params": {"Dense_0": {"kernel": jnp.asarray(layer)}}})
+  start = coaching.initial_relation(jax.random.key(0), 10, 1, coaching.CoachingConfig())
+  objective = lambda r, c: float(coaching.relation_objective(r, grams, c.lam, c.beta))
+  fixed = coaching.CoachingConfig(r_steps=5)
+  lipschitz = fixed._replace(lr_r_rule="lipschitz")
+  assert objective(coaching.update_relation(start, grams, fixed), fixed) > 100 * objective(
+      start, fixed)
+  values = [objective(start, lipschitz)]
+  for steps in range(1, 6):
+    values.append(objective(coaching.update_relation(start, grams,
+                                                     lipschitz._replace(r_steps=steps)),
+                            lipschitz))
+  assert all(b < a for a, b in zip(values, values[1:]))
 
 
 def _stacked(model):
@@ -18,35 +96,67 @@ def _stacked(model):
 
 
 def _direct_objective(relation, stacked, lam, beta):
-  """J(R) straight from the parameters: lam sum ||w_i^l - sum_j r_ilj w_j^l||^2 + beta ||R||^2."""
+  """sum_i of Eq. (10) straight from the parameters:
+  lam sum ||w_i^l - sum_j r_ij^l w_j^l||^2 + beta/2 ||R - 1/N||^2."""
   total = 0.0
   for l, name in enumerate(sorted(stacked["params"])):
     for leaf in jax.tree.leaves(stacked["params"][name]):
       flat = leaf.reshape(K, -1)
       total += jnp.sum(jnp.square(flat - relation[:, l, :] @ flat))
-  return lam * total + beta * jnp.sum(jnp.square(relation))
+  return lam * total + beta / 2 * jnp.sum(jnp.square(relation - 1.0 / K))
 
 
 def test_relation_gradient_matches_finite_differences():
   with jax.enable_x64(True):
     model = tiny_model(hidden=(5,))
     stacked = jax.tree.map(lambda a: a.astype(jnp.float64), _stacked(model))
-    relation = jax.random.dirichlet(jax.random.key(0), jnp.ones(K), (K, 2)).astype(jnp.float64)
+    relation = jax.random.normal(jax.random.key(0), (K, 2, K), jnp.float64)
     lam, beta = 0.7, 0.3
     grams = coaching.layer_grams(stacked)
     np.testing.assert_allclose(coaching.relation_objective(relation, grams, lam, beta),
                                _direct_objective(relation, stacked, lam, beta), rtol=1e-10)
     gradient = coaching.relation_gradient(relation, grams, lam, beta)
     eps = 1e-5
-    numeric = np.zeros(relation.shape)
-    for index in np.ndindex(relation.shape):
-      bump = jnp.zeros(relation.shape).at[index].set(eps)
-      numeric[index] = (_direct_objective(relation + bump, stacked, lam, beta)
-                        - _direct_objective(relation - bump, stacked, lam, beta)) / (2 * eps)
+    bumps = eps * jnp.eye(relation.size, dtype=jnp.float64).reshape((-1,) + relation.shape)
+    objective = jax.jit(jax.vmap(lambda r: _direct_objective(r, stacked, lam, beta)))
+    numeric = ((objective(relation + bumps) - objective(relation - bumps)) / (2 * eps)
+               ).reshape(relation.shape)
     np.testing.assert_allclose(gradient, numeric, rtol=1e-6, atol=1e-8)
 
 
-def test_projection_onto_the_simplex_of_the_other_clients():
+def test_initial_relation_is_random_rows_on_the_simplex():
+  config = coaching.CoachingConfig()
+  relation = coaching.initial_relation(jax.random.key(0), K, 3, config)
+  assert relation.shape == (K, 3, K)
+  np.testing.assert_allclose(jnp.sum(relation, axis=-1), 1.0, atol=1e-6)
+  assert bool(jnp.all(relation >= 0)) and bool(jnp.all(jnp.diagonal(relation[:, 0]) > 0))
+  assert len(np.unique(np.round(np.asarray(relation), 6))) == relation.size  # all distinct
+  uniform = coaching.initial_relation(jax.random.key(0), K, 3, config._replace(r_init="uniform"))
+  np.testing.assert_allclose(uniform, 1.0 / K)
+  others = coaching.initial_relation(jax.random.key(0), K, 3,
+                                     config._replace(r_constraint="simplex_others"))
+  np.testing.assert_allclose(jnp.sum(others, axis=-1), 1.0, atol=1e-6)
+  assert bool(jnp.all(jnp.where(coaching.others_mask(K), 0.0, others) == 0))
+
+
+def test_round_one_starts_after_the_relation_steps_at_the_initial_model():
+  # Algorithm 1 updates R (lines 5-8) before sending s_i (line 9). All clients start from
+  # one model w, so G_l = ||w^l||^2 (ones) and, rows summing to 1, s_i = w: the coaching
+  # term's gradient vanishes and one step leaves R0 - lr beta (R0 - 1/N).
+  model = tiny_model(hidden=(5,))
+  data, _ = tiny_data([6] * K)
+  trainer = tiny_trainer(model)
+  config = coaching.CoachingConfig(beta=3.0, lr_r=0.1)
+  stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (K,) + a.shape), init_params(model))
+  key = jax.random.key(5)
+  state = coaching.coaching(config, trainer).init(
+      InitContext(params=stacked, data=data, trainer=trainer, key=key))
+  start = coaching.initial_relation(key, K, 2, config)
+  np.testing.assert_allclose(state.server.relation, start - 0.1 * 3.0 * (start - 1.0 / K),
+                             atol=1e-5)
+
+
+def test_simplex_others_deviation_projects_each_row_onto_the_other_clients():
   allowed = coaching.others_mask(3)[:, 0, :]
   values = jnp.array([[5.0, 0.2, 0.4], [0.5, 9.0, 0.5], [3.0, -1.0, 0.0]])
   projected = coaching.project_to_simplex(values, allowed)
@@ -54,22 +164,30 @@ def test_projection_onto_the_simplex_of_the_other_clients():
   # projects (3, -1) (its own 0.0 ignored) to (1, 0).
   np.testing.assert_allclose(projected, [[0.0, 0.4, 0.6], [0.5, 0.0, 0.5], [1.0, 0.0, 0.0]],
                              atol=1e-6)
+  # A constant added to a row does not move its projection: so beta/2 ||r - 1/N||^2 and
+  # beta/2 ||r||^2 (gradients differing by beta/N) give the same projected steps.
+  np.testing.assert_allclose(coaching.project_to_simplex(values + 0.7, allowed), projected,
+                             atol=1e-6)
 
-
-def test_relation_update_lowers_the_objective_and_stays_on_the_simplex():
   model = tiny_model(hidden=(5,))
-  stacked = _stacked(model)
-  grams = coaching.layer_grams(stacked)
-  allowed = coaching.others_mask(K)
-  start = jnp.broadcast_to(allowed / (K - 1.0), (K, 2, K))
-  config = coaching.CoachingConfig(lr_r=0.05, r_steps=20)
+  grams = coaching.layer_grams(_stacked(model))
+  config = coaching.CoachingConfig(lr_r=0.05, r_steps=20, r_constraint="simplex_others")
+  start = coaching.initial_relation(jax.random.key(0), K, 2, config)
   updated = coaching.update_relation(start, grams, config)
   assert (coaching.relation_objective(updated, grams, config.lam, config.beta)
           < coaching.relation_objective(start, grams, config.lam, config.beta))
   np.testing.assert_allclose(jnp.sum(updated, axis=-1), 1.0, atol=1e-5)
-  assert bool(jnp.all(updated >= 0)) and bool(jnp.all(jnp.where(allowed, 0.0, updated) == 0))
-  fig = relation_figure(np.asarray(updated), client=1)
-  assert fig.axes
+  assert bool(jnp.all(updated >= 0))
+  assert bool(jnp.all(jnp.where(coaching.others_mask(K), 0.0, updated) == 0))
+  assert relation_figure(np.asarray(updated), client=1).axes
+
+
+def test_bad_settings_are_config_errors():
+  trainer = tiny_trainer(tiny_model())
+  for bad in ({"r_init": "zeros"}, {"r_constraint": "simplex"}, {"r_steps": -1},
+              {"beta": -1.0}, {"lr_r_rule": "adaptive"}):
+    with pytest.raises(ConfigError, match="coach_"):
+      coaching.coaching(coaching.CoachingConfig()._replace(**bad), trainer)
 
 
 def test_client_trains_towards_its_layerwise_coaching_model():
@@ -88,5 +206,6 @@ def test_client_trains_towards_its_layerwise_coaching_model():
   own, coach_0 = (jax.tree.map(lambda a: a[0], t) for t in (stacked, coach))
   out = algorithm.client_update(own, coach_0, splits, jax.random.key(0))
   grad = jax.grad(lambda p: mean_ce(model, p, clients[0].x_train, clients[0].y_train))(own)
+  # Eq. (16): w - lr (grad f_i + lam grad ||w - s||^2).
   expected = jax.tree.map(lambda w, g, s: w - lr * (g + 2 * lam * (w - s)), own, grad, coach_0)
   chex.assert_trees_all_close(out.state, expected, atol=1e-6)

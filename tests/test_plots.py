@@ -70,6 +70,18 @@ def test_similarity_heatmap_and_graph_side_by_side_with_colour_bars(tmp_path):
   assert len(plots.similarity_figure(similarity).axes) == 2
 
 
+def test_relation_matrix_of_one_client_with_its_own_column_outlined(tmp_path):
+  cube = np.random.default_rng(0).normal(size=(4, 3, 4))  # [client, layer, client]
+  fig = plots.relation_figure(cube, client=2, client_ids=np.array([3, 5, 8, 9]))
+  ax = fig.axes[0]
+  np.testing.assert_allclose(ax.images[0].get_array(), cube[2])
+  outline = [p for p in ax.patches if p.get_label() == "own column (j = i)"]
+  assert len(outline) == 1 and outline[0].get_x() == 1.5 and outline[0].get_height() == 3
+  assert [t.get_text() for t in ax.texts][:2] == [f"{cube[2, 0, 0]:.2f}", f"{cube[2, 0, 1]:.2f}"]
+  assert ax.get_title() == "relation matrix of client 8: r[layer, client]"
+  assert_png(plots.save_figure(fig, str(tmp_path / "relation.png")))
+
+
 def test_accuracy_curves_show_local_mean_test_accuracy(tmp_path):
   history, local = synthetic_history(seed=0), synthetic_history(seed=1)
   fig = plots.accuracy_curves_figure(history, local, best_round=2)
@@ -157,3 +169,14 @@ def test_cli_run_leaves_plots_and_tensorboard_events(tmp_path):
   assert [s for s, _ in fedora["fedora/lambda"]] == [1, 2]
   assert [s for s, _ in local["test/accuracy"]] == [1, 2]
   assert "fedora/lambda" not in local
+
+
+def test_coaching_run_draws_its_relation_matrix(tmp_path):
+  workdir = tmp_path / "run"
+  proc = subprocess.run([sys.executable, "-m", "experiments.main", "--algorithm=coaching",
+                         "--dataset=rmnist", f"--workdir={workdir}", *FAST], cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  cube = np.load(workdir / "relation_cube.npy")
+  assert cube.shape == (4, 2, 4) and np.all(np.isfinite(cube))  # --hidden=16: two layers
+  assert_png(workdir / plots.RELATION_PNG)

@@ -1,6 +1,8 @@
-"""LG-FedAvg and FedPer: which layers are shared (averaged) and which stay on the client."""
+"""Layers of every registered model in forward order, the body / head split, and
+LG-FedAvg and FedPer: which layers are shared (averaged) and which stay on the client."""
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from fedora_jax.algorithms import fedper, layers, lg_fedavg
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.engine.round import RoundState, build_train_round
 from fedora_jax.errors import ConfigError
+from fedora_jax.models import MODELS, build_model
 from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
 LR = 0.1
@@ -25,8 +28,47 @@ def test_layers_are_ordered_input_to_output():
   for count in (0, 3):  # nothing or everything shared: not a partial-sharing method
     with pytest.raises(ConfigError, match="between 1 and 2"):
       layers.all_but_bottom_layers(count, "n")(names)
-  with pytest.raises(ConfigError, match="ambiguous"):
-    layers.layer_names({"params": {"Conv_0": {}, "Dense_0": {}}})
+  # Across module types, convolutions come first (models.LAYER_TYPE_ORDER).
+  assert layers.layer_names({"params": {n: {} for n in ("Dense_1", "Conv_1", "Dense_0",
+                                                        "Conv_0")}}) == [
+      "Conv_0", "Conv_1", "Dense_0", "Dense_1"]
+  with pytest.raises(ConfigError, match="ambiguous.*'BatchNorm'.*LAYER_TYPE_ORDER"):
+    layers.layer_names({"params": {"BatchNorm_0": {}, "Dense_0": {}}})
+
+
+# A sample input of every registered model (a new model adds one here).
+SAMPLE_INPUTS = {"mlp": np.zeros((1, 4), np.float32),
+                 "cnn": np.zeros((1, 28, 28, 1), np.uint8)}
+
+
+def _forward_order(model, params, x):
+  """The model's top-level modules in the order its forward pass calls them."""
+  order = []
+
+  def record(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    scope = context.module.scope
+    if context.method_name == "__call__" and scope is not None and len(scope.path) == 1:
+      order.append(scope.path[0])
+    return out
+  with nn.intercept_methods(record):
+    model.apply(params, x)
+  return order
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_registered_model_has_its_layers_and_head_in_forward_order(name):
+  assert set(SAMPLE_INPUTS) == set(MODELS)
+  model = build_model(name, num_outputs=7, hidden=(5, 4))
+  params = model.init(jax.random.key(0), SAMPLE_INPUTS[name])
+  names = layers.layer_names(params)
+  assert names == _forward_order(model, params, SAMPLE_INPUTS[name])
+  assert sorted(names) == sorted(params["params"])
+  body, head = layers.split_body_head(params, 1, "head_layers")
+  assert body + head == names
+  assert head == [names[-1]] and params["params"][head[0]]["bias"].shape == (7,)  # logits
+  with pytest.raises(ConfigError, match=f"between 1 and {len(names) - 1}"):
+    layers.split_body_head(params, len(names), "head_layers")
 
 
 def _one_round(algorithm, trainer, data, params):

@@ -9,14 +9,18 @@ from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.engine.round import RoundState, build_train_round
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
+from fedora_jax.models.cnn import CNN
 from fedora_jax.models.mlp import MLP
 
 
-def tiny_data(sizes, num_features=4, num_classes=3, seed=0, max_pad_ratio=2.0):
+def tiny_data(sizes, num_features=4, num_classes=3, seed=0, max_pad_ratio=2.0,
+              x_shape=None):
+  """Clients with `sizes` training samples; x [n, num_features], or [n, *x_shape]."""
   rng = np.random.default_rng(seed)
+  shape = (num_features,) if x_shape is None else tuple(x_shape)
 
   def split(n):
-    return (rng.normal(size=(n, num_features)).astype(np.float32),
+    return (rng.normal(size=(n, *shape)).astype(np.float32),
             rng.integers(0, num_classes, n).astype(np.int32))
   clients = [Client(*split(n), *split(4), *split(6)) for n in sizes]
   return stack_clients(clients, num_classes, max_pad_ratio), clients
@@ -31,8 +35,18 @@ def tiny_trainer(model, lr=0.1, momentum=0.0, weight_decay=0.0, epochs=1, batch_
                              epochs, batch_size)
 
 
-def init_params(model, num_features=4, seed=0):
-  return model.init(jax.random.key(seed), np.zeros((1, num_features), np.float32))
+# The smallest images the CNN takes: 16 -> conv 12 -> pool 6 -> conv 2 -> pool 1.
+CNN_X_SHAPE = (16, 16, 1)
+
+
+def tiny_cnn(num_classes=3):
+  """The registered CNN's layers (Conv_0, Conv_1, Dense_0..2) at toy widths."""
+  return CNN(num_outputs=num_classes, kernels=2, dense=(6, 5))
+
+
+def init_params(model, num_features=4, seed=0, x_shape=None):
+  shape = (num_features,) if x_shape is None else tuple(x_shape)
+  return model.init(jax.random.key(seed), np.zeros((1, *shape), np.float32))
 
 
 def mean_ce(model, params, x, y):
@@ -50,12 +64,12 @@ class TraceCounter:
     return self.fn(*args)
 
 
-def run_rounds(algorithm, trainer, data, model, rounds=2):
+def run_rounds(algorithm, trainer, data, model, rounds=2, x_shape=None):
   """Starts `algorithm` from one shared initial model and runs `rounds` jitted rounds.
 
   Returns (state, metrics of the last round, stacked initial params, traces)."""
   stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (data.num_clients,) + a.shape),
-                         init_params(model))
+                         init_params(model, x_shape=x_shape))
   state = RoundState(round=jnp.zeros((), jnp.int32), algorithm=algorithm.init(
       InitContext(params=stacked, data=data, trainer=trainer, key=jax.random.key(0))))
   counter = TraceCounter(build_train_round(algorithm, trainer, data))

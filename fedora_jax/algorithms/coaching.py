@@ -1,39 +1,75 @@
 """Knowledge-aware parameter coaching: each client's training is pulled towards a
-layer-wise combination of the other clients' parameters, the combination weights (the
+layer-wise combination of all clients' parameters, the combination weights (the
 relation cube) being learned by the server.
 
 Zhi, Bi, Xu, Wang, Xiang. "Knowledge-Aware Parameter Coaching for Personalized Federated
 Learning." AAAI 2024 (Proceedings of the AAAI Conference on Artificial Intelligence
-38(15), pp. 17069-17077). No arXiv version known to us.
+38(15), pp. 17069-17077). Equation numbers below are the paper's. No public code of the
+paper was available to us.
 
-No public code of the paper was available to us, and its equations were not at hand
-while writing this; what follows is exactly what is implemented, written so that it can
-be checked against the paper (the equation numbers are the ones the issue names).
+Notation: N clients, L layers (fedora_jax.algorithms.layers: flax top-level modules, a
+Dense layer's kernel and bias together, input to output), w_j^l client j's parameters of
+layer l. The relation cube R [N, L, N] (Eq. 3-4) holds r_ij^l, client i's weight on
+client j at layer l, for every j including i itself.
 
-Notation: K clients, L layers (flax top-level modules: a Dense layer's kernel and bias
-together), w_j^l client j's parameters of layer l. The relation cube R [K, L, K] holds,
-for client i and layer l, weights r_il over the clients, on the simplex, with r_ili = 0:
-a client is coached by the others.
+  Client objective (Eq. 5): f_i(w_i) + lambda sum_l f_s(sum_j r_ij^l w_j^l, w_i^l)
+                            + beta/2 sum_{j,l} (r_ij^l - 1/N)^2,
+  with f_s the coaching loss, for which the paper "adopts l_2-norm". We read it as the
+  squared distance f_s(a, b) = ||a - b||^2: only then is Eq. 6 (one f_s of the stacked
+  layers) equal to Eq. 5 (a sum of f_s over layers), and H is L-smooth as Assumption 2
+  requires.
+  Relation update (Eq. 10-12), with the clients' parameters W^k fixed, per client i:
+        r_i <- r_i - eta_r (lambda grad_{r_i} f_s(r_i W^k, w_i^k) + beta (r_i - 1/N)),
+        grad_{r_ij^l} f_s = 2 <s_i^l - w_i^l, w_j^l> = 2 (sum_k r_ik^l G_l[k, j] - G_l[i, j])
+  from the per-layer Gram matrices G_l[a, b] = <w_a^l, w_b^l> (so nothing larger than
+  [N, N] per layer is built). A plain gradient step: R is not constrained (rows need not
+  be non-negative nor sum to 1), and r_ii is learned like any other entry. Eq. 11 is
+  taken per client without the m_i/m of Eq. 8's G(R) and H (Eq. 10 drops them).
+  Coaching model (Eq. 14):  s_i^l = sum_j r_ij^l w_j^l.
+  Client update (Eq. 15-16): client i trains its own w_i, from where it stopped, with the
+        run's local SGD (E epochs) on  f_i(w_i) + lambda ||w_i - s_i||^2.
+The order is Algorithm 1's: each round the server first takes E_r (`r_steps`) gradient
+steps on R at the clients' current models W^k (lines 5-8), then sends s_i = r_i W^k
+(lines 9-10). Here the steps of round k+1 are taken at the end of round k (in
+`aggregate`, at the models just trained), and those of round 1 in `init` at the initial
+models, which is the same sequence. R starts random (Algorithm 1, line 2; the paper
+gives no distribution: each row r_i^l is drawn uniformly from the probability simplex,
+Dirichlet(1, ..., 1), so that every s_i starts as a convex combination of models of the
+clients' scale). A client's personalised model is its own w_i (line 14).
 
-  Coaching model (Eq. 14):   s_i^l = sum_j r_ilj w_j^l          (layer-wise combination)
-  Client objective (Eq. 15-16): client i trains its own w_i, from where it stopped,
-        with the run's local SGD on  F_i(w_i) + lambda ||w_i - s_i||^2.
-  Server objective for R (Eq. 10), the coupling term of the global objective plus a
-  ridge penalty that spreads the weights:
-        J(R) = lambda sum_{i,l} ||w_i^l - sum_j r_ilj w_j^l||^2 + beta sum_{i,l,j} r_ilj^2
-  Its gradient (Eq. 11), from per-layer Gram matrices G_l[a, b] = <w_a^l, w_b^l>:
-        dJ/dr_ilj = -2 lambda (G_l[i, j] - sum_k r_ilk G_l[k, j]) + 2 beta r_ilj
-  Update (Eq. 12): r_steps steps  r_il <- Proj(r_il - lr_r dJ/dr_il), Proj being the
-        Euclidean projection onto the simplex over j != i.
-Each round: the server sends s_i (computed from R and the clients' models), clients
-train, then the server takes r_steps gradient steps on R at the new models. R starts
-uniform over the other clients. A client's personalised model is its own w_i.
+Defaults are the paper's where it states them: eta_r = 0.01 and E_r = 1 ("the local
+epochs for W and R are set to 5 and 1 ... the learning rates for W and R are both set to
+0.01"; E and the client learning rate are the run's --local_epochs and --lr), although
+that eta_r diverges on real models (lr_r_rule below). It does not
+state the lambda and beta behind its Tables 1-2; its Figure 3 sweeps lambda around 1
+(with beta / (2 lambda) = 0.005 at Dirichlet alpha 0.1 and 0.5 at alpha 0.3) and beta
+around 0.01 (alpha 0.1) and 1 (alpha 0.3) at lambda = 1. Defaults: lambda = 1 and
+beta = 0.01, the centre of its alpha = 0.1 sweeps; use beta = 1 for alpha = 0.3.
 
-Everything is [K, K]-sized per layer (Gram matrices, never [K, K, d]); the relation cube
-is saved with the results (relation_cube.npy) and plotted for one client (plots.py).
+Deviations, off by default, behind config fields:
+  * r_constraint="simplex_others": after each step, project every row r_i^l onto the
+    probability simplex over the OTHER clients (r_ij^l >= 0, sum_{j != i} r_ij^l = 1,
+    r_ii^l = 0), so that s_i is a convex combination of the others' models. Not in the
+    paper; it was this module's earlier behaviour. On that simplex the paper's
+    beta/2 ||r - 1/N||^2 and a ridge beta/2 ||r||^2 give the same projected steps.
+  * r_init="uniform": R starts at 1/N everywhere (the regulariser's target; 1/(N-1) over
+    the others under simplex_others) instead of randomly.
+  * lr_r_rule="lipschitz": eta_r = 1 / L_r with L_r = beta + 2 lambda lambda_max(G_l),
+    per layer, recomputed at every step: the step the paper's Theorem 1 assumes
+    ("eta_r = 1/L_r"), in place of the 0.01 its experiments state. The two disagree on
+    real models: all clients start from one model, so G_l is close to ||w^l||^2 times the
+    all-ones matrix and f(r_i^l) has curvature ~2 lambda N ||w^l||^2 along the all-ones
+    direction (the rows' sum); with ||w^l||^2 in the tens (a 784x128 dense layer at
+    PyTorch's initialisation: ~43) and N = 10 that is ~10^3, far past 2 / 0.01. The fixed
+    step then multiplies any error in a row's sum by |1 - 0.01 L_r| (~8) every round:
+    measured here, R and the losses reach NaN by round 8-10 on MNIST (Dirichlet 0.1, 10
+    clients, the MLP and the CNN; docs/coaching.md). The lipschitz step stays stable.
+The earlier defaults (r_steps = 10, lambda = 0.5, a ridge penalty beta ||R||^2 with beta
+= 1, R uniform over the others) are  r_constraint="simplex_others", r_init="uniform",
+r_steps=10, lam=0.5, beta=2.
 
-Defaults: lambda = 0.5 (so the pull's gradient is w - s, as Ditto's lambda = 1), beta = 1,
-lr_r = 0.01, r_steps = 10: our choices, not the paper's.
+The relation cube is saved with the results (relation_cube.npy) and drawn, as the paper's
+Figure 2, for one client (plots.py, relation.png).
 """
 
 from typing import Any, NamedTuple
@@ -50,27 +86,44 @@ from fedora_jax.errors import ConfigError
 
 Params = Any
 
+R_CONSTRAINTS = ("none", "simplex_others")
+R_INITS = ("random", "uniform")
+LR_R_RULES = ("fixed", "lipschitz")
+
 
 class CoachingConfig(NamedTuple):
-  lam: float = 0.5       # lambda: coaching strength, in the client loss and in J(R)
-  beta: float = 1.0      # ridge penalty of the relation cube in J(R)
-  lr_r: float = 0.01     # server step size on R
-  r_steps: int = 10      # server gradient steps on R per round
+  lam: float = 1.0      # lambda (Eq. 5): coaching strength in the client loss and R's loss
+  beta: float = 0.01    # beta (Eq. 5): pull of R towards 1/N (paper: 1 at alpha 0.3)
+  lr_r: float = 0.01    # eta_r (Eq. 11): learning rate of R
+  r_steps: int = 1      # E_r (Algorithm 1): gradient steps on R per round
+  r_init: str = "random"      # Algorithm 1 line 2; "uniform" is a deviation
+  r_constraint: str = "none"  # Eq. 11's plain step; "simplex_others" is a deviation
+  lr_r_rule: str = "fixed"    # eta_r = lr_r; "lipschitz" (Theorem 1's 1/L_r) is a deviation
 
 
 FLAG_HELP = {
-    "lam": "Coaching: lambda, client loss + lambda ||w_i - s_i||^2 (also weighs J(R))",
-    "beta": "Coaching: ridge penalty beta ||R||^2 of the relation cube",
-    "lr_r": "Coaching: server learning rate of the relation cube",
-    "r_steps": "Coaching: server gradient steps on the relation cube per round",
+    "lam": "Coaching: lambda, client loss + lambda ||w_i - s_i||^2 (also weighs R's loss;"
+           " the centre of the paper's Figure 3 sweeps)",
+    "beta": "Coaching: beta of the regulariser beta/2 ||r_i - 1/N||^2 of the relation cube"
+            " (the paper's Figure 3 centres: 0.01 at Dirichlet alpha 0.1, 1 at alpha 0.3)",
+    "lr_r": "Coaching: learning rate eta_r of the relation cube",
+    "r_steps": "Coaching: gradient steps E_r on the relation cube per round",
+    "r_init": "Coaching: relation cube starts 'random' (rows uniform on the simplex) or,"
+              " a deviation, 'uniform' (1/N)",
+    "r_constraint": "Coaching: 'none' (the paper's plain gradient step, r_ii included) or,"
+                    " a deviation, 'simplex_others' (rows projected onto the simplex over"
+                    " the other clients, r_ii = 0)",
+    "lr_r_rule": "Coaching: 'fixed' (eta_r = coach_lr_r, the paper's) or, a deviation,"
+                 " 'lipschitz' (eta_r = 1/L_r per layer, Theorem 1's step; coach_lr_r unused)",
 }
 # The issue's flag names.
 FLAG_NAMES = {"lam": "coach_lambda", "beta": "coach_beta", "lr_r": "coach_lr_r",
-              "r_steps": "coach_r_steps"}
+              "r_steps": "coach_r_steps", "r_init": "coach_r_init",
+              "r_constraint": "coach_r_constraint", "lr_r_rule": "coach_lr_r_rule"}
 
 
 class CoachingServer(NamedTuple):
-  relation: jax.Array  # [K, L, K] r_ilj: client i's weight on client j at layer l
+  relation: jax.Array  # [N, L, N] r_ij^l at [i, l, j]: client i's weight on client j
 
 
 def validate(config: CoachingConfig) -> CoachingConfig:
@@ -80,11 +133,20 @@ def validate(config: CoachingConfig) -> CoachingConfig:
     raise ConfigError(f"coach_lr_r must be >= 0, got {config.lr_r}")
   if config.r_steps < 0:
     raise ConfigError(f"coach_r_steps must be >= 0, got {config.r_steps}")
+  if config.r_init not in R_INITS:
+    raise ConfigError(f"coach_r_init must be one of {', '.join(R_INITS)},"
+                      f" got {config.r_init!r}")
+  if config.r_constraint not in R_CONSTRAINTS:
+    raise ConfigError(f"coach_r_constraint must be one of {', '.join(R_CONSTRAINTS)},"
+                      f" got {config.r_constraint!r}")
+  if config.lr_r_rule not in LR_R_RULES:
+    raise ConfigError(f"coach_lr_r_rule must be one of {', '.join(LR_R_RULES)},"
+                      f" got {config.lr_r_rule!r}")
   return config
 
 
 def layer_grams(stacked: Params) -> jax.Array:
-  """[L, K, K]: G_l = <w_a^l, w_b^l> for each layer l, input to output."""
+  """[L, N, N]: G_l = <w_a^l, w_b^l> for each layer l, input to output."""
   first = jax.tree.map(lambda a: a[0], stacked)
   return jnp.stack([model_space.gram(stacked["params"][name])
                     for name in layer_names(first)])
@@ -92,23 +154,27 @@ def layer_grams(stacked: Params) -> jax.Array:
 
 def relation_objective(relation: jax.Array, grams: jax.Array, lam: float,
                        beta: float) -> jax.Array:
-  """J(R) of Eq. (10) from the Gram matrices (||a - Rw||^2 expanded)."""
-  diag = jnp.diagonal(grams, axis1=1, axis2=2)                  # [L, K]: ||w_i^l||^2
+  """sum_i f(r_i) of Eq. (10): lam ||s_i^l - w_i^l||^2 + beta/2 ||r_i - 1/N||^2, summed
+  over clients and layers, from the Gram matrices (the squared norm expanded)."""
+  num_clients = relation.shape[0]
+  diag = jnp.diagonal(grams, axis1=1, axis2=2)                  # [L, N]: ||w_i^l||^2
   cross = jnp.einsum("ilj,lij->il", relation, grams)             # <w_i^l, s_i^l>
   quad = jnp.einsum("ilj,ljk,ilk->il", relation, grams, relation)  # ||s_i^l||^2
-  return lam * jnp.sum(diag.T - 2.0 * cross + quad) + beta * jnp.sum(jnp.square(relation))
+  return (lam * jnp.sum(diag.T - 2.0 * cross + quad)
+          + 0.5 * beta * jnp.sum(jnp.square(relation - 1.0 / num_clients)))
 
 
 def relation_gradient(relation: jax.Array, grams: jax.Array, lam: float,
                       beta: float) -> jax.Array:
-  """dJ/dR of Eq. (11), [K, L, K]."""
-  target = jnp.einsum("lij->ilj", grams)                  # G_l[i, j]
-  combined = jnp.einsum("ilk,lkj->ilj", relation, grams)  # sum_k r_ilk G_l[k, j]
-  return -2.0 * lam * (target - combined) + 2.0 * beta * relation
+  """Eq. (11)-(12): lam grad f_s + beta (r_i - 1/N) for every client i, [N, L, N]."""
+  num_clients = relation.shape[0]
+  target = jnp.einsum("lij->ilj", grams)                  # G_l[i, j] = <w_i^l, w_j^l>
+  combined = jnp.einsum("ilk,lkj->ilj", relation, grams)  # <s_i^l, w_j^l>
+  return 2.0 * lam * (combined - target) + beta * (relation - 1.0 / num_clients)
 
 
 def project_to_simplex(values: jax.Array, allowed: jax.Array) -> jax.Array:
-  """Euclidean projection of each row [..., K] onto the simplex over `allowed` entries."""
+  """Euclidean projection of each row [..., N] onto the simplex over `allowed` entries."""
   v = jnp.where(allowed, values, -1e9)
   u = -jnp.sort(-v, axis=-1)
   css = jnp.cumsum(u, axis=-1)
@@ -120,22 +186,56 @@ def project_to_simplex(values: jax.Array, allowed: jax.Array) -> jax.Array:
 
 
 def others_mask(num_clients: int) -> jax.Array:
-  """[K, 1, K]: True where j != i."""
+  """[N, 1, N]: True where j != i."""
   return ~jnp.eye(num_clients, dtype=bool)[:, None, :]
 
 
-def update_relation(relation: jax.Array, grams: jax.Array, config: CoachingConfig) -> jax.Array:
-  """Eq. (12): r_steps projected gradient steps on J(R)."""
-  allowed = others_mask(relation.shape[0])
+def step_sizes(grams: jax.Array, config: CoachingConfig) -> jax.Array:
+  """[L, 1]: eta_r for each layer's relation rows. "lipschitz": 1 / L_r with
+  L_r = beta + 2 lam lambda_max(G_l), the smoothness constant of f(r_i^l) (its Hessian is
+  2 lam G_l + beta I), the step Theorem 1 prescribes, taken per layer since the rows of
+  different layers are independent problems."""
+  if config.lr_r_rule == "fixed":
+    return jnp.full((grams.shape[0], 1), config.lr_r, grams.dtype)
+  top = jnp.linalg.eigvalsh(grams)[:, -1]
+  return (1.0 / (config.beta + 2.0 * config.lam * jnp.maximum(top, 0.0)))[:, None]
 
-  def step(_, r):
-    r = r - config.lr_r * relation_gradient(r, grams, config.lam, config.beta)
-    return project_to_simplex(r, allowed)
-  return jax.lax.fori_loop(0, config.r_steps, step, relation)
+
+def relation_step(relation: jax.Array, grams: jax.Array, config: CoachingConfig) -> jax.Array:
+  """One step of Eq. (11) on every client's relation matrix (then the simplex_others
+  projection, where that deviation is chosen)."""
+  relation = relation - step_sizes(grams, config) * relation_gradient(
+      relation, grams, config.lam, config.beta)
+  if config.r_constraint == "simplex_others":
+    relation = project_to_simplex(relation, others_mask(relation.shape[0]))
+  return relation
+
+
+def update_relation(relation: jax.Array, grams: jax.Array, config: CoachingConfig) -> jax.Array:
+  """Algorithm 1, lines 5-8: E_r = r_steps steps of Eq. (9)/(11) at fixed models."""
+  return jax.lax.fori_loop(0, config.r_steps,
+                           lambda _, r: relation_step(r, grams, config), relation)
+
+
+def initial_relation(key: jax.Array, num_clients: int, num_layers: int,
+                     config: CoachingConfig) -> jax.Array:
+  """R^1 (Algorithm 1, line 2), [N, L, N]: rows uniform on the simplex ("random"), or 1/N.
+
+  Under simplex_others the diagonal is dropped and rows renormalised: a Dirichlet(1) row
+  with one entry removed and renormalised is Dirichlet(1) over the rest."""
+  shape = (num_clients, num_layers, num_clients)
+  if config.r_init == "random":
+    relation = jax.random.dirichlet(key, jnp.ones((num_clients,)), shape[:2])
+  else:
+    relation = jnp.full(shape, 1.0 / num_clients)
+  if config.r_constraint == "simplex_others":
+    relation = jnp.where(others_mask(num_clients), relation, 0.0)
+    relation = relation / jnp.sum(relation, axis=-1, keepdims=True)
+  return relation
 
 
 def coaching_models(relation: jax.Array, stacked: Params) -> Params:
-  """Eq. (14): s_i^l = sum_j r_ilj w_j^l, leaves [K, ...]."""
+  """Eq. (14): s_i^l = sum_j r_ij^l w_j^l, leaves [N, ...]."""
   first = jax.tree.map(lambda a: a[0], stacked)
   return {"params": {
       name: model_space.mix(relation[:, l, :], stacked["params"][name])
@@ -150,22 +250,23 @@ def coaching(config: CoachingConfig, trainer: ClientTrainer) -> Algorithm:
     if num_clients < 2:
       raise ConfigError("coaching needs at least 2 clients (each is coached by the others)")
     num_layers = len(layer_names(jax.tree.map(lambda a: a[0], context.params)))
-    allowed = others_mask(num_clients).astype(jnp.float32)
-    relation = jnp.broadcast_to(allowed / (num_clients - 1),
-                                (num_clients, num_layers, num_clients))
+    relation = initial_relation(context.key, num_clients, num_layers, config)
+    # Round 1's R steps (Algorithm 1, lines 5-8) at the initial models.
+    relation = update_relation(relation, layer_grams(context.params), config)
     return AlgorithmState(server=CoachingServer(relation=relation), clients=context.params)
 
   def broadcast(server: CoachingServer, client_params):
     return coaching_models(server.relation, client_params)
 
   def client_update(params, coach, data, key):
-    def pull(p):
+    def pull(p):  # lambda f_s(s_i, w_i), Eq. (15)
       return config.lam * squared_distance(p, coach)
     params, stats = trainer.train(params, data.train, key, regularizer=pull)
     return ClientOutput(state=params, upload=(), train=stats)
 
   def aggregate(server: CoachingServer, client_params, uploads, weights):
     del uploads, weights
+    # The next round's R steps, at the models just trained (W^{k+1}).
     relation = update_relation(server.relation, layer_grams(client_params), config)
     return AlgorithmState(server=CoachingServer(relation=relation), clients=client_params)
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from fedora_jax.algorithms import fedavg
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.layers import layer_names, merge_layers, take_layers
+from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
 
@@ -50,15 +50,6 @@ FLAG_HELP = {
                    " trains for the remaining epochs (head frozen)",
     "head_layers": "FedRep: number of top layers in the personal head",
 }
-
-
-def split_names(params: Params, head_layers: int, role: str) -> tuple[list[str], list[str]]:
-  """(body layer names, head layer names), input to output."""
-  names = layer_names(params)
-  if not 1 <= head_layers < len(names):
-    raise ConfigError(f"{role} must be between 1 and {len(names) - 1} for a model with"
-                      f" {len(names)} layers, got {head_layers}")
-  return names[:len(names) - head_layers], names[len(names) - head_layers:]
 
 
 def batch_size_of(trainer: ClientTrainer) -> int:
@@ -126,7 +117,7 @@ def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
   batch_size = batch_size_of(trainer)
 
   def body_of(params: Params) -> Params:
-    return take_layers(params, split_names(params, config.head_layers, "fedrep_head_layers")[0])
+    return take_layers(params, split_body_head(params, config.head_layers, "fedrep_head_layers")[0])
 
   def init(context: InitContext) -> AlgorithmState:
     first = jax.tree.map(lambda a: a[0], context.params)
@@ -137,7 +128,7 @@ def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
 
   def client_update(params, body, data, key):
     params = merge_layers(params, body)
-    head = split_names(params, config.head_layers, "fedrep_head_layers")[1]
+    head = split_body_head(params, config.head_layers, "fedrep_head_layers")[1]
     steps_per_epoch = (data.train.n + batch_size - 1) // batch_size
     head_steps = (config.head_epochs * steps_per_epoch).astype(jnp.float32)
     params, stats = alternating_train(trainer, params, head, head_steps, data.train, key)

@@ -35,8 +35,7 @@ import jax.numpy as jnp
 
 from fedora_jax.algorithms import fedavg
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.fedrep import split_names
-from fedora_jax.algorithms.layers import merge_layers, take_layers
+from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
 
@@ -57,7 +56,7 @@ class FedRodTrained(NamedTuple):
 
 
 def _head_name(params: Params) -> str:
-  head = split_names(params, 1, "fedrod's head")[1][0]
+  head = split_body_head(params, 1, "fedrod's head")[1][0]
   if "bias" not in params["params"][head]:
     raise ConfigError(f"fedrod needs an affine head with a bias; {head} has"
                       f" {sorted(params['params'][head])}")

@@ -2,8 +2,15 @@
 LG-FedAvg (lg_fedavg.py) and FedPer (fedper.py) are built on.
 
 Layers are the top-level entries of `params["params"]` (Dense_0, Dense_1, ... for the
-MLP), ordered from input to output by the index flax gives them in creation order. In
-such a partial-sharing method the server holds only the shared layers; each client keeps
+MLP; Conv_0, Conv_1, Dense_0, Dense_1, Dense_2 for the CNN), ordered from input to output
+by module type (fedora_jax.models.LAYER_TYPE_ORDER: convolutions first) and then by the
+index flax gives each type in creation order. Every layer-wise method (LG-FedAvg, FedPer,
+FedRep, FedRoD, FedALA and --ala, coaching) takes its layers from `layer_names`, and the
+body / head split from `split_body_head`: the head is the top `head_layers` layers (the
+classifier, Dense_2 of the CNN at 1), the body everything below; FedPer's personal
+layers and LG-FedAvg's local layers are counted on the same list.
+
+In a partial-sharing method the server holds only the shared layers; each client keeps
 its whole model in the stacked client state, trains it after overwriting its shared
 layers with the global ones, uploads its shared layers, and is evaluated with the
 latest global shared layers and its own personal ones.
@@ -18,25 +25,45 @@ from fedora_jax.algorithms import fedavg
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
+from fedora_jax.models import LAYER_TYPE_ORDER
 
 Params = Any
 # select_shared(ordered layer names, input to output) -> the names whose weights are shared.
 SelectShared = Callable[[list[str]], list[str]]
 
 
-def _layer_index(name: str) -> tuple[int, str]:
+def _type_and_index(name: str) -> tuple[str, int]:
   match = re.fullmatch(r"(.*)_(\d+)", name)
   if match is None:
     raise ConfigError(f"cannot order layer {name!r}: expected flax's <Module>_<index> names")
-  return int(match.group(2)), match.group(1)
+  return match.group(1), int(match.group(2))
 
 
 def layer_names(params: Params) -> list[str]:
-  """The model's layers, input to output (flax numbers each module type by creation)."""
+  """The model's layers, input to output: by module type in LAYER_TYPE_ORDER, then by the
+  index flax numbers each type with in creation order."""
   names = list(params["params"])
-  if len({_layer_index(n)[1] for n in names}) > 1:
-    raise ConfigError(f"layer order is ambiguous across module types: {sorted(names)}")
-  return sorted(names, key=_layer_index)
+  types = {_type_and_index(n)[0] for n in names}
+  unranked = sorted(types - set(LAYER_TYPE_ORDER))
+  if len(types) > 1 and unranked:
+    raise ConfigError(f"layer order is ambiguous across module types {sorted(types)}:"
+                      f" {unranked} not in fedora_jax.models.LAYER_TYPE_ORDER")
+  rank = {t: i for i, t in enumerate(LAYER_TYPE_ORDER)}
+
+  def key(name: str) -> tuple[int, int]:
+    module_type, index = _type_and_index(name)
+    return rank.get(module_type, 0), index
+  return sorted(names, key=key)
+
+
+def split_body_head(params: Params, head_layers: int, role: str) -> tuple[list[str], list[str]]:
+  """(body layer names, head layer names), input to output: the head is the top
+  `head_layers` layers. `role` names the setting in the error message."""
+  names = layer_names(params)
+  if not 1 <= head_layers < len(names):
+    raise ConfigError(f"{role} must be between 1 and {len(names) - 1} for a model with"
+                      f" {len(names)} layers, got {head_layers}")
+  return names[:len(names) - head_layers], names[len(names) - head_layers:]
 
 
 def _check_count(count: int, names: list[str], role: str) -> None:

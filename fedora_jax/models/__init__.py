@@ -20,6 +20,15 @@ def _cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
 
 MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn}
 
+# The layers of a model, for the layer-wise methods (fedora_jax/algorithms/layers.py), are
+# its top-level flax modules, which flax names <Type>_<n>, numbering each type in creation
+# order. Every registered model creates all its convolutions before its dense layers, so
+# (rank of the type here, n) orders any model's layers input to output: the CNN's are
+# Conv_0, Conv_1, Dense_0, Dense_1, Dense_2. tests/test_split_layers.py checks this order
+# against the forward pass of every registered model; a model with other module types
+# adds them here in the order its forward pass meets them.
+LAYER_TYPE_ORDER: tuple[str, ...] = ("Conv", "Dense")
+
 # Default --client_batch per model on CPU devices (None: vmap over all clients). There a
 # few clients at a time keep their weights, gradients and momentum in cache: vmapping all
 # 36 MLP clients streams ~50 MB through memory every SGD step. Measured on a 2-core CPU,
