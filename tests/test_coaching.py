@@ -35,7 +35,7 @@ def test_coaching_models_combine_every_client_layer_by_layer():
 
 
 def test_relation_step_is_the_plain_gradient_step_of_eq_11():
-  config = coaching.CoachingConfig(lam=1.0, beta=2.0, lr_r=0.1, r_steps=1)
+  config = coaching.CoachingConfig(lam=1.0, beta=2.0, lr_r=0.1, r_steps=1, lr_r_rule="fixed")
   grams = coaching.layer_grams(TWO_CLIENTS)
   np.testing.assert_allclose(grams, [[[1, 0], [0, 4]], [[9, -3], [-3, 1]]])
   # r_ij^l <- r_ij^l - 0.1 (2 lam <s_i^l - w_i^l, w_j^l> + beta (r_ij^l - 1/2)):
@@ -79,7 +79,7 @@ def test_fixed_step_diverges_on_large_layers_where_the_lipschitz_step_descends()
   grams = coaching.layer_grams({"params": {"Dense_0": {"kernel": jnp.asarray(layer)}}})
   start = coaching.initial_relation(jax.random.key(0), 10, 1, coaching.CoachingConfig())
   objective = lambda r, c: float(coaching.relation_objective(r, grams, c.lam, c.beta))
-  fixed = coaching.CoachingConfig(r_steps=5)
+  fixed = coaching.CoachingConfig(r_steps=5, lr_r_rule="fixed")
   lipschitz = fixed._replace(lr_r_rule="lipschitz")
   assert objective(coaching.update_relation(start, grams, fixed), fixed) > 100 * objective(
       start, fixed)
@@ -146,7 +146,7 @@ def test_round_one_starts_after_the_relation_steps_at_the_initial_model():
   model = tiny_model(hidden=(5,))
   data, _ = tiny_data([6] * K)
   trainer = tiny_trainer(model)
-  config = coaching.CoachingConfig(beta=3.0, lr_r=0.1)
+  config = coaching.CoachingConfig(beta=3.0, lr_r=0.1, lr_r_rule="fixed")
   stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (K,) + a.shape), init_params(model))
   key = jax.random.key(5)
   state = coaching.coaching(config, trainer).init(
@@ -171,7 +171,8 @@ def test_simplex_others_deviation_projects_each_row_onto_the_other_clients():
 
   model = tiny_model(hidden=(5,))
   grams = coaching.layer_grams(_stacked(model))
-  config = coaching.CoachingConfig(lr_r=0.05, r_steps=20, r_constraint="simplex_others")
+  config = coaching.CoachingConfig(lr_r=0.05, r_steps=20, r_constraint="simplex_others",
+                                   lr_r_rule="fixed")
   start = coaching.initial_relation(jax.random.key(0), K, 2, config)
   updated = coaching.update_relation(start, grams, config)
   assert (coaching.relation_objective(updated, grams, config.lam, config.beta)
