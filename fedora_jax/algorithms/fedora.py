@@ -27,10 +27,10 @@ The paper's ablations (section 5.3), on top of either variant:
   - Table 4, `similarity`: W from another client similarity in place of the principal
     angles (step 2), each read from the work the paper cites for it (fedora_jax/
     similarity.py): "random" (FedU [7]), "parameters" (cosine of the client models,
-    FedAMP [13]) or "gradients" (cosine of the client updates, clustered FL [31]). The
-    paper does not say when these are computed; its remark after Eq. (5) contrasts its
-    one-off similarity with previous works that "calculate the client similarity in every
-    training round", and they change as the models train, so here "parameters" and
+    FedAMP [13]) or "gradients" (cosine of the client updates, clustered FL [31]).
+    Section 5.3.2 does not say when these are computed; the Remark of section 4.2.1 says
+    that [13, 31] "estimate the client similarity using local model parameters" and
+    "calculate the client similarity in every training round", so here "parameters" and
     "gradients" are recomputed by the server after every round, from the models (and
     updates) it then propagates; "random" is drawn once from the algorithm key. Before
     the first round every client holds the same model, so any W propagates it to itself
