@@ -146,7 +146,11 @@ def single_run() -> dict:
                 fedora_variant=FLAGS.fedora_variant)
 
   if _TORCH.value and FLAGS.algorithm == "fedora":
-    if importlib.util.find_spec("torch") is None:
+    if config.similarity != "principal_angles" or config.lambda_rule == "constant":
+      # The PyTorch round is the paper's and the authors' FEDORA, not the ablations.
+      log("PyTorch baseline: only FEDORA's principal angles and selective lambda rules;"
+          " no sequential baseline")
+    elif importlib.util.find_spec("torch") is None:
       log("PyTorch not installed (pip install -e '.[bench]'): no sequential baseline")
     else:
       report.update(torch_baseline(data, setup.hidden, train, config,

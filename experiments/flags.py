@@ -128,16 +128,25 @@ flags.DEFINE_float("fedora_temperature", None, "Temperature of exp weights (code
 flags.DEFINE_bool("fedora_zero_diagonal", None, "Drop self-similarity from W (code).")
 flags.DEFINE_integer("fedora_top_k", None, "Keep each client's k strongest neighbours;"
                      " 0 keeps all (paper 0, code 2).")
-flags.DEFINE_enum("fedora_lambda_rule", None, ["paper", "authors"],
-                  "lambda = max(eps, diff) (paper) or exp(diff/2), 0 if diff < 0 (code).")
+flags.DEFINE_enum("fedora_lambda_rule", None, list(fedora_lib.LAMBDA_RULES),
+                  "lambda = max(eps, diff) (paper) or exp(diff/2), 0 if diff < 0 (code);"
+                  " constant: --fedora_lambda_value for every client (Table 5).")
 flags.DEFINE_float("fedora_lambda_eps", None, "The paper's lambda floor (1e-8).")
+flags.DEFINE_float("fedora_lambda_value", None, "lambda_k of every client with"
+                   " --fedora_lambda_rule=constant (default 1; Table 5: 0.01, 0.1, 1, 10).")
+flags.DEFINE_enum("fedora_similarity", None, list(fedora_lib.SIMILARITIES),
+                  "Client similarity W is built from: principal_angles of the data"
+                  " subspaces (paper and code); Table 4's random (FedU), parameters"
+                  " (cosine of the client models, FedAMP) or gradients (cosine of the"
+                  " client updates, clustered FL), the last two recomputed every round.")
 flags.DEFINE_enum("fedora_pull", None, ["prox", "decoupled"],
                   "Proximal term in the loss (paper) or a pull after each step (code).")
 flags.DEFINE_integer("fedora_propagation_steps", None,
                      "0: closed-form propagation; n > 0: n steps of the iterative form.")
 
 _FEDORA_FIELDS = ("alpha", "p", "weights", "temperature", "zero_diagonal", "top_k",
-                  "lambda_rule", "lambda_eps", "pull", "propagation_steps")
+                  "lambda_rule", "lambda_eps", "lambda_value", "pull", "propagation_steps",
+                  "similarity")
 _DEFINE_BY_TYPE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
                    float: flags.DEFINE_float, str: flags.DEFINE_string}
 # Flag name -> the algorithm whose hyperparameter it is (names can share prefixes:
@@ -268,7 +277,11 @@ def algorithm_config(name: str):
         if FLAGS[_flag_name(name, field)].value is not None})
   overrides = {field: FLAGS[f"fedora_{field}"].value for field in _FEDORA_FIELDS
                if FLAGS[f"fedora_{field}"].value is not None}
-  return fedora_lib.config_for_variant(FLAGS.fedora_variant, lr=FLAGS.lr, **overrides)
+  config = fedora_lib.config_for_variant(FLAGS.fedora_variant, lr=FLAGS.lr, **overrides)
+  if "lambda_value" in overrides and config.lambda_rule != "constant":
+    raise ConfigError(f"--fedora_lambda_value is the lambda of --fedora_lambda_rule=constant;"
+                      f" this run's rule is {config.lambda_rule}")
+  return config
 
 
 def plugged_config(name: str):

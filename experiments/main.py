@@ -67,6 +67,11 @@ def run() -> dict:
       run_info["partition"] = partition._asdict()
   if FLAGS.new_clients and FLAGS.algorithm != "fedora":
     raise ConfigError("--new_clients is FEDORA's Algorithm 2: use it with --algorithm=fedora")
+  if (FLAGS.new_clients and FLAGS.algorithm == "fedora"
+      and config.similarity != "principal_angles"):
+    raise ConfigError("--new_clients compares a new client's data subspace with the trained"
+                      f" clients'; it has no {config.similarity} similarity to them (leave"
+                      " out --fedora_similarity)")
   if FLAGS.new_clients and spec.task != "classification":
     raise ConfigError(f"--new_clients reports accuracies; {FLAGS.dataset} is a {spec.task}")
   reference = None

@@ -21,9 +21,10 @@ reference of R-Acc and PTR) and, beside the paper's FEDORA row, `fedora_paper`: 
 equations as printed (`--fedora_variant=paper`), compared with the same paper row; the
 `fedora` row is the default, authors' variant, whose numbers the paper reports.
 
-Rows that need what fedora_jax does not have (Table 4's other similarity measures,
-Table 5's constant lambda) are listed with the paper's numbers and what is missing, and
-not run; asking for one with --rows is a one-line error.
+The ablation rows of Tables 4 and 5 are the `fedora` row with one thing changed
+(fedora_jax/algorithms/fedora.py): --fedora_similarity=random|parameters|gradients
+(Table 4), or --fedora_lambda_rule=constant with --fedora_lambda_value=0.01|0.1|1|10
+(Table 5). reproduce sets these flags row by row, so the command line leaves them out.
 
 Every row is one `experiments.main` run on the same split and seed, LOCAL first, then each
 algorithm measured against it (--reference), so R-Acc and PTR compare like with like.
@@ -68,9 +69,26 @@ TABLES = tuple(sorted(load_paper_tables()))
 
 
 class RowRun(NamedTuple):
-  """How a row runs here: the registry algorithm, and the variant of a FEDORA row."""
+  """How a row runs here: the registry algorithm, and the variant of a FEDORA row with
+  the FEDORA flags it sets (flag -> value; the other _ROW_FLAGS stay at their default)."""
   algorithm: str
   fedora_variant: str | None = None
+  fedora_flags: tuple[tuple[str, object], ...] = ()
+
+
+# The FEDORA flags an ablation row sets; reproduce owns them (the command leaves them out).
+_ROW_FLAGS = ("fedora_similarity", "fedora_lambda_rule", "fedora_lambda_value")
+
+
+def _similarity_row(measure: str) -> RowRun:
+  """Table 4: the fedora row with W built from another client similarity."""
+  return RowRun("fedora", "authors", (("fedora_similarity", measure),))
+
+
+def _constant_lambda_row(value: float) -> RowRun:
+  """Table 5: the fedora row with lambda_k = `value` for every client."""
+  return RowRun("fedora", "authors", (("fedora_lambda_rule", "constant"),
+                                      ("fedora_lambda_value", value)))
 
 
 # The paper's rows that run as one of our algorithms with its own (paper) defaults.
@@ -81,26 +99,15 @@ RUNS = {**{row: RowRun(row) for row in _BASELINES},
         # The variant whose numbers the paper reports: the default of --algorithm=fedora.
         "fedora": RowRun("fedora", "authors"),
         # Ours, not a paper row: the equations as printed, beside the paper's FEDORA row.
-        "fedora_paper": RowRun("fedora", "paper")}
+        "fedora_paper": RowRun("fedora", "paper"),
+        # Table 4's similarity measures and Table 5's constant lambda_k.
+        "fedora_random_similarity": _similarity_row("random"),
+        "fedora_parameter_similarity": _similarity_row("parameters"),
+        "fedora_gradient_similarity": _similarity_row("gradients"),
+        **{f"fedora_lambda_{value:g}": _constant_lambda_row(value)
+           for value in (0.01, 0.1, 1.0, 10.0)}}
 # Our rows that have no paper row of their own -> the paper row they are compared with.
 EXTRA_ROWS = {"fedora_paper": "fedora"}
-
-# Paper rows fedora_jax cannot run: what each needs that it does not have.
-_CONSTANT_LAMBDA = ("FEDORA with one constant lambda_k for every client (Table 5):"
-                    " fedora_jax has only the selective rules of --fedora_lambda_rule"
-                    " (paper, authors)")
-MISSING = {
-    "fedora_random_similarity": "FEDORA with a random client similarity (Table 4, as in"
-                                " FedU): fedora_jax builds W only from principal angles",
-    "fedora_parameter_similarity": "FEDORA with a model-parameter similarity (Table 4, as"
-                                   " in FedAMP): fedora_jax builds W only from principal"
-                                   " angles",
-    "fedora_gradient_similarity": "FEDORA with a gradient similarity (Table 4, as in"
-                                  " clustered FL): fedora_jax builds W only from"
-                                  " principal angles",
-    "fedora_lambda_0.01": _CONSTANT_LAMBDA, "fedora_lambda_0.1": _CONSTANT_LAMBDA,
-    "fedora_lambda_1": _CONSTANT_LAMBDA, "fedora_lambda_10": _CONSTANT_LAMBDA,
-}
 
 flags.DEFINE_enum("table", "fedora1", TABLES,
                   "fedora1: Table 1 (balanced, every method); fedora3: Table 3 (imbalanced);"
@@ -108,8 +115,8 @@ flags.DEFINE_enum("table", "fedora1", TABLES,
                   " (FEDORA with a constant lambda_k).")
 flags.DEFINE_integer("seeds", 1, "Run seeds --seed .. --seed+N-1 and report mean and std.",
                      lower_bound=1)
-flags.DEFINE_list("rows", [], "Rows to run (default: every row of the table that fedora_jax"
-                  " can run; LOCAL always runs).")
+flags.DEFINE_list("rows", [], "Rows to run (default: every row of the table; LOCAL always"
+                  " runs).")
 
 
 def table_rows(table: str) -> list[str]:
@@ -146,17 +153,14 @@ def load_paper_rows(table: str, dataset: str) -> dict:
 
 
 def check_rows(rows: list[str], table: str) -> list[str]:
-  """The rows to run, in the table's order with LOCAL first; a ConfigError naming what is
-  missing for a row fedora_jax cannot run, or the rows a table has for an unknown one."""
+  """The rows to run, in the table's order with LOCAL first; a ConfigError naming the
+  rows a table has for an unknown one."""
   known = table_rows(table)
   unknown = [r for r in rows if r not in known]
   if unknown:
     raise ConfigError(f"--table={table} has no row {', '.join(unknown)}; its rows:"
                       f" {', '.join(known)}")
-  for row in rows:
-    if row in MISSING:
-      raise ConfigError(f"--rows={row} needs {MISSING[row]}")
-  wanted = set(rows) or {r for r in known if r not in MISSING}
+  wanted = set(rows) or set(known)
   # LOCAL is every other row's reference, so it always runs first.
   return ["local"] + [r for r in known if r in wanted and r != "local"]
 
@@ -166,6 +170,9 @@ def _use_row(row: str, seed: int, workdir: str, reference: str | None) -> None:
   run = RUNS[row]
   FLAGS.algorithm, FLAGS.seed, FLAGS.reference = run.algorithm, seed, reference
   FLAGS.fedora_variant = run.fedora_variant or FLAGS["fedora_variant"].default
+  row_flags = dict(run.fedora_flags)
+  for name in _ROW_FLAGS:  # the last row's values must not leak into this one
+    setattr(FLAGS, name, row_flags.get(name, FLAGS[name].default))
   FLAGS.workdir = row_workdir(workdir, seed, row)
 
 
@@ -219,18 +226,8 @@ def _paper_columns(row: str, paper: dict) -> dict:
 
 
 def table_summary(table: str, runs: dict[str, list[dict]], paper: dict) -> list[dict]:
-  """The table's rows in the paper's order, each beside the paper's numbers: ours (mean
-  over seeds) where we ran it, else the reason fedora_jax cannot."""
-  return [summarize(row, runs[row], paper) if row in runs else not_run_entry(row, paper)
-          for row in table_rows(table) if row in runs or row in MISSING]
-
-
-def not_run_entry(row: str, paper: dict) -> dict:
-  """A paper row fedora_jax cannot run: the paper's numbers, ours left out, and why."""
-  return {"algorithm": row, "seeds": 0, **{m: None for m in METRICS},
-          **{f"{m}_std": None for m in METRICS}, **_paper_columns(row, paper),
-          "round_seconds": None, "wall_seconds": None, "results": [],
-          "not_run": MISSING[row]}
+  """The rows we ran in the paper's order, each (mean over seeds) beside the paper's."""
+  return [summarize(row, runs[row], paper) for row in table_rows(table) if row in runs]
 
 
 def _cell(value, std=None, signed=False) -> str:
@@ -248,8 +245,7 @@ def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
   for r in rows:
     r_acc = None if r["algorithm"] == "local" else r["r_acc"]
     ptr = None if r["algorithm"] == "local" else r["ptr"]
-    timing = ("not run | —" if r.get("not_run") else
-              f"{r['round_seconds']:.3f} | {r['wall_seconds']:.0f}")
+    timing = f"{r['round_seconds']:.3f} | {r['wall_seconds']:.0f}"
     paper_row = r.get("paper_row") or "—"
     if r["algorithm"] in EXTRA_ROWS:
       paper_row += " (ours: the equations as printed)"
@@ -265,8 +261,6 @@ def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
             " (rounds-weighted over the processes that trained the row, when extended"
             " from checkpoints); wall s: its compile and training time, summed over them."]
   for r in rows:
-    if r.get("not_run"):
-      lines.append(f"\nnot run: {r['algorithm']} needs {r['not_run']}.")
     if r.get("paper_note"):
       lines.append(f"\npaper_acc of {r['algorithm']}: {r['paper_note']}.")
   return "\n".join(lines) + "\n"
@@ -293,6 +287,10 @@ def reproduce() -> dict:
   if FLAGS["fedora_variant"].present:
     raise ConfigError("reproduce picks each FEDORA row's variant (fedora: authors,"
                       " fedora_paper: paper); leave out --fedora_variant")
+  given = [f"--{name}" for name in _ROW_FLAGS if FLAGS[name].present]
+  if given:
+    raise ConfigError(f"reproduce sets {', '.join(given)} row by row (Tables 4 and 5's"
+                      " ablations); leave them out")
   paper_table = load_paper_tables()[FLAGS.table]
   paper = load_paper_rows(FLAGS.table, FLAGS.dataset)
   rows = check_rows(FLAGS.rows, FLAGS.table)

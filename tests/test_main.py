@@ -108,6 +108,10 @@ def test_presets_pick_their_fedora_variant(preset, variant):
     (["--batch_size=0"], "--batch_size"),
     (["--momentum=1.5"], "--momentum"),
     (["--fedora_p=0"], "fedora_p must be >= 1"),
+    (["--fedora_lambda_value=0.1"], "--fedora_lambda_value is the lambda of"
+     " --fedora_lambda_rule=constant; this run's rule is authors"),
+    (["--num_clients=4", "--new_clients=1", "--fedora_similarity=gradients"],
+     "it has no gradients similarity to them"),
     (["--max_pad_ratio=0.5"], "--max_pad_ratio"),
     (["--lr=1e30", "--num_clients=4", "--hidden=16", "--local_epochs=1"],
      "NaN or Inf loss in round 1 at client(s) 0, 1, 2, 3"),

@@ -8,8 +8,10 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import flags as run_flags
 from experiments import reproduce
 from fedora_jax import algorithms
+from fedora_jax.algorithms import fedora as fedora_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError
 from test_main import FAST, ROOT
@@ -89,9 +91,9 @@ def test_paper_data_has_every_row_of_every_table_with_finite_numbers():
         # PTR is a fraction of K clients: a transcription slip would rarely keep that.
         clients = values["ptr"] * column["num_clients"]
         assert clients == pytest.approx(round(clients), abs=0.01), (name, dataset, row)
-      # Every row runs as one of ours, or is named as one fedora_jax cannot run.
+      # Every row runs as one of ours.
       for row in table["rows"]:
-        assert (row in reproduce.RUNS) != (row in reproduce.MISSING), row
+        assert row in reproduce.RUNS, row
       if "local" not in column["values"]:  # LOCAL's numbers from a table of its setting
         other = tables[column["local_from"]["table"]]
         assert other["setting"] == table["setting"]
@@ -119,26 +121,24 @@ def test_every_row_of_every_table_prints_the_papers_numbers(table):
       assert cells[0] == f"{values['acc']:.4f}", (table, dataset, row)
       if row != "local":
         assert cells[1] == f"{values['r_acc']:+.4f}" and cells[2] == f"{values['ptr']:.4f}"
-      assert ("not run" in line) == (row in reproduce.MISSING)
-    for row in reproduce.MISSING.keys() & set(paper):
-      assert f"not run: {row} needs " in markdown
+      assert "not run" not in line
 
 
 def test_rows_tables_and_datasets_are_checked():
   with pytest.raises(ConfigError, match="--table=fedora1 has no row nope; its rows: local,"):
     reproduce.check_rows(["fedavg", "nope"], "fedora1")
   assert reproduce.check_rows(["fedora", "fedavg"], "fedora1") == ["local", "fedavg", "fedora"]
-  # By default every row fedora_jax can run; Tables 4 and 5 have only FEDORA's own.
+  # By default every row of the table, in its order, LOCAL first.
   assert reproduce.check_rows([], "fedora1")[-2:] == ["fedora", "fedora_paper"]
   assert len(reproduce.check_rows([], "fedora1")) == 17
-  assert reproduce.check_rows([], "fedora4") == ["local", "fedora", "fedora_paper"]
-  assert reproduce.check_rows([], "fedora5") == ["local", "fedora", "fedora_paper"]
-  # A row that needs what the simulator lacks is refused, naming what is missing.
-  with pytest.raises(ConfigError, match="fedora_gradient_similarity needs FEDORA with a"
-                     " gradient similarity .* only from principal angles"):
-    reproduce.check_rows(["fedora_gradient_similarity"], "fedora4")
-  with pytest.raises(ConfigError, match="constant lambda_k"):
-    reproduce.check_rows(["fedora", "fedora_lambda_10"], "fedora5")
+  assert reproduce.check_rows([], "fedora4") == [
+      "local", "fedora_random_similarity", "fedora_parameter_similarity",
+      "fedora_gradient_similarity", "fedora", "fedora_paper"]
+  assert reproduce.check_rows([], "fedora5") == [
+      "local", "fedora_lambda_0.01", "fedora_lambda_0.1", "fedora_lambda_1",
+      "fedora_lambda_10", "fedora", "fedora_paper"]
+  assert reproduce.check_rows(["fedora_lambda_10", "fedora"], "fedora5") == [
+      "local", "fedora_lambda_10", "fedora"]
   with pytest.raises(ConfigError, match="Table 3 reports rmnist, rfmnist, not cifar10"):
     reproduce.load_paper_rows("fedora3", "cifar10")
   assert reproduce.load_paper_rows("fedora1", "cifar10")["fedora"]["acc"] == 0.8570
@@ -193,3 +193,46 @@ def test_cells_round_to_four_places_without_negative_zero():
   assert reproduce._cell(-0.00001, signed=True) == "+0.0000"
   assert reproduce._cell(0.08056, 0.01, signed=True) == "+0.0806 ± 0.0100"
   assert reproduce._cell(None) == "—"
+
+
+def test_each_ablation_row_is_the_fedora_row_with_its_own_flags(tmp_path):
+  flag_values = reproduce.FLAGS
+  flag_values(["reproduce", "--table=fedora5"])
+  try:
+    def row_config(row):
+      reproduce._use_row(row, 0, str(tmp_path), None)
+      return run_flags.algorithm_config("fedora"), run_flags.run_identity("fedora")
+
+    fedora_row, fedora_identity = row_config("fedora")
+    assert fedora_row == fedora_lib.config_for_variant("authors", lr=flag_values.lr)
+    for row, fields in [
+        ("fedora_lambda_0.01", dict(lambda_rule="constant", lambda_value=0.01)),
+        ("fedora_lambda_10", dict(lambda_rule="constant", lambda_value=10.0)),
+        ("fedora_gradient_similarity", dict(similarity="gradients")),  # lambda reset
+        ("fedora_random_similarity", dict(similarity="random")),
+        ("fedora_parameter_similarity", dict(similarity="parameters"))]:
+      config, identity = row_config(row)
+      assert config == fedora_row._replace(**fields), row
+      # The run's identity (run_config.json) names what the row changed, and only that.
+      assert {k: v for k, v in identity.items() if fedora_identity[k] != v} == {
+          f"fedora_{field}": value for field, value in fields.items()}, row
+    # Back to the plain row: nothing left over from the ablations.
+    assert row_config("fedora") == (fedora_row, fedora_identity)
+    # A constant without the constant rule is an error, not silently ignored.
+    reproduce._use_row("fedora", 0, str(tmp_path), None)
+    flag_values.fedora_lambda_value = 0.1
+    with pytest.raises(ConfigError, match="--fedora_lambda_value is the lambda of"
+                       " --fedora_lambda_rule=constant; this run's rule is authors"):
+      run_flags.algorithm_config("fedora")
+  finally:
+    flag_values.unparse_flags()
+
+
+def test_the_ablation_flags_are_left_to_reproduce():
+  flag_values = reproduce.FLAGS
+  flag_values(["reproduce", "--table=fedora4", "--fedora_similarity=random"])
+  try:
+    with pytest.raises(ConfigError, match="reproduce sets --fedora_similarity row by row"):
+      reproduce.reproduce()
+  finally:
+    flag_values.unparse_flags()

@@ -70,3 +70,31 @@ def test_client_features_scale_pixels_and_append_onehot():
   x = jnp.array([[[0, 255], [51, 102]]], jnp.uint8)
   z = similarity.client_features(x, jnp.array([2]), num_classes=3)
   np.testing.assert_allclose(z, [[0.0, 1.0, 0.2, 0.4, 0.0, 0.0, 1.0]], atol=1e-6)
+
+
+def test_cosine_similarity_of_hand_made_vectors():
+  # Rows: e1, e1 + e2, -2 e2, and a zero vector (no direction: its row and column are 0).
+  vectors = jnp.array([[1.0, 0.0], [1.0, 1.0], [0.0, -2.0], [0.0, 0.0]])
+  r = 1.0 / np.sqrt(2.0)
+  expected = [[1.0, r, 0.0, 0.0],
+              [r, 1.0, -r, 0.0],
+              [0.0, -r, 1.0, 0.0],
+              [0.0, 0.0, 0.0, 0.0]]
+  np.testing.assert_allclose(similarity.cosine_similarity(vectors @ vectors.T), expected,
+                             atol=1e-6)
+
+
+def test_random_similarity_is_fedus_symmetric_thresholded_draw():
+  key = jax.random.key(3)
+  w = np.asarray(similarity.random_similarity(key, 6))
+  # FedU's code: (B + B^T) / 2 with B ~ U(0, 1), entries below 0.25 zeroed; here w_kk = 1.
+  b = np.asarray(jax.random.uniform(key, (6, 6)))
+  expected = (b + b.T) / 2
+  expected[expected < 0.25] = 0.0
+  np.fill_diagonal(expected, 1.0)
+  np.testing.assert_allclose(w, expected, atol=1e-7)
+  np.testing.assert_array_equal(w, w.T)
+  assert np.all((w == 0) | ((w >= 0.25) & (w <= 1)))
+  # Deterministic per key, another key another graph.
+  np.testing.assert_array_equal(w, similarity.random_similarity(jax.random.key(3), 6))
+  assert not np.allclose(w, similarity.random_similarity(jax.random.key(4), 6))

@@ -23,6 +23,27 @@ The authors' public code (`variant="authors"`) departs from the paper in:
     outside the momentum buffer.
 Each difference is also a separate field of FedoraConfig, so they can be mixed.
 
+The paper's ablations (section 5.3), on top of either variant:
+  - Table 4, `similarity`: W from another client similarity in place of the principal
+    angles (step 2), each read from the work the paper cites for it (fedora_jax/
+    similarity.py): "random" (FedU [7]), "parameters" (cosine of the client models,
+    FedAMP [13]) or "gradients" (cosine of the client updates, clustered FL [31]).
+    Section 5.3.2 does not say when these are computed; the Remark of section 4.2.1 says
+    that [13, 31] "estimate the client similarity using local model parameters" and
+    "calculate the client similarity in every training round", so here "parameters" and
+    "gradients" are recomputed by the server after every round, from the models (and
+    updates) it then propagates; "random" is drawn once from the algorithm key. Before
+    the first round every client holds the same model, so any W propagates it to itself
+    (the initial "gradients" W is all ones). Each measure goes through the same graph
+    (weights, diagonal, top-k) as the principal angles. Cosines can be negative, which
+    the paper's weights="cosine" cannot take (W is a random walk's weights): it clips
+    them at 0; weights="exp" keeps their order. The paper is silent on all of this.
+    With partial participation a "gradients" cosine is refreshed only between two
+    clients that both trained this round; the others keep their last one.
+  - Table 5, `lambda_rule="constant"`: lambda_k = `lambda_value` for every client and
+    round, in place of Eq. (8), entering exactly where the selective lambda_k does (the
+    proximal weight of Eq. (7), or the authors' pull strength).
+
 The default variant (DEFAULT_VARIANT, and so `--algorithm=fedora` with no other flag) is
 "authors": its numbers are the ones the paper reports. Rotated MNIST, 36 balanced
 clients, 500 rounds, seed 0 (2-core CPU, 2026-11-26): the authors' variant ends at Acc
@@ -40,6 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from fedora_jax import propagation, similarity
+from fedora_jax.algorithms import model_space
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput,
                                         InitContext, keep_states)
 from fedora_jax.data.client_data import FederatedData
@@ -55,12 +77,19 @@ class FedoraConfig(NamedTuple):
   temperature: float = 10.0      # only for weights="exp"
   zero_diagonal: bool = False    # drop self-similarity from W
   top_k: int = 0                 # keep each row's k largest weights; 0 keeps all
-  lambda_rule: str = "paper"     # "paper": max(eps, diff); "authors": exp(diff/2) or 0
+  lambda_rule: str = "paper"     # "paper": max(eps, diff); "authors": exp(diff/2) or 0;
+                                 # "constant": lambda_value for every client (Table 5)
   lambda_eps: float = 1e-8
+  lambda_value: float = 1.0      # only for lambda_rule="constant"
   pull: str = "prox"             # "prox": lambda ||theta - theta_hat||^2 in the loss;
                                  # "decoupled": the authors' post-step pull
   lr: float = 5e-3               # the client learning rate, used by the decoupled pull
   propagation_steps: int = 0     # 0: closed form; n > 0: n steps of the iterative form
+  similarity: str = "principal_angles"  # or Table 4's "random", "parameters", "gradients"
+
+
+SIMILARITIES = ("principal_angles", "random", "parameters", "gradients")
+LAMBDA_RULES = ("paper", "authors", "constant")
 
 
 PRESETS = {
@@ -88,8 +117,14 @@ def validate(config: FedoraConfig) -> FedoraConfig:
     raise ConfigError(f"fedora_alpha must be > 0, got {config.alpha}")
   if config.weights not in ("cosine", "exp"):
     raise ConfigError(f"fedora_weights must be cosine or exp, got {config.weights!r}")
-  if config.lambda_rule not in ("paper", "authors"):
-    raise ConfigError(f"fedora_lambda_rule must be paper or authors, got {config.lambda_rule!r}")
+  if config.lambda_rule not in LAMBDA_RULES:
+    raise ConfigError(f"fedora_lambda_rule must be one of {', '.join(LAMBDA_RULES)},"
+                      f" got {config.lambda_rule!r}")
+  if not config.lambda_value >= 0:
+    raise ConfigError(f"fedora_lambda_value must be >= 0, got {config.lambda_value}")
+  if config.similarity not in SIMILARITIES:
+    raise ConfigError(f"fedora_similarity must be one of {', '.join(SIMILARITIES)},"
+                      f" got {config.similarity!r}")
   if config.pull not in ("prox", "decoupled"):
     raise ConfigError(f"fedora_pull must be prox or decoupled, got {config.pull!r}")
   if config.top_k < 0:
@@ -100,7 +135,7 @@ def validate(config: FedoraConfig) -> FedoraConfig:
 
 
 class FedoraServer(NamedTuple):
-  similarity: jax.Array   # [K, K] sum of principal-angle cosines (step 2)
+  similarity: jax.Array   # [K, K] sum of principal-angle cosines (step 2), or Table 4's
   graph: jax.Array        # [K, K] the weights W propagation uses (after exp / top-k)
   propagation: jax.Array  # [K, K] P with Theta_hat = P Theta (closed form), else unused
 
@@ -108,7 +143,8 @@ class FedoraServer(NamedTuple):
 def _edge_weights(cosine_similarity: jax.Array, config: FedoraConfig) -> jax.Array:
   if config.weights == "exp":
     return jnp.exp(config.temperature * cosine_similarity)
-  return cosine_similarity
+  # Weights must be >= 0; only Table 4's cosines can be negative (the module docstring).
+  return jnp.maximum(cosine_similarity, 0.0)
 
 
 def _keep_top_k(graph: jax.Array, k: int) -> jax.Array:
@@ -120,7 +156,7 @@ def _keep_top_k(graph: jax.Array, k: int) -> jax.Array:
 
 
 def propagation_graph(cosine_similarity: jax.Array, config: FedoraConfig) -> jax.Array:
-  """Turns the principal-angle similarity [K, K] into the propagation weights W."""
+  """Turns the client similarity [K, K] into the propagation weights W."""
   graph = _edge_weights(cosine_similarity, config)
   if config.zero_diagonal:
     graph = graph * (1.0 - jnp.eye(graph.shape[0], dtype=graph.dtype))
@@ -152,12 +188,39 @@ def client_subspaces(data: FederatedData, p: int) -> jax.Array:
   return map_over_buckets(one_client, (), data.buckets, data.client_ids, data.num_clients)
 
 
+def parameter_similarity(client_params) -> jax.Array:
+  """[K, K] cosines of the client models, every parameter in one vector (Table 4)."""
+  return similarity.cosine_similarity(model_space.gram(client_params))
+
+
+def gradient_similarity(updates, trained: jax.Array, previous: jax.Array) -> jax.Array:
+  """[K, K] cosines of the client updates dtheta_k (Table 4), between the `trained` [K]
+  clients; a pair with a client that did not train keeps its `previous` cosine."""
+  both = trained[:, None] & trained[None, :]
+  return jnp.where(both, similarity.cosine_similarity(model_space.gram(updates)), previous)
+
+
+def initial_similarity(context: InitContext, config: FedoraConfig) -> jax.Array:
+  """W's similarity before the first round (step 2, or Table 4's measure)."""
+  num_clients = context.data.num_clients
+  if config.similarity == "principal_angles":
+    return similarity.principal_angle_similarity(client_subspaces(context.data, config.p))
+  if config.similarity == "random":
+    return similarity.random_similarity(context.key, num_clients)
+  if config.similarity == "parameters":
+    return parameter_similarity(context.params)
+  # No update yet; every client starts from the same model, which any W propagates as is.
+  return jnp.ones((num_clients, num_clients), jnp.float32)
+
+
 def selective_lambda(val_loss_local: jax.Array, val_loss_propagated: jax.Array,
                      config: FedoraConfig) -> jax.Array:
   """lambda_k: how much the client trusts its propagated model (step 4)."""
   diff = val_loss_local - val_loss_propagated
   if config.lambda_rule == "paper":
     return jnp.maximum(config.lambda_eps, diff)
+  if config.lambda_rule == "constant":  # Table 5: one lambda for every client
+    return jnp.full_like(diff, config.lambda_value)
   return jnp.where(diff < 0, 0.0, jnp.exp(diff / 2.0))
 
 
@@ -170,13 +233,14 @@ def fedora(config: FedoraConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config)
   kappa = propagation.kappa_from_alpha(config.alpha)
 
+  def server_for(client_similarity: jax.Array) -> FedoraServer:
+    graph = propagation_graph(client_similarity, config)
+    return FedoraServer(similarity=client_similarity, graph=graph,
+                        propagation=propagation.propagation_matrix(graph, kappa=kappa))
+
   def init(context: InitContext) -> AlgorithmState:
-    cosines = similarity.principal_angle_similarity(
-        client_subspaces(context.data, config.p))
-    graph = propagation_graph(cosines, config)
-    server = FedoraServer(similarity=cosines, graph=graph,
-                          propagation=propagation.propagation_matrix(graph, kappa=kappa))
-    return AlgorithmState(server=server, clients=context.params)
+    return AlgorithmState(server=server_for(initial_similarity(context, config)),
+                          clients=context.params)
 
   def broadcast(server: FedoraServer, client_params):
     """Theta_hat = P Theta from the clients' current models (step 3)."""
@@ -194,19 +258,32 @@ def fedora(config: FedoraConfig, trainer: ClientTrainer) -> Algorithm:
     val_loss_propagated = trainer.evaluate(propagated, data.val).loss
     lam = selective_lambda(val_loss_local, val_loss_propagated, config)
     if config.pull == "prox":
-      params, stats = trainer.train(
+      new_params, stats = trainer.train(
           params, data.train, key,
           regularizer=lambda p: lam * squared_distance(p, propagated))
     else:
       def pull(new_params, old_params):
         return jax.tree.map(lambda new, old, hat: new - config.lr * lam * (old - hat),
                             new_params, old_params, propagated)
-      params, stats = trainer.train(params, data.train, key, post_step=pull)
-    # The server reads the uploaded models straight from the stacked client state.
-    return ClientOutput(state=params, upload=(), train=stats,
+      new_params, stats = trainer.train(params, data.train, key, post_step=pull)
+    # The server reads the uploaded models straight from the stacked client state; only
+    # the gradient similarity needs the update as well.
+    upload = (jax.tree.map(jnp.subtract, new_params, params)
+              if config.similarity == "gradients" else ())
+    return ClientOutput(state=new_params, upload=upload, train=stats,
                         metrics={"lambda": lam, "val_loss_propagated": val_loss_propagated})
+
+  def aggregate(server: FedoraServer, client_params, updates, weights) -> AlgorithmState:
+    """Table 4's per-round similarities, from the models the next round propagates."""
+    if config.similarity == "parameters":
+      server = server_for(parameter_similarity(client_params))
+    elif config.similarity == "gradients":
+      # Clients that did not train this round carry zero weight (and upload zeros).
+      server = server_for(gradient_similarity(updates, weights > 0, server.similarity))
+    return AlgorithmState(server=server, clients=client_params)
 
   return Algorithm(
       name="fedora", init=init, broadcast=broadcast, client_update=client_update,
-      aggregate=keep_states, personalized_params=lambda server, clients: clients,
+      aggregate=aggregate if config.similarity in ("parameters", "gradients") else keep_states,
+      personalized_params=lambda server, clients: clients,
       artifacts=lambda server: {"similarity": server.similarity, "graph": server.graph})
