@@ -336,7 +336,7 @@ def configure_cpu_devices() -> None:
   """One JAX CPU device per core (or --cpu_devices), set before any backend starts.
 
   Each device then runs its share of the clients on its own core, which beat one device
-  using both cores by 1.7x for FEDORA's round on a 2-core CPU (README, Performance).
+  using both cores by 1.7x for FEDORA's round on a 2-core CPU (docs/performance.md).
   Left alone: multi-process runs (a process per host or core is the user's layout) and
   an XLA_FLAGS that already sets --xla_force_host_platform_device_count."""
   multi_process = FLAGS.distributed or FLAGS.num_processes is not None

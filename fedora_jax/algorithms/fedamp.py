@@ -23,7 +23,7 @@ the paper minimises the proximal objective, whose minimiser does not depend on t
 The paper's convergence analysis needs alpha_k small enough that xi_ii >= 0; with many
 close models and these defaults xi_ii can be negative (u_i then extrapolates), which the
 per-client metric `self_weight` shows; `init` warns when the first round already does.
-README "Reproducing the paper's tables" has a sweep of alpha_k, lambda and sigma on
+docs/results.md ("FedAMP's hyperparameters") has a sweep of alpha_k, lambda and sigma on
 rotated MNIST.
 """
 

@@ -63,7 +63,7 @@ DATASETS.update({
         tfds_name="cifar10"),
 })
 
-# The remaining FEDORA datasets; none ships with the package (--data_dir, see README).
+# The remaining FEDORA datasets; none ships with the package (--data_dir, see docs/datasets.md).
 DATASETS.update({
     "gtsrb": DatasetSpec(
         description="Rotated GTSRB traffic signs (43 classes, 32x32 RGB): client i"
