@@ -90,6 +90,7 @@ def log(message: str) -> None:
 class Setup(NamedTuple):
   data: Any
   model: Any
+  model_name: str
   hidden: tuple
   train: Any
   config: Any
@@ -123,8 +124,10 @@ def _setup() -> Setup:
   data = federated.data
   log(f"{FLAGS.dataset} {FLAGS.setting}: {datasets.describe(data)}")
   hidden = run_flags.hidden_widths()
-  model = build_model(FLAGS.model or spec.model, data.num_classes, hidden)
-  return Setup(data=data, model=model, hidden=hidden, train=run_flags.train_config(),
+  model_name = FLAGS.model or spec.model
+  model = build_model(model_name, data.num_classes, hidden)
+  return Setup(data=data, model=model, model_name=model_name, hidden=hidden,
+               train=run_flags.train_config(),
                config=run_flags.algorithm_config(FLAGS.algorithm),
                train_per_client=partition.train_per_client,
                val_per_client=partition.val_per_client)
@@ -155,11 +158,12 @@ def single_run() -> dict:
     else:
       report.update(torch_baseline(data, setup.hidden, train, config,
                                    np.array(final_state.algorithm.server.graph),
-                                   prepared, final_state))
+                                   prepared, final_state, setup.model_name))
   return report
 
 
-def torch_baseline(data, hidden, train, config, graph, prepared, state) -> dict:
+def torch_baseline(data, hidden, train, config, graph, prepared, state,
+                   model_name: str) -> dict:
   """The sequential PyTorch round, each of its rounds paired with one of ours.
 
   Each --torch_threads count runs one warm-up and one probe round; the fastest count
@@ -169,7 +173,8 @@ def torch_baseline(data, hidden, train, config, graph, prepared, state) -> dict:
   from fedora_jax import torch_reference  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   counts = []
-  for value in _THREADS.value:
+  # On a GPU the thread count only drives the host side: one probe is enough.
+  for value in ["all"] if torch.cuda.is_available() else _THREADS.value:
     count = os.cpu_count() if value == "all" else int(value)
     if count not in counts:
       counts.append(count)
@@ -180,7 +185,7 @@ def torch_baseline(data, hidden, train, config, graph, prepared, state) -> dict:
         lambda_eps=config.lambda_eps, pull=config.pull, local_epochs=train.local_epochs,
         batch_size=train.batch_size, lr=train.lr, momentum=train.momentum,
         weight_decay=train.weight_decay, eval_batch_size=train.eval_batch_size,
-        seed=train.seed, threads=threads)
+        seed=train.seed, threads=threads, model=model_name)
     durations, _ = torch_reference.time_torch_fedora(references[threads], 1, warmup=1)
     probes[threads] = durations[0]
     log(f"PyTorch sequential loop, {threads} thread(s): probe round"
@@ -194,7 +199,8 @@ def torch_baseline(data, hidden, train, config, graph, prepared, state) -> dict:
   ratios = [t / o for o, t in zip(ours, theirs)]
   torch_seconds = float(np.median(theirs))
   speedup = float(np.median(ratios))
-  log(f"PyTorch sequential loop ({torch.__version__}, {best} thread(s)): median"
+  log(f"PyTorch sequential loop ({torch.__version__}, {reference.device.type},"
+      f" {best} thread(s)): median"
       f" {torch_seconds * 1e3:.1f} ms per round, paired JAX rounds"
       f" {np.median(ours) * 1e3:.1f} ms -> JAX is {speedup:.2f}x faster (median of"
       f" {len(ratios)} paired ratios)")
@@ -203,6 +209,7 @@ def torch_baseline(data, hidden, train, config, graph, prepared, state) -> dict:
           "paired_round_seconds_all": [float(d) for d in ours],
           "torch_server_seconds": reference.server_seconds / len(theirs),
           "torch_threads": best, "torch_version": torch.__version__,
+          "torch_device": reference.device.type,
           "torch_probe_seconds_by_threads": {str(t): v for t, v in probes.items()},
           "speedup_vs_torch": speedup,
           "speedup_vs_torch_of_medians": torch_seconds / float(np.median(ours))}

@@ -10,9 +10,11 @@ the authors' own code with its DataLoaders is slower than this.
 
 Same math as `fedora_jax.algorithms.fedora` (both the paper's proximal term
 `lambda_k ||theta - theta_hat_k||^2` and the authors' decoupled pull, both lambda rules),
-on the same clients and the same propagation graph W; it is not bit-identical (PyTorch
-draws its own initial weights and batch orders). torch is imported here only, so the
-rest of the project never needs it.
+on the same clients and the same propagation graph W, with the same model (the MLP, or
+the LeNet-5-style CNN of fedora_jax.models.cnn: same layers, same input standardisation);
+it is not bit-identical (PyTorch draws its own initial weights and batch orders). It runs
+on the GPU when PyTorch sees one. torch is imported here only, so the rest of the project
+never needs it.
 """
 
 import math
@@ -22,6 +24,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from fedora_jax.data.client_data import FederatedData
+from fedora_jax.models.cnn import CHANNEL_STATS
 
 
 class TorchClient(NamedTuple):
@@ -33,18 +36,33 @@ class TorchClient(NamedTuple):
   y_test: Any
 
 
-def _unpad(data: FederatedData, torch) -> list[TorchClient]:
-  """Per-client float tensors in client order, padding dropped, pixels in [0, 1]."""
+def _model_inputs(x: np.ndarray, model: str) -> np.ndarray:
+  """What the JAX model computes from the stored pixels before its first layer: the MLP
+  flattens [0, 1] pixels; the CNN standardises per channel (models.cnn), as NCHW."""
+  n = x.shape[0]
+  if model == "mlp":
+    x = x.reshape(n, -1)
+    return x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+  images = x if x.ndim == 4 else x[..., None]
+  if images.dtype == np.uint8:
+    images = images.astype(np.float32) / 255.0
+    stats = CHANNEL_STATS.get(images.shape[-1])
+    if stats is not None:
+      images = (images - np.asarray(stats[0], np.float32)) / np.asarray(stats[1], np.float32)
+  return np.ascontiguousarray(images.astype(np.float32).transpose(0, 3, 1, 2))
+
+
+def _unpad(data: FederatedData, torch, model: str, device) -> list[TorchClient]:
+  """Per-client float tensors on `device` in client order, padding dropped."""
   clients: list[Any] = [None] * data.num_clients
   for ids, bucket in zip(data.client_ids, data.buckets):
     for row, k in enumerate(ids):
       parts = []
       for split in (bucket.train, bucket.val, bucket.test):
         n = int(split.n[row])
-        x = np.asarray(split.x[row, :n]).reshape(n, -1)
-        x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
-        parts += [torch.from_numpy(x), torch.from_numpy(np.asarray(split.y[row, :n],
-                                                                   np.int64))]
+        x = _model_inputs(np.asarray(split.x[row, :n]), model)
+        parts += [torch.from_numpy(x).to(device),
+                  torch.from_numpy(np.asarray(split.y[row, :n], np.int64)).to(device)]
       clients[int(k)] = TorchClient(*parts)
   return clients
 
@@ -58,6 +76,23 @@ def make_mlp(torch, num_inputs: int, hidden: Sequence[int], num_outputs: int):
   return torch.nn.Sequential(*layers)
 
 
+def make_cnn(torch, input_shape: Sequence[int], num_outputs: int, kernels: int = 16,
+             dense: Sequence[int] = (120, 84)):
+  """models.cnn.CNN in PyTorch: two VALID 5x5 convolutions, each ReLU and 2x2 max-pool,
+  then dense layers; input [N, C, H, W]."""
+  channels, height, width = input_shape
+  nn = torch.nn
+  layers = [nn.Conv2d(channels, kernels, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(kernels, 2 * kernels, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
+  side_h, side_w = ((height - 4) // 2 - 4) // 2, ((width - 4) // 2 - 4) // 2
+  features = 2 * kernels * side_h * side_w
+  for h in dense:
+    layers += [nn.Linear(features, h), nn.ReLU()]
+    features = h
+  layers.append(nn.Linear(features, num_outputs))
+  return nn.Sequential(*layers)
+
+
 class TorchFedora:
   """K PyTorch models and the sequential FEDORA round over them."""
 
@@ -65,32 +100,44 @@ class TorchFedora:
                alpha: float, lambda_rule: str = "paper", lambda_eps: float = 1e-8,
                pull: str = "prox", local_epochs: int = 5, batch_size: int = 64,
                lr: float = 5e-3, momentum: float = 0.9, weight_decay: float = 5e-5,
-               eval_batch_size: int = 1024, seed: int = 0, threads: int | None = None):
+               eval_batch_size: int = 1024, seed: int = 0, threads: int | None = None,
+               model: str = "mlp"):
     import torch  # pylint: disable=import-outside-toplevel
+    if model not in ("mlp", "cnn"):
+      raise ValueError(f"the PyTorch loop has the mlp and the cnn, not {model!r}")
     self.torch = torch
     if threads:
       torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    self.clients = _unpad(data, torch)
-    num_inputs = self.clients[0].x_train.shape[1]
-    initial = make_mlp(torch, num_inputs, hidden, data.num_classes)
+    self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    self.clients = _unpad(data, torch, model, self.device)
+    shape = tuple(self.clients[0].x_train.shape[1:])
+
+    def build():
+      if model == "cnn":
+        return make_cnn(torch, shape, data.num_classes).to(self.device)
+      return make_mlp(torch, shape[0], hidden, data.num_classes).to(self.device)
+    initial = build()
     # One initial model copied to every client, as in the authors' code.
-    self.models = [make_mlp(torch, num_inputs, hidden, data.num_classes)
-                   for _ in range(data.num_clients)]
+    self.models = [build() for _ in range(data.num_clients)]
     for m in self.models:
       m.load_state_dict(initial.state_dict())
-    self.propagated_model = make_mlp(torch, num_inputs, hidden, data.num_classes)
-    w = torch.as_tensor(np.array(graph, np.float32))
+    self.propagated_model = build()
+    w = torch.as_tensor(np.array(graph, np.float32), device=self.device)
     degree = w.sum(1, keepdim=True)
     transition = torch.where(degree > 0, w / torch.where(degree > 0, degree, 1.0), 0.0)
     self.kappa = alpha / (1.0 + alpha)
-    self.system = torch.eye(len(w)) - self.kappa * transition
+    self.system = torch.eye(len(w), device=self.device) - self.kappa * transition
     self.lambda_rule, self.lambda_eps, self.pull = lambda_rule, lambda_eps, pull
     self.local_epochs, self.batch_size, self.lr = local_epochs, batch_size, lr
     self.momentum, self.weight_decay = momentum, weight_decay
     self.eval_batch_size = eval_batch_size
-    self.generator = torch.Generator().manual_seed(seed)
+    self.generator = torch.Generator(device=self.device).manual_seed(seed)
     self.server_seconds = 0.0
+
+  def _synchronize(self):
+    if self.device.type == "cuda":
+      self.torch.cuda.synchronize()
 
   def _loss(self, model, x, y):
     torch = self.torch
@@ -123,6 +170,7 @@ class TorchFedora:
       theta = torch.stack([torch.nn.utils.parameters_to_vector(m.parameters())
                            for m in self.models])
       theta_hat = torch.linalg.solve(self.system, (1.0 - self.kappa) * theta)
+    self._synchronize()
     self.server_seconds += time.perf_counter() - tic
     return theta_hat
 
@@ -138,7 +186,7 @@ class TorchFedora:
                                 weight_decay=self.weight_decay)
     n = len(data.x_train)
     for _ in range(self.local_epochs):
-      order = torch.randperm(n, generator=self.generator)
+      order = torch.randperm(n, generator=self.generator, device=self.device)
       for start in range(0, n, self.batch_size):
         idx = order[start:start + self.batch_size]
         loss = torch.nn.functional.cross_entropy(model(data.x_train[idx]),
@@ -163,6 +211,7 @@ class TorchFedora:
       self.train_client(k, theta_hat[k])
     val = [self._accuracy(m, c.x_val, c.y_val) for m, c in zip(self.models, self.clients)]
     test = [self._accuracy(m, c.x_test, c.y_test) for m, c in zip(self.models, self.clients)]
+    self._synchronize()
     return {"val_acc": float(np.mean(val)), "test_acc": float(np.mean(test))}
 
 

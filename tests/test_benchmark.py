@@ -127,3 +127,34 @@ def test_interleaved_rounds_times_each_compiled_run_in_turn():
   assert sorted(durations) == ["2", "None"]
   for times in durations.values():
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
+def test_torch_cnn_is_the_jax_cnn():
+  """Same weights, same uint8 images: the PyTorch loop's CNN (with its input
+  standardisation) gives the JAX CNN's logits, so both loops train the same model."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from fedora_jax import torch_reference  # pylint: disable=import-outside-toplevel
+  from fedora_jax.models.cnn import CNN  # pylint: disable=import-outside-toplevel
+  images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+  model = CNN(num_outputs=10)
+  params = model.init(jax.random.key(0), images)["params"]
+  ours = np.asarray(model.apply({"params": params}, images))
+  theirs = torch_reference.make_cnn(torch, (3, 32, 32), 10)
+  convs = [m for m in theirs if isinstance(m, torch.nn.Conv2d)]
+  denses = [m for m in theirs if isinstance(m, torch.nn.Linear)]
+  assert sum(p.numel() for p in theirs.parameters()) == sum(
+      a.size for a in jax.tree.leaves(params))
+  with torch.no_grad():
+    for module, name in zip(convs, ("Conv_0", "Conv_1")):
+      module.weight.copy_(torch.from_numpy(
+          np.asarray(params[name]["kernel"]).transpose(3, 2, 0, 1).copy()))  # HWIO -> OIHW
+      module.bias.copy_(torch.from_numpy(np.array(params[name]["bias"])))
+    for i, module in enumerate(denses):
+      kernel = np.asarray(params[f"Dense_{i}"]["kernel"])
+      if i == 0:  # JAX flattens (h, w, c), PyTorch (c, h, w)
+        kernel = kernel.reshape(5, 5, 32, -1).transpose(2, 0, 1, 3).reshape(800, -1)
+      module.weight.copy_(torch.from_numpy(kernel.T.copy()))
+      module.bias.copy_(torch.from_numpy(np.array(params[f"Dense_{i}"]["bias"])))
+    inputs = torch.from_numpy(torch_reference._model_inputs(images, "cnn"))  # pylint: disable=protected-access
+    np.testing.assert_allclose(theirs(inputs).numpy(), ours, rtol=1e-4, atol=1e-4)
