@@ -4,6 +4,7 @@ accepts, two rounds on each engine path (tests/test_algorithm_matrix.py).
 Run as a script it prints the multi-device rows as one JSON line (one process per device
 count: JAX fixes the CPU device count when it starts):
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/algorithm_matrix.py 0 2
+(shard 0 of 2).
 """
 
 import dataclasses
@@ -35,9 +36,13 @@ class Path(NamedTuple):
   participation: float
 
 
-# Pairs of paths that must give the same per-client numbers.
-SINGLE_DEVICE = (Path(1, None, 1.0), Path(1, 2, 1.0))
-MULTI_DEVICE = (Path(1, None, PARTIAL), Path(2, 1, PARTIAL))
+# In the test process: vmap over every client. In a 2-device process: client chunks and
+# partial participation on one device and on two (shard_map), which must agree client
+# by client. (Chunks against vmap at full participation: test_engine.py.)
+SINGLE_DEVICE = Path(1, None, 1.0)
+MULTI_DEVICE = (Path(1, 2, PARTIAL), Path(2, 1, PARTIAL))
+# The 2-device process compiles ~100 tiny rounds: skip LLVM's costly optimisations.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def pairings() -> list[tuple[str, str]]:
