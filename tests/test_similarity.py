@@ -70,3 +70,61 @@ def test_client_features_scale_pixels_and_append_onehot():
   x = jnp.array([[[0, 255], [51, 102]]], jnp.uint8)
   z = similarity.client_features(x, jnp.array([2]), num_classes=3)
   np.testing.assert_allclose(z, [[0.0, 1.0, 0.2, 0.4, 0.0, 0.0, 1.0]], atol=1e-6)
+
+
+def _matrix_with_spectrum(rng, n, d, singular_values):
+  """n x d float32 with these leading singular values (the rest 0), random vectors."""
+  r = len(singular_values)
+  left = np.linalg.qr(rng.normal(size=(n, r)))[0]
+  right = np.linalg.qr(rng.normal(size=(d, r)))[0]
+  return ((left * singular_values) @ right.T).astype(np.float32)
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_subspace_iteration_matches_the_full_svd(p):
+  # Decaying spectrum with a small gap after the p-th value (1.2x): the iteration must
+  # run several steps, and still land on the SVD's subspace and, sign-fixed, its vectors.
+  spectrum = np.concatenate([[50.0, 40.0, 30.0][:p], 25.0 * 0.9 ** np.arange(37)])
+  z = _matrix_with_spectrum(np.random.default_rng(p), 80, 60, spectrum)
+  subspace = jax.jit(similarity.client_subspace, static_argnums=(1,),
+                     static_argnames=("method",))
+  iterated = subspace(z, p)  # p + 10 < min(80, 60): the iteration
+  exact = subspace(z, p, method="svd")
+  chex.assert_shape(iterated, (60, p))
+  np.testing.assert_allclose(iterated @ iterated.T, exact @ exact.T, atol=1e-5)
+  np.testing.assert_allclose(iterated, exact, atol=1e-5)
+  np.testing.assert_allclose(iterated.T @ iterated, np.eye(p), atol=1e-5)
+  # Principal angles to the SVD's subspace: all zero.
+  cosines = similarity.principal_angle_cosines(iterated[None], exact[None])
+  np.testing.assert_allclose(cosines, 1.0, atol=1e-5)
+
+
+def test_subspace_signs_are_deterministic_and_padding_ignored():
+  rng = np.random.default_rng(1)
+  z = rng.uniform(size=(40, 30)).astype(np.float32)
+  subspace = jax.jit(similarity.client_subspace, static_argnums=(1,))
+  u = subspace(z, 2)
+  largest = np.take_along_axis(np.asarray(u), np.argmax(np.abs(u), axis=0)[None], axis=0)
+  assert np.all(largest > 0)
+  padded = np.concatenate([z, rng.normal(size=(9, 30)).astype(np.float32)])
+  u_padded = subspace(padded, 2, np.arange(49) < 40)
+  np.testing.assert_allclose(u_padded, u, atol=1e-5)
+  expected = np.linalg.svd(z.astype(np.float64), full_matrices=False)[2][:2].T
+  np.testing.assert_allclose(u @ u.T, expected @ expected.T, atol=1e-5)
+
+
+def test_similarity_of_real_mnist_clients_matches_the_svd_path():
+  # Rotated MNIST, 12 clients of 128 training images: the similarity the propagation
+  # graph is built from must not depend on how the subspaces were computed.
+  from fedora_jax.algorithms import fedora  # pylint: disable=import-outside-toplevel
+  from fedora_jax.data import datasets  # pylint: disable=import-outside-toplevel
+  data = datasets.build_federated_dataset("rmnist", None, 12, "balanced", 0).data
+  subspaces = jax.jit(lambda b, method: fedora.client_subspaces(
+      data._replace(buckets=b), 2, method), static_argnums=1)
+  iterated, exact = subspaces(data.buckets, "iteration"), subspaces(data.buckets, "svd")
+  np.testing.assert_allclose(iterated @ iterated.transpose(0, 2, 1),
+                             exact @ exact.transpose(0, 2, 1), atol=1e-4)
+  for p in (1, 2):
+    np.testing.assert_allclose(similarity.principal_angle_similarity(iterated[..., :p]),
+                               similarity.principal_angle_similarity(exact[..., :p]),
+                               atol=1e-4)

@@ -24,6 +24,7 @@ The authors' public code (`variant="authors"`) departs from the paper in:
 Each difference is also a separate field of FedoraConfig, so they can be mixed.
 """
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -130,12 +131,25 @@ def propagate_to_new_clients(new_graph: jax.Array, propagated_params):
                                       propagated_params)
 
 
-def client_subspaces(data: FederatedData, p: int) -> jax.Array:
-  """[K, D, p]: every client's top-p right singular vectors of [X_train, onehot(Y_train)]."""
+# Clients whose float32 Z matrices together stay under this are vmapped at once; larger
+# ones (CIFAR-10: 41 MB a client) go through lax.map in chunks of this size, which keeps
+# the init's memory (and the page faults of first touching it) to one chunk.
+SUBSPACE_CHUNK_BYTES = 64 * 2**20
+
+
+def client_subspaces(data: FederatedData, p: int, method: str = "iteration") -> jax.Array:
+  """[K, D, p]: every client's top-p right singular vectors of [X_train, onehot(Y_train)].
+
+  `method`: see `similarity.client_subspace` (both give the same U to float32 rounding).
+  """
   def one_client(splits):
     z = similarity.client_features(splits.train.x, splits.train.y, data.num_classes)
-    return similarity.client_subspace(z, p, splits.train.mask)
-  return map_over_buckets(one_client, (), data.buckets, data.client_ids, data.num_clients)
+    return similarity.client_subspace(z, p, splits.train.mask, method=method)
+  rows = max(bucket.train.x.shape[1] for bucket in data.buckets)
+  z_bytes = 4 * rows * (math.prod(data.buckets[0].train.x.shape[2:]) + data.num_classes)
+  per_chunk = max(1, SUBSPACE_CHUNK_BYTES // z_bytes)
+  return map_over_buckets(one_client, (), data.buckets, data.client_ids, data.num_clients,
+                          client_batch=None if per_chunk >= data.num_clients else per_chunk)
 
 
 def selective_lambda(val_loss_local: jax.Array, val_loss_propagated: jax.Array,
