@@ -99,13 +99,7 @@ def subspace_iteration(z: jax.Array, p: int, oversample: int = 10, tol: float = 
   def step(carry):
     i, product, _, _ = carry
     q = jnp.linalg.qr(product)[0]
-    # The SVD of the small block Q^T Z = R2^T Q2^T (the QR of its transpose), from the
-    # SVD of the [l, l] factor R2: one LAPACK SVD of an [l, D] block, next to the
-    # products, hung XLA:CPU on 2 devices (jax 0.10); an [l, l] one does not.
-    q2, r2 = jnp.linalg.qr(matmul(q.T, z).T)
-    u_r, ritz_values, vt_r = jnp.linalg.svd(r2)
-    rows = matmul(q2, u_r).T
-    left = vt_r.T
+    left, ritz_values, rows = jnp.linalg.svd(matmul(q.T, z), full_matrices=False)
     product = matmul(z, rows.T)  # the next step's Z B'^T; its first p columns are Z V_p
     residual = product[:, :p] - matmul(q, left[:, :p]) * ritz_values[:p]
     gap = ritz_values[p - 1] - ritz_values[p]
