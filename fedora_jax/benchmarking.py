@@ -16,12 +16,14 @@ What it measures, for one algorithm on one federated dataset:
     f32 matmul, square (2048^3) and at the model's own batched shapes;
   - compile seconds, peak memory (process max RSS; the device's peak_bytes_in_use where
     the backend reports it; XLA's buffer sizes of the compiled round);
-  - the server step's share: the algorithm's `broadcast` + `aggregate` (FEDORA: the
-    propagation Theta_hat = P Theta) jitted and timed on their own, and FEDORA's
-    one-off init (subspaces, similarity, the K x K propagation matrix).
+  - the server step's share: the algorithm's `aggregate` + `broadcast` (FEDORA: the
+    propagation Theta_hat = P Theta), jitted and timed on their own with the round's
+    shardings and donation (`server_step`), and FEDORA's one-off init (subspaces,
+    similarity, the K x K propagation matrix).
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -38,6 +40,7 @@ from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.engine.round import client_keys
+from fedora_jax.engine import sharding
 from fedora_jax.engine.sharding import constrain_to_clients
 from fedora_jax.experiment import (PreparedRun, TrainConfig, _to_host, prepare_run,
                                    shared_initial_params)
@@ -212,16 +215,29 @@ def interleaved_rounds(runs: dict[str, PreparedRun], repeats: int,
   return durations
 
 
-def time_server(prepared: PreparedRun, state, data: FederatedData,
-                repeats: int) -> list[float]:
-  """The server's per-round part (broadcast + aggregate), jitted and timed on its own.
+def server_step(prepared: PreparedRun, state, data: FederatedData):
+  """The server's per-round part on its own, laid out as in the round.
 
-  The uploads fed to `aggregate` are zeros of the shape the client step returns (the
-  server's cost does not depend on their values).
+  What the round does between two client steps: the client step leaves each device with
+  its own clients' new states and uploads; `aggregate` turns them into the new state,
+  which the round returns replicated on every device (so each device receives every
+  client's model: the upload); the next round's `broadcast` then computes each device's
+  clients' messages (FEDORA: its rows of Theta_hat = P Theta). The new states and
+  uploads are donated, as the round donates its state, so an aggregate that keeps them
+  (FEDORA's) copies nothing.
+
+  Returns `step(new_clients, uploads) -> (messages, aggregated state)`, jitted, and
+  `client_results()`: zeros of the client step's output shapes, split over the devices
+  as it leaves them (the server's cost does not depend on their values).
   """
   algorithm = prepared.algorithm  # `state`: a live one (prepared.state was donated)
   weights = jnp.asarray(data.split_sizes("train"), jnp.float32)
   num_clients = data.num_clients
+  mesh = jax.tree.leaves(prepared.buckets)[0].sharding.mesh
+  everywhere = sharding.replicated(mesh)
+  per_client = (sharding.client_sharding(mesh) if num_clients % mesh.size == 0
+                else everywhere)
+  server, clients = state.algorithm
 
   def client_phase(server, clients, buckets, key):
     messages = algorithm.broadcast(server, clients)
@@ -229,23 +245,44 @@ def time_server(prepared: PreparedRun, state, data: FederatedData,
     return map_over_buckets(step, (clients, messages, client_keys(key, num_clients)),
                             buckets, data.client_ids, num_clients)
 
-  server, clients = state.algorithm
   out_shape = jax.eval_shape(client_phase, server, clients, prepared.buckets,
                              prepared.keys["train"])
-  uploads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape.upload)
-  new_clients = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape.state)
+  client_results = jax.jit(
+      lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           (out_shape.state, out_shape.upload)),
+      out_shardings=per_client)
 
-  @jax.jit
-  def server_step(server, clients, new_clients, uploads):
-    # Split over the clients as the round's client step consumes them: each device
-    # computes its own clients' messages (FEDORA: its rows of P Theta).
-    messages = constrain_to_clients(algorithm.broadcast(server, clients))
-    aggregated = algorithm.aggregate(server, new_clients, uploads, weights)
+  @functools.partial(jax.jit, donate_argnums=(1, 2))
+  def step(server, new_clients, uploads):
+    aggregated = jax.lax.with_sharding_constraint(
+        algorithm.aggregate(server, new_clients, uploads, weights), everywhere)
+    messages = constrain_to_clients(algorithm.broadcast(aggregated.server,
+                                                        aggregated.clients))
     return messages, aggregated
 
-  with jax.set_mesh(jax.tree.leaves(prepared.buckets)[0].sharding.mesh):
-    return _median_seconds(lambda: server_step(server, clients, new_clients, uploads),
-                           repeats)
+  def run(new_clients, uploads):
+    with jax.set_mesh(mesh):
+      return step(server, new_clients, uploads)
+
+  def make_results():
+    with jax.set_mesh(mesh):
+      return jax.block_until_ready(client_results())
+
+  return run, make_results
+
+
+def time_server(prepared: PreparedRun, state, data: FederatedData,
+                repeats: int) -> list[float]:
+  """Wall times of `server_step` (fresh, untimed inputs for each call; one warm-up)."""
+  step, client_results = server_step(prepared, state, data)
+  durations = []
+  for r in range(repeats + 1):
+    new_clients, uploads = client_results()
+    tic = time.perf_counter()
+    jax.block_until_ready(step(new_clients, uploads))
+    if r:
+      durations.append(time.perf_counter() - tic)
+  return durations
 
 
 def time_init(prepared: PreparedRun, model, data: FederatedData, repeats: int) -> float:

@@ -127,3 +127,31 @@ def test_interleaved_rounds_times_each_compiled_run_in_turn():
   assert sorted(durations) == ["2", "None"]
   for times in durations.values():
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_server_step_is_the_propagation_of_the_new_client_states():
+  data, _ = tiny_data([6, 7, 5])
+  model = tiny_model()
+  train = TrainConfig(rounds=1, local_epochs=1, batch_size=4, log_every=0)
+  config = algorithms.get("fedora").config_class()
+  prepared = prepare_run("fedora", config, model, data, train)
+  state = prepared.state
+  step, client_results = benchmarking.server_step(prepared, state, data)
+  zeros, uploads = client_results()
+  assert all(float(jnp.abs(a).max()) == 0.0 for a in jax.tree.leaves(zeros))
+  # Distinct client models, as the client step would hand them over.
+  rng = np.random.default_rng(0)
+  new_clients = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), zeros)
+  expected_clients = jax.tree.map(np.asarray, new_clients)
+  messages, aggregated = step(new_clients, uploads)  # donates new_clients
+  server = state.algorithm.server
+  kappa = propagation.kappa_from_alpha(config.alpha)
+  for got, theta, kept in zip(jax.tree.leaves(messages), jax.tree.leaves(expected_clients),
+                              jax.tree.leaves(aggregated.clients)):
+    flat = theta.reshape(3, -1)
+    np.testing.assert_allclose(
+        np.asarray(got).reshape(3, -1),
+        propagation.propagate(flat, server.graph, kappa=kappa), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(kept, theta)  # FEDORA's aggregate keeps the states
+  durations = benchmarking.time_server(prepared, state, data, repeats=2)
+  assert len(durations) == 2 and all(d > 0 for d in durations)
