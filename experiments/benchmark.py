@@ -1,7 +1,7 @@
 """Times the production train_round; compares it with a sequential PyTorch loop.
 
-  python -m experiments.benchmark --flagfile=experiments/configs/rmnist.flags
-  python -m experiments.benchmark --flagfile=experiments/configs/rmnist.flags --json
+  python -m experiments.benchmark --flagfile=experiments/configs/rmnist_authors.flags
+  python -m experiments.benchmark --flagfile=experiments/configs/rmnist_authors.flags --json
   python -m experiments.benchmark --scale_clients=36,144,576,1152   # one process per K
   python -m experiments.benchmark --imbalance_check                  # balanced vs imbalanced
   python -m experiments.benchmark --client_batches=vmap,1,2,4,8      # clients per lax.map chunk
@@ -10,15 +10,21 @@ Takes every flag of experiments.main (same flags, same flagfiles) plus the ones 
 Reports seconds per round (median over --repeats after --warmup rounds), client updates
 per second, model FLOP/s against the measured matmul peak, compile time, peak memory and
 the server step's share; with PyTorch installed (`pip install -e '.[bench]'`) and
---algorithm=fedora, the same round as a sequential PyTorch loop over clients and the
-speedup. See fedora_jax/benchmarking.py for how each number is measured. With --json the
-last line printed is one JSON object.
+--algorithm=fedora, the same round as a sequential PyTorch loop over clients (same
+model: the MLP, or on CIFAR-10 the CNN; on PyTorch's GPU when it sees one) and the
+speedup:
+
+  python -m experiments.benchmark --dataset=cifar10 --data_dir=<cifar10> --algorithm=fedora
+
+See fedora_jax/benchmarking.py for how each number is measured. With --json the last
+line printed is one JSON object.
 """
 
 import dataclasses
 import importlib.util
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -90,7 +96,7 @@ def log(message: str) -> None:
 class Setup(NamedTuple):
   data: Any
   model: Any
-  model_name: str
+  model_name: str  # "mlp" or "cnn"
   hidden: tuple
   train: Any
   config: Any
@@ -149,32 +155,28 @@ def single_run() -> dict:
                 fedora_variant=FLAGS.fedora_variant)
 
   if _TORCH.value and FLAGS.algorithm == "fedora":
-    if config.similarity != "principal_angles" or config.lambda_rule == "constant":
-      # The PyTorch round is the paper's and the authors' FEDORA, not the ablations.
-      log("PyTorch baseline: only FEDORA's principal angles and selective lambda rules;"
-          " no sequential baseline")
-    elif importlib.util.find_spec("torch") is None:
+    if importlib.util.find_spec("torch") is None:
       log("PyTorch not installed (pip install -e '.[bench]'): no sequential baseline")
     else:
-      report.update(torch_baseline(data, setup.hidden, train, config,
+      report.update(torch_baseline(data, setup.model_name, setup.hidden, train, config,
                                    np.array(final_state.algorithm.server.graph),
-                                   prepared, final_state, setup.model_name))
+                                   prepared, final_state))
   return report
 
 
-def torch_baseline(data, hidden, train, config, graph, prepared, state,
-                   model_name: str) -> dict:
+def torch_baseline(data, model_name, hidden, train, config, graph, prepared, state) -> dict:
   """The sequential PyTorch round, each of its rounds paired with one of ours.
 
-  Each --torch_threads count runs one warm-up and one probe round; the fastest count
-  is then timed in --torch_repeats pairs (one JAX round, one PyTorch round), and the
-  speedup is the median of the per-pair ratios.
+  Same model (the MLP or the CNN), on PyTorch's GPU when it sees one, else its CPU.
+  On the CPU each --torch_threads count runs one warm-up and one probe round; the
+  fastest count is then timed in --torch_repeats pairs (one JAX round, one PyTorch
+  round), and the speedup is the median of the per-pair ratios.
   """
   from fedora_jax import torch_reference  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
+  device = torch_reference.pick_device(torch)
   counts = []
-  # On a GPU the thread count only drives the host side: one probe is enough.
-  for value in ["all"] if torch.cuda.is_available() else _THREADS.value:
+  for value in _THREADS.value if device == "cpu" else [str(torch.get_num_threads())]:
     count = os.cpu_count() if value == "all" else int(value)
     if count not in counts:
       counts.append(count)
@@ -185,11 +187,12 @@ def torch_baseline(data, hidden, train, config, graph, prepared, state,
         lambda_eps=config.lambda_eps, pull=config.pull, local_epochs=train.local_epochs,
         batch_size=train.batch_size, lr=train.lr, momentum=train.momentum,
         weight_decay=train.weight_decay, eval_batch_size=train.eval_batch_size,
-        seed=train.seed, threads=threads, model=model_name)
+        seed=train.seed, threads=threads, model=model_name, device=device,
+        participation=train.participation)
     durations, _ = torch_reference.time_torch_fedora(references[threads], 1, warmup=1)
     probes[threads] = durations[0]
-    log(f"PyTorch sequential loop, {threads} thread(s): probe round"
-        f" {durations[0] * 1e3:.1f} ms")
+    log(f"PyTorch sequential loop ({model_name}, {device}), {threads} thread(s): probe"
+        f" round {durations[0] * 1e3:.1f} ms")
   best = min(probes, key=probes.get)
   reference = references[best]
   torch.set_num_threads(best)
@@ -199,9 +202,8 @@ def torch_baseline(data, hidden, train, config, graph, prepared, state,
   ratios = [t / o for o, t in zip(ours, theirs)]
   torch_seconds = float(np.median(theirs))
   speedup = float(np.median(ratios))
-  log(f"PyTorch sequential loop ({torch.__version__}, {reference.device.type},"
-      f" {best} thread(s)): median"
-      f" {torch_seconds * 1e3:.1f} ms per round, paired JAX rounds"
+  log(f"PyTorch sequential loop ({torch.__version__}, {model_name}, {device}, {best}"
+      f" thread(s)): median {torch_seconds * 1e3:.1f} ms per round, paired JAX rounds"
       f" {np.median(ours) * 1e3:.1f} ms -> JAX is {speedup:.2f}x faster (median of"
       f" {len(ratios)} paired ratios)")
   return {"torch_round_seconds": torch_seconds,
@@ -209,7 +211,7 @@ def torch_baseline(data, hidden, train, config, graph, prepared, state,
           "paired_round_seconds_all": [float(d) for d in ours],
           "torch_server_seconds": reference.server_seconds / len(theirs),
           "torch_threads": best, "torch_version": torch.__version__,
-          "torch_device": reference.device.type,
+          "torch_device": device, "torch_model": model_name,
           "torch_probe_seconds_by_threads": {str(t): v for t, v in probes.items()},
           "speedup_vs_torch": speedup,
           "speedup_vs_torch_of_medians": torch_seconds / float(np.median(ours))}
@@ -329,8 +331,11 @@ def summary(r: dict) -> str:
       f"{r['algorithm']} on {r['dataset']} ({r['setting']}, K={r['num_clients']},"
       f" {r['platform']} x{r['mesh_devices']}, client_batch {r['client_batch'] or 'vmap'}):",
       f"  round        {r['round_seconds'] * 1e3:.1f} ms (median of {r['repeats']}),"
-      f" {r['client_updates_per_second']:.0f} client updates/s",
-      f"  throughput   {r['flops_per_second'] / 1e9:.1f} GFLOP/s of model FLOPs ="
+      f" {r['client_updates_per_second']:.1f} client updates/s"
+      f" ({r['clients_trained_per_round']} trained clients a round)",
+      f"  throughput   {r['flops_per_round'] / 1e9:.1f} GFLOP a round (analytic; XLA by"
+      f" sample counts {r.get('xla_flops_per_round_by_counts', math.nan) / 1e9:.1f}),"
+      f" {r['flops_per_second'] / 1e9:.1f} GFLOP/s ="
       f" {100 * r['fraction_of_peak']:.1f}% of the measured matmul peak"
       f" {r['peak_flops_per_second'] / 1e9:.1f} GFLOP/s",
       f"  compile      {r['compile_seconds']:.2f} s;  peak RSS"
@@ -341,8 +346,9 @@ def summary(r: dict) -> str:
     lines.append(f"  server step  {r['server_seconds'] * 1e3:.2f} ms per round"
                  f" ({100 * r['server_fraction']:.1f}%); init {r['init_seconds'] * 1e3:.1f} ms")
   if "torch_round_seconds" in r:
-    lines.append(f"  PyTorch loop {r['torch_round_seconds'] * 1e3:.1f} ms per round ->"
-                 f" speedup {r['speedup_vs_torch']:.2f}x")
+    lines.append(f"  PyTorch loop {r['torch_round_seconds'] * 1e3:.1f} ms per round"
+                 f" ({r['torch_model']}, {r['torch_device']}) -> JAX speedup"
+                 f" {r['speedup_vs_torch']:.2f}x")
   return "\n".join(lines)
 
 

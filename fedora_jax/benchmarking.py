@@ -4,24 +4,33 @@ What it measures, for one algorithm on one federated dataset:
   - seconds per round: the AOT-compiled round of `experiment.prepare_run` (the very
     function `run_algorithm` calls, state donated, metrics fetched to the host), median
     over repeats after warm-up rounds;
-  - model FLOPs per round, counted analytically (`round_flops`): forward matmul FLOPs
-    per sample (2 * fan_in * fan_out per dense layer) times 3 for each training
-    sample-step (forward + backward), times 1 for each evaluated sample, plus the
-    server's propagation product for FEDORA. Only real (unpadded) samples count, so this
-    is useful work, as in MFU; padding, gathers, the optimizer and softmax are overhead.
-    XLA's own count (`compiled.cost_analysis()`) is reported beside it, but XLA counts
-    the body of a `lax.scan` once, not once per step, so it is far lower; the ratio to
-    peak uses the analytic count;
+  - model FLOPs per round, counted analytically (`round_work`): the forward FLOPs of one
+    sample, read off the model's jaxpr (`model_forward_flops`: 2 x multiply-adds of
+    every matmul and convolution, so an im2col or `lax.conv` CNN counts its
+    convolutions; LeNet-5 on 32x32x3: 4.66 MFLOP), times 3 for each training
+    sample-step (forward + backward) of the clients the round trains (round(f K) at
+    participation f), times 1 for each evaluated sample, plus FEDORA's propagation
+    product. Only real (unpadded) samples count, so this is useful work, as in MFU;
+    padding, gathers, the optimizer, activations and softmax are overhead. Two XLA
+    counts are reported beside it: the compiled round's `cost_analysis()`, which counts
+    the body of a while loop / `lax.scan` once, not once per step (a lower bound, far
+    below), and XLA's count of one batch's forward and forward + backward pass (per
+    sample) times the same sample counts (`xla_flops_per_round_by_counts`: elementwise
+    work included, the first layer's unneeded input gradient left out). The ratio to
+    peak uses the analytic count. Client updates per second count the trained clients
+    only;
   - the machine's matmul peak, measured in the same process: best FLOP/s of a jitted
     f32 matmul, square (2048^3) and at the model's own batched shapes;
   - compile seconds, peak memory (process max RSS; the device's peak_bytes_in_use where
     the backend reports it; XLA's buffer sizes of the compiled round);
-  - the server step's share: the algorithm's `broadcast` + `aggregate` (FEDORA: the
-    propagation Theta_hat = P Theta) jitted and timed on their own, and FEDORA's
-    one-off init (subspaces, similarity, the K x K propagation matrix).
+  - the server step's share: the algorithm's `aggregate` + `broadcast` (FEDORA: the
+    propagation Theta_hat = P Theta), jitted and timed on their own with the round's
+    shardings and donation (`server_step`), and FEDORA's one-off init (subspaces,
+    similarity, the K x K propagation matrix).
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -37,7 +46,8 @@ import numpy as np
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
-from fedora_jax.engine.round import client_keys
+from fedora_jax.engine.round import client_keys, num_sampled_clients
+from fedora_jax.engine import sharding
 from fedora_jax.engine.sharding import constrain_to_clients
 from fedora_jax.experiment import (PreparedRun, TrainConfig, _to_host, prepare_run,
                                    shared_initial_params)
@@ -62,8 +72,73 @@ def dense_layer_shapes(params: Any, stacked: bool = True) -> list[tuple[int, int
 
 
 def forward_flops_per_sample(layer_shapes: Sequence[tuple[int, int]]) -> int:
-  """Matmul FLOPs of one sample's forward pass: 2 * fan_in * fan_out per layer."""
+  """Matmul FLOPs of one sample's forward pass through dense layers: 2 * fan_in * fan_out."""
   return sum(2 * fan_in * fan_out for fan_in, fan_out in layer_shapes)
+
+
+def _equation_flops(eqn) -> int:
+  """2 x multiply-adds of one dot_general or convolution (0 for other primitives)."""
+  out = eqn.outvars[0].aval.shape
+  if eqn.primitive.name == "dot_general":
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    return 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+  if eqn.primitive.name == "conv_general_dilated":
+    # Each output element is a dot over the kernel's window and its input features
+    # (C_in / feature_group_count, as the kernel is stored).
+    rhs = eqn.invars[1].aval.shape
+    rhs_spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, *spatial)
+    return 2 * math.prod(out) * math.prod(rhs[d] for d in rhs_spec[1:])
+  return 0
+
+
+def _sub_jaxprs(eqn):
+  for value in eqn.params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      inner = getattr(item, "jaxpr", item)  # ClosedJaxpr -> Jaxpr
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
+def jaxpr_flops(jaxpr) -> int:
+  """Matmul and convolution FLOPs of a jaxpr, nested calls included; a scan's body
+  counts `length` times, a while loop's once (its trip count is not static)."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    total += _equation_flops(eqn)
+    repeats = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    total += repeats * sum(jaxpr_flops(inner) for inner in _sub_jaxprs(eqn))
+  return total
+
+
+def model_forward_flops(apply_fn: Callable, params: Any, sample: Any) -> int:
+  """Forward FLOPs per sample of `apply_fn(params, x)`: every matmul and convolution in
+  its jaxpr (an im2col convolution is a matmul, `lax.conv` a convolution: both count),
+  for one sample `x` [1, ...] and one client's (unstacked) params.
+
+  Training is counted as 3x this (forward, then the input and the weight gradients of
+  every layer), the usual MFU convention. The exact backward skips the first layer's
+  input gradient (nothing needs it), so XLA's own count of a training step is a little
+  lower (LeNet-5 on 32x32x3: 4.66 MFLOP forward, 3x = 14.0, XLA 12.3-12.7 with its
+  elementwise work; the MLP 784-128-128-10: 0.236, 3x = 0.708, XLA 0.508). The
+  gradient's jaxpr is not used: its transposed convolutions include the zero padding.
+  """
+  return jaxpr_flops(jax.make_jaxpr(apply_fn)(params, sample).jaxpr)
+
+
+def xla_flops_per_sample(apply_fn: Callable, params: Any, batch: Any) -> dict[str, float]:
+  """XLA's own count (`cost_analysis`) of one forward and one forward + backward pass
+  over `batch` [B, ...], per sample. Unlike the analytic count it includes elementwise
+  work (activations, pooling, input scaling); it is a check on the analytic count."""
+  size = jax.tree.leaves(batch)[0].shape[0]
+  forward = jax.jit(lambda p, x: jnp.sum(apply_fn(p, x)))
+  backward = jax.jit(jax.grad(lambda p, x: jnp.sum(apply_fn(p, x))))
+  counts = {}
+  for name, fn in (("eval", forward), ("train", backward)):
+    flops = xla_cost(fn.lower(params, batch).compile()).get("flops")
+    if flops is not None:
+      counts[name] = flops / size
+  return counts
 
 
 def parameter_count(params: Any, stacked: bool = True) -> int:
@@ -74,7 +149,7 @@ def parameter_count(params: Any, stacked: bool = True) -> int:
 @dataclasses.dataclass(frozen=True)
 class RoundWork:
   """What one round computes, in samples and FLOPs (real samples only)."""
-  train_sample_steps: int   # sum over clients of epochs * n_train
+  train_sample_steps: int   # sum over trained clients of epochs * n_train
   eval_samples: int         # samples passed forward without a gradient
   forward_flops: int        # per sample
   server_flops: int
@@ -83,12 +158,21 @@ class RoundWork:
 
 def round_work(algorithm: str, forward_flops: int, n_train: np.ndarray, n_val: np.ndarray,
                n_test: np.ndarray, local_epochs: int, num_params: int = 0,
-               propagation_products: int = 1) -> RoundWork:
-  """Analytic model FLOPs of one round (see the module docstring)."""
-  train = int(local_epochs * np.sum(n_train))
-  val_passes = 1 + EXTRA_VALIDATION_PASSES.get(algorithm, 0)
-  evaluated = int(val_passes * np.sum(n_val) + np.sum(n_test))
+               propagation_products: int = 1, num_trained: int | None = None) -> RoundWork:
+  """Analytic model FLOPs of one round (see the module docstring).
+
+  `num_trained`: clients trained per round (round(f K) at participation f; default
+  all). Only their training and their own validation passes (FEDORA's lambda) count,
+  each client's share being the expectation over the uniform sampling (M / K of the
+  total); every client is still evaluated on validation and test, and FEDORA's
+  propagation still reads every client's model.
+  """
   num_clients = len(n_train)
+  trained = num_clients if num_trained is None else num_trained
+  share = trained / num_clients
+  train = int(round(share * local_epochs * np.sum(n_train)))
+  extra_val = EXTRA_VALIDATION_PASSES.get(algorithm, 0)
+  evaluated = int(round((1 + share * extra_val) * np.sum(n_val) + np.sum(n_test)))
   server = (2 * num_clients * num_clients * num_params * propagation_products
             if algorithm == "fedora" else 0)
   flops = 3 * forward_flops * train + forward_flops * evaluated + server
@@ -212,16 +296,29 @@ def interleaved_rounds(runs: dict[str, PreparedRun], repeats: int,
   return durations
 
 
-def time_server(prepared: PreparedRun, state, data: FederatedData,
-                repeats: int) -> list[float]:
-  """The server's per-round part (broadcast + aggregate), jitted and timed on its own.
+def server_step(prepared: PreparedRun, state, data: FederatedData):
+  """The server's per-round part on its own, laid out as in the round.
 
-  The uploads fed to `aggregate` are zeros of the shape the client step returns (the
-  server's cost does not depend on their values).
+  What the round does between two client steps: the client step leaves each device with
+  its own clients' new states and uploads; `aggregate` turns them into the new state,
+  which the round returns replicated on every device (so each device receives every
+  client's model: the upload); the next round's `broadcast` then computes each device's
+  clients' messages (FEDORA: its rows of Theta_hat = P Theta). The new states and
+  uploads are donated, as the round donates its state, so an aggregate that keeps them
+  (FEDORA's) copies nothing.
+
+  Returns `step(new_clients, uploads) -> (messages, aggregated state)`, jitted, and
+  `client_results()`: zeros of the client step's output shapes, split over the devices
+  as it leaves them (the server's cost does not depend on their values).
   """
   algorithm = prepared.algorithm  # `state`: a live one (prepared.state was donated)
   weights = jnp.asarray(data.split_sizes("train"), jnp.float32)
   num_clients = data.num_clients
+  mesh = jax.tree.leaves(prepared.buckets)[0].sharding.mesh
+  everywhere = sharding.replicated(mesh)
+  per_client = (sharding.client_sharding(mesh) if num_clients % mesh.size == 0
+                else everywhere)
+  server, clients = state.algorithm
 
   def client_phase(server, clients, buckets, key):
     messages = algorithm.broadcast(server, clients)
@@ -229,23 +326,44 @@ def time_server(prepared: PreparedRun, state, data: FederatedData,
     return map_over_buckets(step, (clients, messages, client_keys(key, num_clients)),
                             buckets, data.client_ids, num_clients)
 
-  server, clients = state.algorithm
   out_shape = jax.eval_shape(client_phase, server, clients, prepared.buckets,
                              prepared.keys["train"])
-  uploads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape.upload)
-  new_clients = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape.state)
+  client_results = jax.jit(
+      lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           (out_shape.state, out_shape.upload)),
+      out_shardings=per_client)
 
-  @jax.jit
-  def server_step(server, clients, new_clients, uploads):
-    # Split over the clients as the round's client step consumes them: each device
-    # computes its own clients' messages (FEDORA: its rows of P Theta).
-    messages = constrain_to_clients(algorithm.broadcast(server, clients))
-    aggregated = algorithm.aggregate(server, new_clients, uploads, weights)
+  @functools.partial(jax.jit, donate_argnums=(1, 2))
+  def step(server, new_clients, uploads):
+    aggregated = jax.lax.with_sharding_constraint(
+        algorithm.aggregate(server, new_clients, uploads, weights), everywhere)
+    messages = constrain_to_clients(algorithm.broadcast(aggregated.server,
+                                                        aggregated.clients))
     return messages, aggregated
 
-  with jax.set_mesh(jax.tree.leaves(prepared.buckets)[0].sharding.mesh):
-    return _median_seconds(lambda: server_step(server, clients, new_clients, uploads),
-                           repeats)
+  def run(new_clients, uploads):
+    with jax.set_mesh(mesh):
+      return step(server, new_clients, uploads)
+
+  def make_results():
+    with jax.set_mesh(mesh):
+      return jax.block_until_ready(client_results())
+
+  return run, make_results
+
+
+def time_server(prepared: PreparedRun, state, data: FederatedData,
+                repeats: int) -> list[float]:
+  """Wall times of `server_step` (fresh, untimed inputs for each call; one warm-up)."""
+  step, client_results = server_step(prepared, state, data)
+  durations = []
+  for r in range(repeats + 1):
+    new_clients, uploads = client_results()
+    tic = time.perf_counter()
+    jax.block_until_ready(step(new_clients, uploads))
+    if r:
+      durations.append(time.perf_counter() - tic)
+  return durations
 
 
 def time_init(prepared: PreparedRun, model, data: FederatedData, repeats: int) -> float:
@@ -321,16 +439,21 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   personalized = prepared.algorithm.personalized_params(final_state.algorithm.server,
                                                         client_params)
   layers = dense_layer_shapes(personalized)
-  forward = forward_flops_per_sample(layers)
+  one_client = jax.tree.map(lambda a: a[0], personalized)
+  first = data.buckets[0].train
+  forward = model_forward_flops(model.apply, one_client, first.x[0, :1])
   num_params = parameter_count(personalized)
   propagation_products = 1
   if config.algorithm == "fedora" and getattr(config.algorithm_config, "propagation_steps", 0):
     propagation_products = config.algorithm_config.propagation_steps
+  trained = num_sampled_clients(train.participation, data.num_clients)
   work = round_work(config.algorithm, forward, data.split_sizes("train"),
                     data.split_sizes("val"), data.split_sizes("test"), train.local_epochs,
-                    num_params, propagation_products)
+                    num_params, propagation_products, num_trained=trained)
   flops_per_second = work.flops / round_seconds
   client_steps = int(np.sum(metrics.local_steps))
+  xla_per_sample = xla_flops_per_sample(
+      model.apply, one_client, first.x[0, :min(train.batch_size, first.x.shape[1])])
 
   peaks = matmul_peak(model_matmul_shapes(layers, data.num_clients, train.batch_size,
                                           config.peak_size),
@@ -348,7 +471,10 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
       "round_seconds": round_seconds,
       "round_seconds_min": float(min(durations)),
       "round_seconds_all": [float(d) for d in durations],
-      "client_updates_per_second": data.num_clients / round_seconds,
+      # Only the clients a round trains (round(f K) at participation f).
+      "clients_trained_per_round": trained,
+      "participation": train.participation,
+      "client_updates_per_second": trained / round_seconds,
       "client_steps_per_round": client_steps,
       "seconds_per_client_step": round_seconds / max(client_steps, 1),
       "flops_per_round": work.flops,
@@ -360,8 +486,9 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
       "peak_flops_per_second": peak,
       "matmul_flops_per_second": peaks,
       "fraction_of_peak": flops_per_second / peak,
-      "flops_counted_by": "analytic (3x forward matmul FLOPs per training sample-step,"
-                          " 1x per evaluated sample, + server propagation)",
+      "flops_counted_by": "analytic: the matmuls and convolutions of the model's jaxpr,"
+                          " 3x per training sample-step of the trained clients, 1x per"
+                          " evaluated sample, + the server's propagation",
       "compile_seconds": prepared.compile_seconds,
       "peak_memory_bytes": rss_after_rounds,
       "page_faults_per_round": faults_per_round,
@@ -373,7 +500,15 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   cost = xla_cost(prepared.compiled)
   if "flops" in cost:
     report["xla_flops_per_round"] = cost["flops"]
-    report["xla_flops_note"] = "XLA cost analysis counts each lax.scan body once"
+    report["xla_flops_note"] = ("XLA's cost analysis of the compiled round counts each"
+                                " while / scan body once, not once per step: a lower bound")
+  if {"train", "eval"} <= set(xla_per_sample):
+    # XLA's count of one batch's forward (+ backward) pass times the round's samples.
+    report["xla_flops_per_train_sample"] = xla_per_sample["train"]
+    report["xla_flops_per_eval_sample"] = xla_per_sample["eval"]
+    report["xla_flops_per_round_by_counts"] = (
+        xla_per_sample["train"] * work.train_sample_steps
+        + xla_per_sample["eval"] * work.eval_samples + work.server_flops)
   report.update(xla_memory(prepared.compiled))
   log(f"model FLOPs/round {work.flops / 1e9:.2f} G -> {flops_per_second / 1e9:.1f} GFLOP/s;"
       f" matmul peak {peak / 1e9:.1f} GFLOP/s"

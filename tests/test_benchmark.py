@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from fedora_jax import algorithms, benchmarking, propagation
+from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.experiment import TrainConfig, prepare_run
+from fedora_jax.models.cnn import CHANNEL_STATS, CNN
 from tests.tiny import init_params, tiny_data, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +48,34 @@ def test_flops_of_a_tiny_mlp_in_closed_form():
   iterative = benchmarking.round_work("fedora", forward, n_train, n_val, n_test, 2,
                                       num_params, propagation_products=10)
   assert iterative.server_flops == 10 * work.server_flops
+  # Participation 1/2: one client of two trains (half the training and FEDORA's own two
+  # validation passes, in expectation); both are evaluated and propagated.
+  half = benchmarking.round_work("fedora", forward, n_train, n_val, n_test, 2, num_params,
+                                 num_trained=1)
+  assert half.train_sample_steps == 16 and half.eval_samples == (1 + 1) * 8 + 12
+  assert half.server_flops == work.server_flops
+  assert half.flops == 3 * 70 * 16 + 70 * 28 + 2 * 2 * 2 * 43
+
+
+def test_model_flops_count_matmuls_and_convolutions():
+  # LeNet-5 on 32x32x3, by hand: conv1 28*28*16 outputs x 5*5*3 taps, conv2 10*10*32 x
+  # 5*5*16, dense 800*120 + 120*84 + 84*10; 2 FLOPs per multiply-add.
+  by_hand = 2 * (28 * 28 * 16 * 75 + 10 * 10 * 32 * 400 + 800 * 120 + 120 * 84 + 84 * 10)
+  assert by_hand == 4_655_440
+  image = np.zeros((1, 32, 32, 3), np.uint8)
+  for conv in ("im2col", "xla"):  # a matmul over patches, or a convolution
+    model = CNN(num_outputs=10, conv=conv)
+    params = model.init(jax.random.key(0), image)
+    assert benchmarking.model_forward_flops(model.apply, params, image) == by_hand
+  mlp = tiny_model(num_classes=3, hidden=(5,))
+  params = init_params(mlp, num_features=4)
+  assert benchmarking.model_forward_flops(mlp.apply, params, np.zeros((1, 4))) == 70
+  # A scan's body counts once per step; XLA's per-sample counts cover the matmuls.
+  scanned = lambda p, x: jax.lax.scan(lambda h, _: (mlp.apply(p, h[:, :4])[:, :1] * h, None),
+                                      x, None, length=3)[0]
+  assert benchmarking.model_forward_flops(scanned, params, np.zeros((1, 4))) == 3 * 70
+  xla = benchmarking.xla_flops_per_sample(mlp.apply, params, np.zeros((8, 4), np.float32))
+  assert xla["eval"] >= 70 and xla["train"] > xla["eval"]
 
 
 def test_matmul_peak_and_helpers():
@@ -70,7 +100,8 @@ def test_benchmark_command_prints_a_json_report():
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.benchmark", "--num_clients=2",
        "--local_epochs=1", "--hidden=8", "--repeats=2", "--warmup=0", "--json",
-       "--notorch", "--peak_size=128", "--peak_repeats=1",
+       "--peak_size=128", "--peak_repeats=1", "--participation=0.5",
+       "--torch_repeats=1", "--torch_threads=1",
        "--train_per_client=64", "--val_per_client=32"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -80,9 +111,16 @@ def test_benchmark_command_prints_a_json_report():
     assert math.isfinite(value) and value > 0, (field, value)
   assert report["num_clients"] == 2 and report["algorithm"] == "fedora"
   assert report["train_per_client"] == 64
-  assert report["client_steps_per_round"] == 2  # 1 epoch of one 64-sample batch each
-  # The PyTorch baseline is left out here to keep the test fast; its loop is tested below.
-  assert "torch_round_seconds" not in report
+  # Participation 1/2: one client trains, 1 epoch of one 64-sample batch.
+  assert report["clients_trained_per_round"] == 1
+  assert report["client_steps_per_round"] == 1
+  assert np.isclose(report["client_updates_per_second"], 1 / report["round_seconds"])
+  assert report["forward_flops_per_sample"] == 2 * (784 * 8 + 8 * 10)  # --hidden=8
+  assert report["xla_flops_per_round_by_counts"] > 0
+  # The sequential PyTorch loop, when the bench extra is installed.
+  assert ("torch_round_seconds" in report) == HAS_TORCH
+  if HAS_TORCH:
+    assert report["torch_model"] == "mlp" and report["speedup_vs_torch"] > 0
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
@@ -113,6 +151,40 @@ def test_torch_reference_round_and_propagation():
     assert np.all(np.isfinite(after)) and not np.allclose(after, before)
   durations, server = torch_reference.time_torch_fedora(reference, repeats=2, warmup=0)
   assert len(durations) == 2 and all(d > 0 for d in durations) and server > 0
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
+def test_torch_reference_cnn_trains_the_sampled_clients():
+  import torch  # pylint: disable=import-outside-toplevel
+  from fedora_jax import torch_reference  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+
+  def images(n):  # 16x16 RGB: 16 -> 12 -> 6 -> 2 -> 1 through the CNN
+    return (rng.integers(0, 256, (n, 16, 16, 3)).astype(np.uint8),
+            rng.integers(0, 3, n).astype(np.int32))
+  data = stack_clients([Client(*images(9), *images(4), *images(5)) for _ in range(3)], 3)
+  graph = np.ones((3, 3), np.float32)
+  reference = torch_reference.TorchFedora(data, graph, hidden=(), alpha=1.0, model="cnn",
+                                          local_epochs=1, batch_size=4, lr=0.1, threads=1,
+                                          participation=0.34, device="cpu")
+  assert reference.num_trained == 1 and reference.device == "cpu"
+  assert tuple(reference.clients[0].x_train.shape) == (9, 3, 16, 16)
+  # Standardised per channel as fedora_jax.models.cnn does (NCHW here).
+  mean, std = (np.asarray(v, np.float32) for v in CHANNEL_STATS[3])
+  x = np.asarray(data.buckets[0].train.x[0, :9], np.float32) / 255.0
+  np.testing.assert_allclose(reference.clients[0].x_train.numpy(),
+                             ((x - mean) / std).transpose(0, 3, 1, 2), rtol=1e-5, atol=1e-5)
+  # Same layer shapes as the JAX CNN: conv 16 and 32 kernels of 5x5, dense 32 -> 120 -> 84.
+  jax_cnn = CNN(num_outputs=3).init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.uint8))
+  assert (sum(p.numel() for p in reference.models[0].parameters())
+          == benchmarking.parameter_count(jax_cnn, stacked=False))
+  flat = lambda: [torch.nn.utils.parameters_to_vector(m.parameters()).detach().clone()
+                  for m in reference.models]
+  before = flat()
+  metrics = reference.round()
+  changed = [not torch.equal(a, b) for a, b in zip(before, flat())]
+  assert sum(changed) == 1  # one of three clients trained (participation 1/3)
+  assert 0.0 <= metrics["val_acc"] <= 1.0 and 0.0 <= metrics["test_acc"] <= 1.0
 
 
 def test_interleaved_rounds_times_each_compiled_run_in_turn():
@@ -156,5 +228,33 @@ def test_torch_cnn_is_the_jax_cnn():
         kernel = kernel.reshape(5, 5, 32, -1).transpose(2, 0, 1, 3).reshape(800, -1)
       module.weight.copy_(torch.from_numpy(kernel.T.copy()))
       module.bias.copy_(torch.from_numpy(np.array(params[f"Dense_{i}"]["bias"])))
-    inputs = torch.from_numpy(torch_reference._model_inputs(images, "cnn"))  # pylint: disable=protected-access
+    inputs = torch.from_numpy(torch_reference._inputs(images, "cnn"))  # pylint: disable=protected-access
     np.testing.assert_allclose(theirs(inputs).numpy(), ours, rtol=1e-4, atol=1e-4)
+
+
+def test_server_step_is_the_propagation_of_the_new_client_states():
+  data, _ = tiny_data([6, 7, 5])
+  model = tiny_model()
+  train = TrainConfig(rounds=1, local_epochs=1, batch_size=4, log_every=0)
+  config = algorithms.get("fedora").config_class()
+  prepared = prepare_run("fedora", config, model, data, train)
+  state = prepared.state
+  step, client_results = benchmarking.server_step(prepared, state, data)
+  zeros, uploads = client_results()
+  assert all(float(jnp.abs(a).max()) == 0.0 for a in jax.tree.leaves(zeros))
+  # Distinct client models, as the client step would hand them over.
+  rng = np.random.default_rng(0)
+  new_clients = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), zeros)
+  expected_clients = jax.tree.map(np.asarray, new_clients)
+  messages, aggregated = step(new_clients, uploads)  # donates new_clients
+  server = state.algorithm.server
+  kappa = propagation.kappa_from_alpha(config.alpha)
+  for got, theta, kept in zip(jax.tree.leaves(messages), jax.tree.leaves(expected_clients),
+                              jax.tree.leaves(aggregated.clients)):
+    flat = theta.reshape(3, -1)
+    np.testing.assert_allclose(
+        np.asarray(got).reshape(3, -1),
+        propagation.propagate(flat, server.graph, kappa=kappa), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(kept, theta)  # FEDORA's aggregate keeps the states
+  durations = benchmarking.time_server(prepared, state, data, repeats=2)
+  assert len(durations) == 2 and all(d > 0 for d in durations)

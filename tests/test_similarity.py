@@ -1,5 +1,11 @@
 """Client subspaces and principal-angle similarity against closed-form values."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -98,3 +104,97 @@ def test_random_similarity_is_fedus_symmetric_thresholded_draw():
   # Deterministic per key, another key another graph.
   np.testing.assert_array_equal(w, similarity.random_similarity(jax.random.key(3), 6))
   assert not np.allclose(w, similarity.random_similarity(jax.random.key(4), 6))
+
+
+def _matrix_with_spectrum(rng, n, d, singular_values):
+  """n x d float32 with these leading singular values (the rest 0), random vectors."""
+  r = len(singular_values)
+  left = np.linalg.qr(rng.normal(size=(n, r)))[0]
+  right = np.linalg.qr(rng.normal(size=(d, r)))[0]
+  return ((left * singular_values) @ right.T).astype(np.float32)
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_subspace_iteration_matches_the_full_svd(p):
+  # Decaying spectrum with a small gap after the p-th value (1.2x): the iteration must
+  # run several steps, and still land on the SVD's subspace and, sign-fixed, its vectors.
+  spectrum = np.concatenate([[50.0, 40.0, 30.0][:p], 25.0 * 0.9 ** np.arange(37)])
+  z = _matrix_with_spectrum(np.random.default_rng(p), 80, 60, spectrum)
+  subspace = jax.jit(similarity.client_subspace, static_argnums=(1,),
+                     static_argnames=("method",))
+  iterated = subspace(z, p)  # p + 10 < min(80, 60): the iteration
+  exact = subspace(z, p, method="svd")
+  chex.assert_shape(iterated, (60, p))
+  np.testing.assert_allclose(iterated @ iterated.T, exact @ exact.T, atol=1e-5)
+  np.testing.assert_allclose(iterated, exact, atol=1e-5)
+  np.testing.assert_allclose(iterated.T @ iterated, np.eye(p), atol=1e-5)
+  # Principal angles to the SVD's subspace: all zero.
+  cosines = similarity.principal_angle_cosines(iterated[None], exact[None])
+  np.testing.assert_allclose(cosines, 1.0, atol=1e-5)
+
+
+def test_subspace_signs_are_deterministic_and_padding_ignored():
+  rng = np.random.default_rng(1)
+  z = rng.uniform(size=(40, 30)).astype(np.float32)
+  subspace = jax.jit(similarity.client_subspace, static_argnums=(1,))
+  u = subspace(z, 2)
+  largest = np.take_along_axis(np.asarray(u), np.argmax(np.abs(u), axis=0)[None], axis=0)
+  assert np.all(largest > 0)
+  padded = np.concatenate([z, rng.normal(size=(9, 30)).astype(np.float32)])
+  u_padded = subspace(padded, 2, np.arange(49) < 40)
+  np.testing.assert_allclose(u_padded, u, atol=1e-5)
+  expected = np.linalg.svd(z.astype(np.float64), full_matrices=False)[2][:2].T
+  np.testing.assert_allclose(u @ u.T, expected @ expected.T, atol=1e-5)
+
+
+def test_similarity_of_real_mnist_clients_matches_the_svd_path():
+  # Rotated MNIST, 12 clients of 128 training images: the similarity the propagation
+  # graph is built from must not depend on how the subspaces were computed.
+  from fedora_jax.algorithms import fedora  # pylint: disable=import-outside-toplevel
+  from fedora_jax.data import datasets  # pylint: disable=import-outside-toplevel
+  data = datasets.build_federated_dataset("rmnist", None, 12, "balanced", 0).data
+  subspaces = jax.jit(lambda b, method: fedora.client_subspaces(
+      data._replace(buckets=b), 2, method), static_argnums=1)
+  iterated, exact = subspaces(data.buckets, "iteration"), subspaces(data.buckets, "svd")
+  np.testing.assert_allclose(iterated @ iterated.transpose(0, 2, 1),
+                             exact @ exact.transpose(0, 2, 1), atol=1e-4)
+  for p in (1, 2):
+    np.testing.assert_allclose(similarity.principal_angle_similarity(iterated[..., :p]),
+                               similarity.principal_angle_similarity(exact[..., :p]),
+                               atol=1e-4)
+
+
+_TWO_DEVICES = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    sys.path[:0] = [{root!r}, {tests!r}]
+    from fedora_jax.algorithms import fedora
+    from fedora_jax.engine import sharding
+    import tiny
+
+    assert jax.device_count() == 2, jax.devices()
+    data, _ = tiny.tiny_data([128] * 4, num_features=784, num_classes=10)
+    results = []
+    for count in (1, 2):
+      mesh = sharding.client_mesh(jax.devices()[:count])
+      buckets = sharding.place_buckets(data.buckets, mesh)
+      with jax.set_mesh(mesh):
+        subspaces = jax.jit(lambda b: fedora.client_subspaces(data._replace(buckets=b), 2),
+                            out_shardings=sharding.replicated(mesh))
+        results.append(np.asarray(subspaces(buckets)))
+    print(json.dumps({{"max_diff": float(np.max(np.abs(results[0] - results[1])))}}))
+""")
+
+
+@pytest.mark.slow
+def test_client_subspaces_on_two_cpu_devices():
+  # Vmapped, jaxlib's batched LAPACK kernels deadlocked here (both devices' thread-pool
+  # workers waiting in ParallelBatchMap): the init hung before the first round.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  script = _TWO_DEVICES.format(root=root, tests=os.path.join(root, "tests"))
+  proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1])["max_diff"] < 1e-5
