@@ -43,10 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedora_jax import tree
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
-from fedora_jax.engine.round import client_keys, num_sampled_clients
+from fedora_jax.rounds import client_keys, num_sampled_clients
 from fedora_jax.engine import sharding
 from fedora_jax.engine.sharding import constrain_to_clients
 from fedora_jax.experiment import (PreparedRun, TrainConfig, _to_host, prepare_run,
@@ -130,7 +131,7 @@ def xla_flops_per_sample(apply_fn: Callable, params: Any, batch: Any) -> dict[st
   """XLA's own count (`cost_analysis`) of one forward and one forward + backward pass
   over `batch` [B, ...], per sample. Unlike the analytic count it includes elementwise
   work (activations, pooling, input scaling); it is a check on the analytic count."""
-  size = jax.tree.leaves(batch)[0].shape[0]
+  size = tree.leading_size(batch)
   forward = jax.jit(lambda p, x: jnp.sum(apply_fn(p, x)))
   backward = jax.jit(jax.grad(lambda p, x: jnp.sum(apply_fn(p, x))))
   counts = {}
@@ -439,7 +440,7 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   personalized = prepared.algorithm.personalized_params(final_state.algorithm.server,
                                                         client_params)
   layers = dense_layer_shapes(personalized)
-  one_client = jax.tree.map(lambda a: a[0], personalized)
+  one_client = tree.first(personalized)
   first = data.buckets[0].train
   forward = model_forward_flops(model.apply, one_client, first.x[0, :1])
   num_params = parameter_count(personalized)

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fedora_jax.engine.round import RoundMetrics, RoundState
+from fedora_jax.rounds import RoundMetrics, RoundState
 from fedora_jax.errors import ConfigError, DataError
 
 RUN_CONFIG = "run_config.json"

@@ -15,7 +15,7 @@ from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.engine import sharding
-from fedora_jax.engine.round import RoundMetrics, RoundState, build_train_round
+from fedora_jax.rounds import RoundMetrics, RoundState, build_train_round
 from fedora_jax.errors import TrainingDivergedError
 
 logger = logging.getLogger("fedora_jax")
@@ -36,7 +36,7 @@ class TrainConfig:
   # None: every client's update at once (vmap); n: lax.map over chunks of n clients,
   # faster on CPUs (engine/buckets.py over_clients, models.default_client_batch).
   client_batch: int | None = None
-  participation: float = 1.0  # fraction of clients sampled each round (engine/round.py)
+  participation: float = 1.0  # fraction of clients sampled each round (rounds.py)
 
 
 class RunResult(NamedTuple):
@@ -96,7 +96,6 @@ def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
                 train: TrainConfig, mesh=None) -> PreparedRun:
   """Builds the algorithm, its initial state and the compiled train_round of a run, the
   client data split over `mesh` (default: `sharding.default_mesh`)."""
-  registered = algorithms.get(name)
   trainer = make_client_trainer(
       model.apply, make_optimizer(train.lr, train.momentum, train.weight_decay),
       train.local_epochs, train.batch_size, train.eval_batch_size, task=data.task)

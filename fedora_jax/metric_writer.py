@@ -13,7 +13,7 @@ import os
 import numpy as np
 from tensorboardX import SummaryWriter
 
-from fedora_jax.engine.round import RoundMetrics
+from fedora_jax.rounds import RoundMetrics
 
 # RoundMetrics field -> TensorBoard tag; each is logged as its mean over clients.
 MEAN_TAGS = {"train_loss": "train/loss", "val_loss": "val/loss", "val_acc": "val/accuracy",

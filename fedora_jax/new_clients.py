@@ -20,11 +20,11 @@ import numpy as np
 from fedora_jax import similarity
 from fedora_jax.algorithms import fedora
 from fedora_jax.algorithms.base import AlgorithmState
-from fedora_jax.algorithms.fedavg import broadcast_to_clients
+from fedora_jax.tree import broadcast_to_clients
 from fedora_jax.data.client_data import ClientSplits, FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.engine.round import client_keys
+from fedora_jax.rounds import client_keys
 
 
 class NewClientAccuracy(NamedTuple):

@@ -7,14 +7,12 @@ count: JAX fixes the CPU device count when it starts):
 (shard 0 of 2).
 """
 
-import dataclasses
 import json
 import os
 import sys
 from typing import NamedTuple
 
 import jax
-import numpy as np
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                 os.path.dirname(os.path.abspath(__file__))]

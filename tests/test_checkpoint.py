@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedora_jax import tree
 from fedora_jax import results as results_lib
 from fedora_jax.algorithms import fedora
 from fedora_jax.algorithms.base import AlgorithmState
 from fedora_jax.checkpoint import Checkpointer, check_workdir, claim_workdir, open_run
-from fedora_jax.engine.round import RoundMetrics, RoundState
+from fedora_jax.rounds import RoundMetrics, RoundState
 from fedora_jax.errors import ConfigError
 from fedora_jax.experiment import TrainConfig, run_algorithm
 from tiny import tiny_data, tiny_model
@@ -44,7 +45,7 @@ def _states():
   eye = jnp.eye(K)
   return {"fedora": AlgorithmState(fedora.FedoraServer(eye, 2 * eye, 3 * eye), params),
           "local": AlgorithmState((), params),
-          "fedavg": AlgorithmState(jax.tree.map(lambda a: a[0], params), jnp.zeros(K))}
+          "fedavg": AlgorithmState(tree.first(params), jnp.zeros(K))}
 
 
 @pytest.mark.parametrize("algorithm", ["fedora", "local", "fedavg"])

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedora_jax.algorithms import fesem, ifca, model_space
+from fedora_jax import tree
+from fedora_jax.algorithms import fesem, ifca
 from fedora_jax.algorithms.base import InitContext
 from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
@@ -58,8 +59,8 @@ def test_ifca_averages_each_cluster_over_the_clients_that_chose_it():
 def test_random_centers_are_distinct_redraws_of_the_initial_model():
   params = init_params(tiny_model())
   stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (5,) + a.shape), params)
-  centers = model_space.initial_centers(stacked, jax.random.key(0), 3)
-  chex.assert_trees_all_close(model_space.take(centers, 0), params)
+  centers = tree.initial_centers(stacked, jax.random.key(0), 3)
+  chex.assert_trees_all_close(tree.take(centers, 0), params)
   for leaf, original in zip(jax.tree.leaves(centers), jax.tree.leaves(params)):
     assert not np.allclose(leaf[1], leaf[2])
     for c in (1, 2):  # the same values, shuffled
@@ -93,9 +94,9 @@ def test_fesem_clients_train_from_their_center():
                                      key=jax.random.key(0)))
   messages = algorithm.broadcast(state.server, state.clients)
   chex.assert_trees_all_close(
-      messages, model_space.take(state.server.centers, state.clients.cluster))
-  client0 = jax.tree.map(lambda a: a[0], state.clients)
-  center = model_space.take(messages, 0)
+      messages, tree.take(state.server.centers, state.clients.cluster))
+  client0 = tree.first(state.clients)
+  center = tree.take(messages, 0)
   out = algorithm.client_update(client0, center, _first_client(data), jax.random.key(0))
   grads = jax.grad(lambda p: mean_ce(model, p, clients[0].x_train, clients[0].y_train))(center)
   chex.assert_trees_all_close(out.state.params,

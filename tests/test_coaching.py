@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedora_jax import tree
 from fedora_jax.algorithms import coaching
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.errors import ConfigError
@@ -204,7 +205,7 @@ def test_client_trains_towards_its_layerwise_coaching_model():
   algorithm = coaching.coaching(coaching.CoachingConfig(lam=lam),
                                 tiny_trainer(model, lr=lr, batch_size=8))
   splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
-  own, coach_0 = (jax.tree.map(lambda a: a[0], t) for t in (stacked, coach))
+  own, coach_0 = (tree.first(t) for t in (stacked, coach))
   out = algorithm.client_update(own, coach_0, splits, jax.random.key(0))
   grad = jax.grad(lambda p: mean_ce(model, p, clients[0].x_train, clients[0].y_train))(own)
   # Eq. (16): w - lr (grad f_i + lam grad ||w - s||^2).

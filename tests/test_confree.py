@@ -1,7 +1,6 @@
 """ConFREE: the projection, the guidance vector (Eq. 3), w* (Eq. 5), d* (Eq. 4), the hosts."""
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedora_jax import tree
 from fedora_jax.algorithms import fedavg, local
 from fedora_jax.algorithms.base import InitContext
-from fedora_jax.engine.round import RoundMetrics, RoundState, build_train_round
+from fedora_jax.rounds import RoundMetrics, RoundState, build_train_round
 from fedora_jax.errors import TrainingDivergedError
 from fedora_jax.experiment import check_finite
 from fedora_jax.engine import sharding
@@ -76,7 +77,7 @@ def test_padding_content_never_reaches_the_model():
                             y=np.where(bucket.mask, bucket.y, 2))
   params = init_params(model)
   key = jax.random.key(3)
-  one_client = lambda d: jax.tree.map(lambda a: a[0], d)
+  one_client = lambda d: tree.first(d)
   clean, clean_stats = trainer.train(params, one_client(bucket), key)
   dirty, dirty_stats = trainer.train(params, one_client(garbage), key)
   chex.assert_trees_all_close(clean, dirty)

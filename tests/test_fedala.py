@@ -10,7 +10,7 @@ import pytest
 from fedora_jax import algorithms
 from fedora_jax.algorithms import ala
 from fedora_jax.algorithms.base import InitContext
-from fedora_jax.engine.round import RoundState, build_train_round
+from fedora_jax.rounds import RoundState, build_train_round
 from fedora_jax.errors import ConfigError
 from test_confree import _two_rounds
 from tiny import init_params, tiny_data, tiny_model, tiny_trainer

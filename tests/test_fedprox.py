@@ -7,7 +7,7 @@ import pytest
 
 from fedora_jax.algorithms import fedavg, fedavg_ft, fedprox, fedprox_ft
 from fedora_jax.algorithms.base import InitContext
-from fedora_jax.engine.round import RoundState, build_train_round
+from fedora_jax.rounds import RoundState, build_train_round
 from fedora_jax.errors import ConfigError
 from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 

@@ -9,7 +9,7 @@ import pytest
 from fedora_jax.algorithms import fedavg, local
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.engine import buckets
-from fedora_jax.engine.round import (RoundState, build_train_round, num_sampled_clients,
+from fedora_jax.rounds import (RoundState, build_train_round, num_sampled_clients,
                                      sampled_clients)
 from fedora_jax.errors import ConfigError
 from tiny import TraceCounter, init_params, mean_ce, tiny_data, tiny_model, tiny_trainer

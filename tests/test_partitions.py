@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import SHARED_DATA
-from fedora_jax.data import datasets, partitions, sources
+from fedora_jax.data import datasets, sources
 from fedora_jax.data.partitions import PartitionConfig, make_partition
 from fedora_jax.errors import ConfigError, DataError
 

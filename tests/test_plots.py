@@ -13,7 +13,7 @@ from matplotlib.colors import to_rgba
 from tensorboardX.proto import event_pb2
 
 from fedora_jax import metric_writer, plots
-from fedora_jax.engine.round import RoundMetrics
+from fedora_jax.rounds import RoundMetrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--num_clients=4", "--rounds=2", "--local_epochs=1", "--hidden=16"]

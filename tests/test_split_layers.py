@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedora_jax import tree
 from fedora_jax.algorithms import fedper, layers, lg_fedavg
 from fedora_jax.algorithms.base import InitContext
-from fedora_jax.engine.round import RoundState, build_train_round
+from fedora_jax.rounds import RoundState, build_train_round
 from fedora_jax.errors import ConfigError
 from fedora_jax.models import MODELS, build_model
 from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
@@ -113,10 +114,10 @@ def test_one_round_averages_only_the_shared_layers(name, shared):
   # and uploads only the shared layers.
   broadcast = algorithm.broadcast(state.server, state.clients)
   splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
-  client_0 = jax.tree.map(lambda a: a[0], state.clients)
-  out = algorithm.client_update(client_0, jax.tree.map(lambda a: a[0], broadcast), splits,
+  client_0 = tree.first(state.clients)
+  out = algorithm.client_update(client_0, tree.first(broadcast), splits,
                                 jax.random.key(2))
-  start = jax.tree.map(lambda a: a[0], personalized)
+  start = tree.first(personalized)
   expected = jax.tree.map(lambda p, g: p - LR * g, start, jax.grad(
       lambda p: mean_ce(model, p, clients[0].x_train, clients[0].y_train))(start))
   chex.assert_trees_all_close(out.state, expected, atol=1e-6)

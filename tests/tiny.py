@@ -7,7 +7,7 @@ import optax
 
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import Client, stack_clients
-from fedora_jax.engine.round import RoundState, build_train_round
+from fedora_jax.rounds import RoundState, build_train_round
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.models.cnn import CNN
 from fedora_jax.models.mlp import MLP

@@ -50,7 +50,7 @@ and before the sampled ones train. An unsampled client there learns W_i and repl
 theta_i by theta_hat_i without training, every client's W_i converges in global round
 2, and every client is evaluated on a theta_hat_i built from the latest global model.
 That needs a client step for the clients outside the round, which the engine
-(engine/round.py) does not give, so it is not offered. The poster ("after downloading
+(rounds.py) does not give, so it is not offered. The poster ("after downloading
 the global model ... we update W") describes ALA as the step of a client that receives
 the global model, i.e. the definition above.
 
@@ -70,6 +70,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import layer_names, merge_layers, take_layers
 from fedora_jax.data.client_data import ClientData
@@ -208,10 +209,10 @@ def with_ala(host: Algorithm, hooks: AlaHooks, config: AlaConfig, trainer: Clien
 
   def init(context: InitContext) -> AlgorithmState:
     state = host.init(context)
-    first = jax.tree.map(lambda a: a[0], context.params)
+    first = tree.first(context.params)
     weights = jax.tree.map(jnp.ones_like,
                            take_layers(context.params, top_layers(first, config.p)))
-    num_clients = jax.tree.leaves(context.params)[0].shape[0]
+    num_clients = tree.leading_size(context.params)
     return AlgorithmState(server=state.server, clients=AlaClient(
         host=state.clients, local=context.params, weights=weights,
         rounds=jnp.zeros((num_clients,), jnp.int32)))

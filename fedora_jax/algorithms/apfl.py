@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.algorithms import fedavg
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
@@ -98,14 +98,14 @@ def apfl(config: ApflConfig, trainer: ClientTrainer) -> Algorithm:
   loss = joint_loss(trainer, config.adapt_alpha)
 
   def init(context: InitContext) -> AlgorithmState:
-    num_clients = jax.tree.leaves(context.params)[0].shape[0]
-    global_params = jax.tree.map(lambda a: a[0], context.params)
+    num_clients = tree.leading_size(context.params)
+    global_params = tree.first(context.params)
     clients = ApflClient(local=context.params,
                          alpha=jnp.full((num_clients,), config.alpha, jnp.float32))
     return AlgorithmState(server=global_params, clients=clients)
 
   def broadcast(global_params, clients: ApflClient):
-    return fedavg.broadcast_to_clients(global_params, clients.alpha.shape[0])
+    return tree.broadcast_to_clients(global_params, clients.alpha.shape[0])
 
   def client_update(client: ApflClient, global_params, data, key):
     start = ApflTrained(global_=global_params, local=client.local, alpha=client.alpha)
@@ -117,11 +117,11 @@ def apfl(config: ApflConfig, trainer: ClientTrainer) -> Algorithm:
 
   def aggregate(server, clients, uploads, weights):
     del server
-    return AlgorithmState(server=fedavg.weighted_mean(uploads, weights), clients=clients)
+    return AlgorithmState(server=tree.weighted_mean(uploads, weights), clients=clients)
 
   def personalized_params(global_params, clients: ApflClient):
     return mix(clients.alpha, clients.local,
-               fedavg.broadcast_to_clients(global_params, clients.alpha.shape[0]))
+               tree.broadcast_to_clients(global_params, clients.alpha.shape[0]))
 
   return Algorithm(name="apfl", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,

@@ -79,9 +79,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.algorithms import model_space
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.fedora import squared_distance
 from fedora_jax.algorithms.layers import layer_names
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
@@ -152,8 +151,8 @@ def validate(config: CoachingConfig) -> CoachingConfig:
 
 def layer_grams(stacked: Params) -> jax.Array:
   """[L, N, N]: G_l = <w_a^l, w_b^l> for each layer l, input to output."""
-  first = jax.tree.map(lambda a: a[0], stacked)
-  return jnp.stack([model_space.gram(stacked["params"][name])
+  first = tree.first(stacked)
+  return jnp.stack([tree.gram(stacked["params"][name])
                     for name in layer_names(first)])
 
 
@@ -241,9 +240,9 @@ def initial_relation(key: jax.Array, num_clients: int, num_layers: int,
 
 def coaching_models(relation: jax.Array, stacked: Params) -> Params:
   """Eq. (14): s_i^l = sum_j r_ij^l w_j^l, leaves [N, ...]."""
-  first = jax.tree.map(lambda a: a[0], stacked)
+  first = tree.first(stacked)
   return {"params": {
-      name: model_space.mix(relation[:, l, :], stacked["params"][name])
+      name: tree.mix(relation[:, l, :], stacked["params"][name])
       for l, name in enumerate(layer_names(first))}}
 
 
@@ -251,10 +250,10 @@ def coaching(config: CoachingConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config)
 
   def init(context: InitContext) -> AlgorithmState:
-    num_clients = model_space.num_models(context.params)
+    num_clients = tree.leading_size(context.params)
     if num_clients < 2:
       raise ConfigError("coaching needs at least 2 clients (each is coached by the others)")
-    num_layers = len(layer_names(jax.tree.map(lambda a: a[0], context.params)))
+    num_layers = len(layer_names(tree.first(context.params)))
     relation = initial_relation(context.key, num_clients, num_layers, config)
     # Round 1's R steps (Algorithm 1, lines 5-8) at the initial models.
     relation = update_relation(relation, layer_grams(context.params), config)
@@ -265,7 +264,7 @@ def coaching(config: CoachingConfig, trainer: ClientTrainer) -> Algorithm:
 
   def client_update(params, coach, data, key):
     def pull(p):  # lambda f_s(s_i, w_i), Eq. (15)
-      return config.lam * squared_distance(p, coach)
+      return config.lam * tree.squared_distance(p, coach)
     params, stats = trainer.train(params, data.train, key, regularizer=pull)
     return ClientOutput(state=params, upload=(), train=stats)
 

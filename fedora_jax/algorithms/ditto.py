@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import jax
 
-from fedora_jax.algorithms import fedavg
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.fedprox import proximal_term
 from fedora_jax.engine.local_training import ClientTrainer
@@ -52,12 +52,12 @@ def ditto(config: DittoConfig, trainer: ClientTrainer) -> Algorithm:
 
   def init(context: InitContext) -> AlgorithmState:
     # Every personal model starts from the shared initial model, as the global one does.
-    global_params = jax.tree.map(lambda a: a[0], context.params)
+    global_params = tree.first(context.params)
     return AlgorithmState(server=global_params, clients=context.params)
 
   def broadcast(global_params, personal_params):
-    return fedavg.broadcast_to_clients(global_params,
-                                       jax.tree.leaves(personal_params)[0].shape[0])
+    return tree.broadcast_to_clients(global_params,
+                                       tree.leading_size(personal_params))
 
   def client_update(personal_params, global_params, data, key):
     global_key, personal_key = jax.random.split(key)
@@ -70,7 +70,7 @@ def ditto(config: DittoConfig, trainer: ClientTrainer) -> Algorithm:
 
   def aggregate(server, personal_params, uploads, weights):
     del server
-    return AlgorithmState(server=fedavg.weighted_mean(uploads, weights),
+    return AlgorithmState(server=tree.weighted_mean(uploads, weights),
                           clients=personal_params)
 
   return Algorithm(name="ditto", init=init, broadcast=broadcast,

@@ -33,7 +33,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.algorithms import model_space
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
@@ -95,15 +95,10 @@ def first_round_self_weight(num_clients: int, config: FedAmpConfig) -> float:
 
 def attention_matrix(client_params, config: FedAmpConfig) -> jax.Array:
   if config.attention == "distance":
-    return distance_attention(model_space.pairwise_squared_distances(client_params),
+    return distance_attention(tree.pairwise_squared_distances(client_params),
                               config.alpha_k, config.sigma)
-  return cosine_attention(model_space.gram(client_params), config.self_weight,
+  return cosine_attention(tree.gram(client_params), config.self_weight,
                           config.cosine_scale)
-
-
-def squared_distance(params, target) -> jax.Array:
-  return sum(jnp.sum(jnp.square(a - b)) for a, b in
-             zip(jax.tree.leaves(params), jax.tree.leaves(target)))
 
 
 def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
@@ -111,7 +106,7 @@ def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
   prox_weight = config.lam / (2.0 * config.alpha_k)
 
   def init(context: InitContext) -> AlgorithmState:
-    num_clients = model_space.num_models(context.params)
+    num_clients = tree.leading_size(context.params)
     if num_clients < 2 and config.attention == "cosine":
       raise ConfigError("fedamp with cosine attention needs at least 2 clients")
     self_weight = first_round_self_weight(num_clients, config)
@@ -126,14 +121,14 @@ def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
     return AlgorithmState(server=server, clients=context.params)
 
   def broadcast(server: FedAmpServer, client_params):
-    return FedAmpMessage(cloud_model=model_space.mix(server.attention, client_params),
+    return FedAmpMessage(cloud_model=tree.mix(server.attention, client_params),
                          self_weight=jnp.diag(server.attention))
 
   def client_update(params, message: FedAmpMessage, data, key):
     cloud = message.cloud_model
     params, stats = trainer.train(
         params, data.train, key,
-        regularizer=lambda p: prox_weight * squared_distance(p, cloud))
+        regularizer=lambda p: prox_weight * tree.squared_distance(p, cloud))
     return ClientOutput(state=params, upload=(), train=stats,
                         metrics={"self_weight": message.self_weight})
 

@@ -7,9 +7,9 @@ Networks from Decentralized Data." AISTATS 2017. https://arxiv.org/abs/1602.0562
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
 
@@ -18,31 +18,17 @@ class FedAvgConfig(NamedTuple):
   pass
 
 
-def weighted_mean(stacked, weights: jax.Array):
-  """Mean over the client axis of every leaf, weighted by `weights` [K]."""
-  weights = weights / jnp.sum(weights)
-  return jax.tree.map(lambda leaf: jnp.tensordot(weights, leaf, axes=(0, 0)), stacked)
-
-
-def broadcast_to_clients(tree, num_clients: int):
-  return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients,) + a.shape), tree)
-
-
-def _num_clients(stacked) -> int:
-  return jax.tree.leaves(stacked)[0].shape[0]
-
-
 def fedavg(config: FedAvgConfig, trainer: ClientTrainer) -> Algorithm:
   del config
 
   def init(context: InitContext) -> AlgorithmState:
-    num_clients = _num_clients(context.params)
-    global_params = jax.tree.map(lambda a: a[0], context.params)
+    num_clients = tree.leading_size(context.params)
+    global_params = tree.first(context.params)
     # FedAvg clients hold no state of their own; an empty pytree keeps the K axis implicit.
     return AlgorithmState(server=global_params, clients=jnp.zeros((num_clients,)))
 
   def broadcast(global_params, clients):
-    return broadcast_to_clients(global_params, clients.shape[0])
+    return tree.broadcast_to_clients(global_params, clients.shape[0])
 
   def client_update(client_state, global_params, data, key):
     params, stats = trainer.train(global_params, data.train, key)
@@ -50,10 +36,10 @@ def fedavg(config: FedAvgConfig, trainer: ClientTrainer) -> Algorithm:
 
   def aggregate(server, clients, uploads, weights):
     del server
-    return AlgorithmState(server=weighted_mean(uploads, weights), clients=clients)
+    return AlgorithmState(server=tree.weighted_mean(uploads, weights), clients=clients)
 
   def personalized_params(global_params, clients):
-    return broadcast_to_clients(global_params, clients.shape[0])
+    return tree.broadcast_to_clients(global_params, clients.shape[0])
 
   return Algorithm(name="fedavg", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.algorithms import model_space
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
@@ -116,7 +116,7 @@ def fedfomo(config: FedFomoConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config)
 
   def init(context: InitContext) -> AlgorithmState:
-    num_clients = model_space.num_models(context.params)
+    num_clients = tree.leading_size(context.params)
     if num_clients < 2:
       raise ConfigError("fedfomo needs at least 2 clients")
     server = FedFomoServer(affinity=jnp.zeros((num_clients, num_clients), jnp.float32),
@@ -130,13 +130,13 @@ def fedfomo(config: FedFomoConfig, trainer: ClientTrainer) -> Algorithm:
     key = jax.random.fold_in(jax.random.wrap_key_data(server.key), server.round)
     ids = select_models(server.affinity, key, min(config.num_models, num_clients - 1),
                         epsilon)
-    return FomoMessage(models=model_space.take(client_params, ids), ids=ids)
+    return FomoMessage(models=tree.take(client_params, ids), ids=ids)
 
   def client_update(params, message: FomoMessage, data, key):
     val_loss_own = trainer.evaluate(params, data.val).loss
     val_loss_others = jax.vmap(lambda p: trainer.evaluate(p, data.val).loss)(message.models)
     single = jax.tree.map(lambda leaf: leaf[None], params)
-    distances = jnp.sqrt(model_space.squared_distances(single, message.models)[0])
+    distances = jnp.sqrt(tree.squared_distances(single, message.models)[0])
     weights = first_order_weights(val_loss_own, val_loss_others, distances)
     params = federated_update(params, message.models, weights)
     params, stats = trainer.train(params, data.train, key)

@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 
 from fedora_jax import propagation, similarity
-from fedora_jax.algorithms import model_space
+from fedora_jax import tree
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput,
                                         InitContext, keep_states)
 from fedora_jax.data.client_data import FederatedData
@@ -217,14 +217,14 @@ def client_subspaces(data: FederatedData, p: int, method: str = "iteration") -> 
 
 def parameter_similarity(client_params) -> jax.Array:
   """[K, K] cosines of the client models, every parameter in one vector (Table 4)."""
-  return similarity.cosine_similarity(model_space.gram(client_params))
+  return similarity.cosine_similarity(tree.gram(client_params))
 
 
 def gradient_similarity(updates, trained: jax.Array, previous: jax.Array) -> jax.Array:
   """[K, K] cosines of the client updates dtheta_k (Table 4), between the `trained` [K]
   clients; a pair with a client that did not train keeps its `previous` cosine."""
   both = trained[:, None] & trained[None, :]
-  return jnp.where(both, similarity.cosine_similarity(model_space.gram(updates)), previous)
+  return jnp.where(both, similarity.cosine_similarity(tree.gram(updates)), previous)
 
 
 def initial_similarity(context: InitContext, config: FedoraConfig) -> jax.Array:
@@ -249,11 +249,6 @@ def selective_lambda(val_loss_local: jax.Array, val_loss_propagated: jax.Array,
   if config.lambda_rule == "constant":  # Table 5: one lambda for every client
     return jnp.full_like(diff, config.lambda_value)
   return jnp.where(diff < 0, 0.0, jnp.exp(diff / 2.0))
-
-
-def squared_distance(params, target) -> jax.Array:
-  return sum(jnp.sum(jnp.square(a - b)) for a, b in
-             zip(jax.tree.leaves(params), jax.tree.leaves(target)))
 
 
 def fedora(config: FedoraConfig, trainer: ClientTrainer) -> Algorithm:
@@ -287,7 +282,7 @@ def fedora(config: FedoraConfig, trainer: ClientTrainer) -> Algorithm:
     if config.pull == "prox":
       new_params, stats = trainer.train(
           params, data.train, key,
-          regularizer=lambda p: lam * squared_distance(p, propagated))
+          regularizer=lambda p: lam * tree.squared_distance(p, propagated))
     else:
       def pull(new_params, old_params):
         return jax.tree.map(lambda new, old, hat: new - config.lr * lam * (old - hat),

@@ -19,7 +19,7 @@ import jax
 
 from fedora_jax.algorithms import fedavg
 from fedora_jax.algorithms.base import Algorithm, ClientOutput
-from fedora_jax.algorithms.fedora import squared_distance
+from fedora_jax import tree
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
 
@@ -39,7 +39,7 @@ def validate(config: FedProxConfig) -> FedProxConfig:
 
 def proximal_term(mu: float, anchor):
   """regularizer(params) = mu/2 ||params - anchor||^2; its gradient is mu (params - anchor)."""
-  return lambda params: 0.5 * mu * squared_distance(params, anchor)
+  return lambda params: 0.5 * mu * tree.squared_distance(params, anchor)
 
 
 def proximal_train(trainer: ClientTrainer, mu: float, global_params, data, key: jax.Array):

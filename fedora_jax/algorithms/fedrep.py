@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.algorithms import fedavg
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
@@ -120,11 +120,11 @@ def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
     return take_layers(params, split_body_head(params, config.head_layers, "fedrep_head_layers")[0])
 
   def init(context: InitContext) -> AlgorithmState:
-    first = jax.tree.map(lambda a: a[0], context.params)
+    first = tree.first(context.params)
     return AlgorithmState(server=body_of(first), clients=context.params)
 
   def broadcast(body, client_params):
-    return fedavg.broadcast_to_clients(body, jax.tree.leaves(client_params)[0].shape[0])
+    return tree.broadcast_to_clients(body, tree.leading_size(client_params))
 
   def client_update(params, body, data, key):
     params = merge_layers(params, body)
@@ -136,7 +136,7 @@ def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
 
   def aggregate(server, client_params, uploads, weights):
     del server
-    return AlgorithmState(server=fedavg.weighted_mean(uploads, weights), clients=client_params)
+    return AlgorithmState(server=tree.weighted_mean(uploads, weights), clients=client_params)
 
   def personalized_params(body, client_params):
     return merge_layers(client_params, broadcast(body, client_params))

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.algorithms import fedavg
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
@@ -94,14 +94,14 @@ def fedrod(config: FedRodConfig, trainer: ClientTrainer) -> Algorithm:
     raise ConfigError(f"fedrod_personal_init must be copy or zeros, got {config.personal_init!r}")
 
   def init(context: InitContext) -> AlgorithmState:
-    first = jax.tree.map(lambda a: a[0], context.params)
+    first = tree.first(context.params)
     personal = take_layers(context.params, [_head_name(first)])
     if config.personal_init == "zeros":
       personal = jax.tree.map(jnp.zeros_like, personal)
     return AlgorithmState(server=first, clients=personal)
 
   def broadcast(model, personal):
-    return fedavg.broadcast_to_clients(model, jax.tree.leaves(personal)[0].shape[0])
+    return tree.broadcast_to_clients(model, tree.leading_size(personal))
 
   def client_update(personal, model, data, key):
     head = _head_name(model)
@@ -113,7 +113,7 @@ def fedrod(config: FedRodConfig, trainer: ClientTrainer) -> Algorithm:
 
   def aggregate(server, personal, uploads, weights):
     del server
-    return AlgorithmState(server=fedavg.weighted_mean(uploads, weights), clients=personal)
+    return AlgorithmState(server=tree.weighted_mean(uploads, weights), clients=personal)
 
   def personalized_params(model, personal):
     return summed_head(broadcast(model, personal), personal)

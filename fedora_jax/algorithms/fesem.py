@@ -17,7 +17,7 @@ the E-step on the freshly trained models and the M-step. A client's personalized
 is its center.
 
 Initialisation. The paper draws the centers at random. Cluster 0 is the run's shared
-initial model and the others are random re-draws of it (model_space.random_models).
+initial model and the others are random re-draws of it (tree.random_models).
 The first assignment is uniformly random: every client starts from the same model, so
 an E-step on it would put all clients in one cluster.
 """
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.algorithms import model_space
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
@@ -56,29 +56,29 @@ def validate(config: FesemConfig) -> FesemConfig:
 
 def e_step(client_params, centers) -> jax.Array:
   """[K] int32: each client's nearest center by L2 distance (ties to the lowest index)."""
-  return jnp.argmin(model_space.squared_distances(client_params, centers), axis=1).astype(
+  return jnp.argmin(tree.squared_distances(client_params, centers), axis=1).astype(
       jnp.int32)
 
 
 def m_step(client_params, assignment: jax.Array, centers):
   """Each center becomes the mean of its assigned clients' models."""
-  return model_space.group_means(client_params, assignment, centers)
+  return tree.group_means(client_params, assignment, centers)
 
 
 def fesem(config: FesemConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config)
 
   def init(context: InitContext) -> AlgorithmState:
-    num_clients = model_space.num_models(context.params)
+    num_clients = tree.leading_size(context.params)
     center_key, assign_key = jax.random.split(context.key)
-    centers = model_space.initial_centers(context.params, center_key, config.num_clusters)
+    centers = tree.initial_centers(context.params, center_key, config.num_clusters)
     assignment = jax.random.randint(assign_key, (num_clients,), 0, config.num_clusters,
                                     jnp.int32)
     return AlgorithmState(server=FesemServer(centers=centers),
                           clients=FesemClients(params=context.params, cluster=assignment))
 
   def broadcast(server: FesemServer, clients: FesemClients):
-    return model_space.take(server.centers, clients.cluster)
+    return tree.take(server.centers, clients.cluster)
 
   def client_update(client_state: FesemClients, center, data, key):
     params, stats = trainer.train(center, data.train, key)
@@ -92,7 +92,7 @@ def fesem(config: FesemConfig, trainer: ClientTrainer) -> Algorithm:
                           clients=clients._replace(cluster=assignment))
 
   def personalized_params(server: FesemServer, clients: FesemClients):
-    return model_space.take(server.centers, clients.cluster)
+    return tree.take(server.centers, clients.cluster)
 
   return Algorithm(name="fesem", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,

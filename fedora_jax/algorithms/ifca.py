@@ -15,7 +15,7 @@ A client's personalized model is the (updated) model of the cluster it chose.
 
 The paper starts the C models from independent random initialisations. We keep the run's
 shared initial model as cluster 0 and draw the others by shuffling its entries within
-each layer (model_space.random_models: same i.i.d. distribution, no initialiser needed).
+each layer (tree.random_models: same i.i.d. distribution, no initialiser needed).
 Messages are [K, C, ...]: every client really downloads all C models.
 """
 
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.algorithms import model_space
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
@@ -58,8 +58,8 @@ def ifca(config: IfcaConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config)
 
   def init(context: InitContext) -> AlgorithmState:
-    num_clients = model_space.num_models(context.params)
-    clusters = model_space.initial_centers(context.params, context.key, config.num_clusters)
+    num_clients = tree.leading_size(context.params)
+    clusters = tree.initial_centers(context.params, context.key, config.num_clusters)
     return AlgorithmState(server=IfcaServer(clusters=clusters),
                           clients=IfcaClients(cluster=jnp.zeros((num_clients,), jnp.int32)))
 
@@ -71,19 +71,19 @@ def ifca(config: IfcaConfig, trainer: ClientTrainer) -> Algorithm:
   def client_update(client_state, clusters, data, key):
     del client_state
     chosen, losses = choose_cluster(trainer, clusters, data.train)
-    params, stats = trainer.train(model_space.take(clusters, chosen), data.train, key)
+    params, stats = trainer.train(tree.take(clusters, chosen), data.train, key)
     return ClientOutput(state=IfcaClients(cluster=chosen), upload=params, train=stats,
                         metrics={"cluster": chosen.astype(jnp.float32),
                                  "cluster_loss": losses[chosen]})
 
   def aggregate(server: IfcaServer, clients: IfcaClients, uploads, weights):
     # The paper's cluster average is unweighted, over the clients that took part.
-    clusters = model_space.group_means(uploads, clients.cluster, server.clusters,
+    clusters = tree.group_means(uploads, clients.cluster, server.clusters,
                                        members=weights > 0)
     return AlgorithmState(server=IfcaServer(clusters=clusters), clients=clients)
 
   def personalized_params(server: IfcaServer, clients: IfcaClients):
-    return model_space.take(server.clusters, clients.cluster)
+    return tree.take(server.clusters, clients.cluster)
 
   return Algorithm(name="ifca", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,

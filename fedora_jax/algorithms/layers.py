@@ -19,9 +19,8 @@ latest global shared layers and its own personal ones.
 import re
 from typing import Any, Callable
 
-import jax
 
-from fedora_jax.algorithms import fedavg
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
@@ -107,11 +106,11 @@ def partial_sharing(name: str, trainer: ClientTrainer,
 
   def init(context: InitContext) -> AlgorithmState:
     # All clients start from one model, so client 0's shared layers are everyone's.
-    first = jax.tree.map(lambda a: a[0], context.params)
+    first = tree.first(context.params)
     return AlgorithmState(server=shared_of(first), clients=context.params)
 
   def broadcast(shared, client_params):
-    return fedavg.broadcast_to_clients(shared, jax.tree.leaves(client_params)[0].shape[0])
+    return tree.broadcast_to_clients(shared, tree.leading_size(client_params))
 
   def client_update(params, shared, data, key):
     params, stats = trainer.train(merge_layers(params, shared), data.train, key)
@@ -119,7 +118,7 @@ def partial_sharing(name: str, trainer: ClientTrainer,
 
   def aggregate(server, client_params, uploads, weights):
     del server
-    return AlgorithmState(server=fedavg.weighted_mean(uploads, weights),
+    return AlgorithmState(server=tree.weighted_mean(uploads, weights),
                           clients=client_params)
 
   def personalized_params(shared, client_params):

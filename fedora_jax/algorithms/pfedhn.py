@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedora_jax.algorithms import model_space
+from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError
@@ -141,12 +141,12 @@ def pfedhn(config: PfedhnConfig, trainer: ClientTrainer) -> Algorithm:
   optimizer = server_optimizer(config)
 
   def init(context: InitContext) -> AlgorithmState:
-    num_clients = model_space.num_models(context.params)
+    num_clients = tree.leading_size(context.params)
     embed_dim = embedding_size(config, num_clients)
     net_key, embed_key = jax.random.split(context.key)
     params = PfedhnParams(
         hypernetwork=init_hypernetwork(net_key, embed_dim, config.hidden_dim,
-                                       config.n_hidden, model_space.take(context.params, 0)),
+                                       config.n_hidden, tree.take(context.params, 0)),
         embeddings=jax.random.normal(embed_key, (num_clients, embed_dim), jnp.float32))
     return AlgorithmState(server=PfedhnServer(params=params, opt_state=optimizer.init(params)),
                           clients=jnp.zeros((num_clients,), jnp.float32))

@@ -12,7 +12,7 @@ from fedora_jax.data.leaf import load_leaf
 from fedora_jax.data.tfds_source import load_tfds_dataset
 from fedora_jax.data.yearbook import load_yearbook
 from fedora_jax.data.cifar import load_cifar10
-from fedora_jax.data.partitions import Partition, PartitionConfig, make_partition, rotation_partition
+from fedora_jax.data.partitions import Partition, PartitionConfig, make_partition
 from fedora_jax.data.sources import ImageDataset, load_fashion_mnist, load_mnist
 from fedora_jax.errors import ConfigError
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec
 
+from fedora_jax.tree import leading_size
 from fedora_jax.engine.sharding import CLIENT_AXIS, constrain_to_clients, padded_size
 
 
@@ -75,7 +76,7 @@ def map_over_buckets(fn: Callable[..., Any], per_client_args: tuple, buckets: tu
   `clients` axis. `client_batch`: see `over_clients` (None: vmap).
   """
   mapped = over_clients(fn, client_batch)
-  slots = [jax.tree.leaves(data)[0].shape[0] for data in buckets]
+  slots = [leading_size(data) for data in buckets]
   if _is_identity(client_ids, num_clients) and slots[0] == num_clients:
     return mapped(*constrain_to_clients(per_client_args), buckets[0])
   outputs = []
@@ -119,7 +120,7 @@ def map_over_sampled(fn: Callable[..., Any], per_client_args: tuple, buckets: tu
   num_devices = _mesh_size()
   outputs, slot_clients = [], []
   for ids, data in zip(client_ids, buckets):
-    bucket_slots = jax.tree.leaves(data)[0].shape[0]
+    bucket_slots = leading_size(data)
     padded_ids = np.concatenate([ids, np.repeat(ids[-1:], bucket_slots - len(ids))])
     in_bucket = sampled[padded_ids] & (np.arange(bucket_slots) < len(ids))
     slots = sampled_slots(len(ids), bucket_slots, num_sampled, num_devices)

@@ -59,10 +59,6 @@ def _masked_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
   return jnp.sum(values * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def _select(pred: jax.Array, on_true, on_false):
-  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
 def epoch_batches(key: jax.Array, mask: jax.Array, n: jax.Array, batch_size: int,
                   num_batches: int) -> tuple[jax.Array, jax.Array]:
   """One shuffled epoch: sample indices [num_batches, B] and their weights (1 real, 0 pad)."""
@@ -137,7 +133,8 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
       if post_step is not None:
         new_params = post_step(new_params, params)
       active = jnp.sum(w) > 0
-      carry = _select(active, (new_params, new_opt_state), (params, opt_state))
+      carry = optax.tree_utils.tree_where(active, (new_params, new_opt_state),
+                                          (params, opt_state))
       return carry, (data_loss, active)
 
     (params, _), (losses, active) = jax.lax.scan(

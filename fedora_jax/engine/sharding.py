@@ -23,6 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fedora_jax.tree import leading_size
+
 CLIENT_AXIS = "clients"
 
 
@@ -58,10 +60,6 @@ def padded_size(num_clients: int, num_devices: int) -> int:
   return -(-num_clients // num_devices) * num_devices
 
 
-def _leading_size(tree: Any) -> int:
-  return jax.tree.leaves(tree)[0].shape[0]
-
-
 def pad_clients(tree: Any, size: int) -> Any:
   """Pads the leading (client) axis of host arrays to `size` with copies of the last client."""
   def pad(a):
@@ -91,7 +89,7 @@ def put_global(tree: Any, sharding: NamedSharding) -> Any:
 def place_buckets(buckets: tuple, mesh: Mesh) -> tuple:
   """Each size bucket padded to a multiple of the mesh size, split over its devices."""
   sharding = client_sharding(mesh)
-  return tuple(put_global(pad_clients(b, padded_size(_leading_size(b), mesh.size)), sharding)
+  return tuple(put_global(pad_clients(b, padded_size(leading_size(b), mesh.size)), sharding)
                for b in buckets)
 
 

@@ -1,21 +1,46 @@
-"""Arithmetic on stacked models (pytrees whose leaves carry a leading axis [N, ...]).
+"""Pytree arithmetic on models, one model or stacked ones (leaves with a leading axis [N, ...]).
 
-Shared by the clustering and model-mixing baselines (IFCA, FeSEM, FedFomo, FedAMP). Every
-function works leaf by leaf, so no model is ever flattened into one long vector and
-no [K, K, d] array of pairwise differences is built.
+Every algorithm's server and regulariser maths goes through here: distances, weighted
+means over the client axis, broadcasting to clients, taking and mixing models. Every
+function works leaf by leaf, so no model is ever flattened into one long vector and no
+[K, K, d] array of pairwise differences is built. Selecting between two trees is
+`optax.tree_utils.tree_where`.
 """
 
 import jax
 import jax.numpy as jnp
 
 
-def num_models(stacked) -> int:
+def leading_size(stacked) -> int:
+  """N, the size of the leading (client or model) axis every leaf shares."""
   return jax.tree.leaves(stacked)[0].shape[0]
 
 
 def take(stacked, index):
   """The models at `index` (an int, or an int array of any shape [...] -> leaves [..., ...])."""
   return jax.tree.map(lambda leaf: leaf[index], stacked)
+
+
+def first(stacked):
+  """The first model of a stack (the run's shared initial model, in `InitContext.params`)."""
+  return take(stacked, 0)
+
+
+def broadcast_to_clients(tree, num_clients: int):
+  """One model copied to [num_clients, ...] leaves (a view, no copy until written)."""
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients,) + a.shape), tree)
+
+
+def weighted_mean(stacked, weights: jax.Array):
+  """Mean over the leading axis of every leaf, weighted by `weights` [N] (normalised here)."""
+  weights = weights / jnp.sum(weights)
+  return jax.tree.map(lambda leaf: jnp.tensordot(weights, leaf, axes=(0, 0)), stacked)
+
+
+def squared_distance(params, target) -> jax.Array:
+  """||params - target||^2 over every leaf of two single models (a proximal term)."""
+  return sum(jnp.sum(jnp.square(a - b)) for a, b in
+             zip(jax.tree.leaves(params), jax.tree.leaves(target)))
 
 
 def squared_distances(models, centers) -> jax.Array:
@@ -57,7 +82,7 @@ def group_means(stacked, assignment: jax.Array, previous, members: jax.Array | N
   `assignment` [N] int holds each model's group in [0, C); `previous` has leaves [C, ...];
   `members` [N] bool, if given, says which models count (a round's sampled clients).
   """
-  num_groups = num_models(previous)
+  num_groups = leading_size(previous)
   one_hot = jax.nn.one_hot(assignment, num_groups, dtype=jnp.float32)   # [N, C]
   if members is not None:
     one_hot = one_hot * members[:, None]
@@ -90,8 +115,8 @@ def random_models(params, key: jax.Array, num: int):
 
 def initial_centers(context_params, key: jax.Array, num: int):
   """[num, ...] distinct starting models: the run's initial model, then random ones."""
-  first = take(context_params, 0)
+  initial = first(context_params)
   if num == 1:
-    return jax.tree.map(lambda leaf: leaf[None], first)
-  others = random_models(first, key, num - 1)
-  return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, others)
+    return jax.tree.map(lambda leaf: leaf[None], initial)
+  others = random_models(initial, key, num - 1)
+  return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), initial, others)
