@@ -1,0 +1,44 @@
+"""The same flags give a byte-identical results.json (issue 15's refactor check).
+
+tests/golden/ holds results.json files written by `experiments.main` before the library
+API and flag layer were rebuilt (2026-11-26, commit 869d5e7); every later change must
+reproduce them byte for byte. A change that is meant to alter results regenerates them
+with the command below and says why in its commit:
+
+  python -m experiments.main <COMMON> <extra> --workdir=/tmp/x && cp /tmp/x/results.json \
+      tests/golden/<name>.results.json
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = ("--dataset=rmnist", "--num_clients=3", "--rounds=2", "--local_epochs=1",
+          "--lr=0.05", "--hidden=32", "--log_every=0", "--checkpoint_every=0",
+          "--cpu_devices=2")
+RUNS = {
+    "fedora_authors": ("--algorithm=fedora",),
+    "fedora_paper": ("--algorithm=fedora", "--fedora_variant=paper"),
+    "fedavg": ("--algorithm=fedavg",),
+    "ditto": ("--algorithm=ditto",),
+    "fedala": ("--algorithm=fedala",),
+    "fedavg_ala": ("--algorithm=fedavg", "--ala"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_results_json_is_byte_identical(name, tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.main", *COMMON, *RUNS[name],
+       f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(os.path.join(GOLDEN, f"{name}.results.json"), "rb") as f:
+    expected = f.read()
+  with open(tmp_path / "results.json", "rb") as f:
+    assert f.read() == expected
