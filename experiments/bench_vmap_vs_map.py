@@ -7,7 +7,7 @@ Vmapping a convolution over clients (each with its own kernels) lowers to a grou
 convolution; XLA's CPU backend may run that slower than a sequential loop over clients
 or small groups of them (`lax.map(..., batch_size=n)`). This runs the engine's own local
 training (`make_client_trainer(...).train`) on random uint8 data of the dataset's shape
-through `fedora_jax.engine.buckets.over_clients` with each `client_batch` and prints the
+through `fedora_jax.engine.buckets.over_clients` with each `client_chunk` and prints the
 median wall time per call, after compilation. Results are identical across modes; the
 script checks that too.
 """
@@ -30,13 +30,13 @@ _SAMPLES = flags.DEFINE_integer("samples", 256, "Training samples per client.")
 _EPOCHS = flags.DEFINE_integer("epochs", 1, "Local epochs.")
 _BATCH = flags.DEFINE_integer("batch_size", 64, "Local batch size.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per mode.")
-_CLIENT_BATCHES = flags.DEFINE_list("client_batches", ["vmap", "1", "2", "5"],
+_CLIENT_CHUNKS = flags.DEFINE_list("client_chunks", ["vmap", "1", "2", "5"],
                                     "Modes: 'vmap' or a lax.map batch size.")
 
 
 def benchmark(model_name: str = "cnn", clients: int = 10, samples: int = 256,
               epochs: int = 1, batch_size: int = 64, repeats: int = 3,
-              client_batches=("vmap", "1", "2", "5"),
+              client_chunks=("vmap", "1", "2", "5"),
               image_shape=(32, 32, 3)) -> dict[str, float]:
   """Median seconds of one local-training call over all clients, per mode."""
   model = build_model(model_name, 10)
@@ -57,9 +57,9 @@ def benchmark(model_name: str = "cnn", clients: int = 10, samples: int = 256,
     return new_params, stats.loss
 
   times, reference = {}, None
-  for mode in client_batches:
-    client_batch = None if mode == "vmap" else int(mode)
-    fn = jax.jit(over_clients(one_client, client_batch))
+  for mode in client_chunks:
+    client_chunk = None if mode == "vmap" else int(mode)
+    fn = jax.jit(over_clients(one_client, client_chunk))
     start = time.perf_counter()
     out = jax.block_until_ready(fn(params, data, keys))
     compile_and_first = time.perf_counter() - start
@@ -74,7 +74,7 @@ def benchmark(model_name: str = "cnn", clients: int = 10, samples: int = 256,
     else:
       np.testing.assert_allclose(out[1], reference[1], rtol=2e-4, atol=1e-5)
     print(f"{model_name} K={clients} n={samples} epochs={epochs} batch={batch_size}"
-          f" {'vmap' if client_batch is None else f'lax.map(batch_size={client_batch})':>24}:"
+          f" {'vmap' if client_chunk is None else f'lax.map(batch_size={client_chunk})':>24}:"
           f" {times[mode]:.3f} s per call (first call incl. compile {compile_and_first:.1f} s)",
           flush=True)
   return times
@@ -84,7 +84,7 @@ def main(argv):
   del argv
   shape = (32, 32, 3) if _MODEL.value == "cnn" else (28, 28)
   benchmark(_MODEL.value, _CLIENTS.value, _SAMPLES.value, _EPOCHS.value, _BATCH.value,
-            _REPEATS.value, tuple(_CLIENT_BATCHES.value), shape)
+            _REPEATS.value, tuple(_CLIENT_CHUNKS.value), shape)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
   python -m experiments.benchmark --flagfile=experiments/configs/rmnist_authors.flags --json
   python -m experiments.benchmark --scale_clients=36,144,576,1152   # one process per K
   python -m experiments.benchmark --imbalance_check                  # balanced vs imbalanced
-  python -m experiments.benchmark --client_batches=vmap,1,2,4,8      # clients per lax.map chunk
+  python -m experiments.benchmark --client_chunks=vmap,1,2,4,8      # clients per lax.map chunk
 
 Takes every flag of experiments.main (same flags, same flagfiles) plus the ones below.
 Reports seconds per round (median over --repeats after --warmup rounds), client updates
@@ -40,7 +40,7 @@ from experiments import flags as run_flags
 from experiments.main import run_command
 from fedora_jax import benchmarking
 from fedora_jax.data import datasets
-from fedora_jax.experiment import prepare_run
+from fedora_jax.simulation import prepare_run
 from fedora_jax.errors import ConfigError, FedoraError
 from fedora_jax.models import build_model
 
@@ -81,8 +81,8 @@ _IMBALANCE = flags.DEFINE_bool("imbalance_check", False, "Sweep: the balanced an
                                " imbalanced round with its SGD steps x the balanced"
                                " time per step.")
 
-_CLIENT_BATCHES = flags.DEFINE_list(
-    "client_batches", [], "Sweep: compile the round once per --client_batch value in this"
+_CLIENT_CHUNKS = flags.DEFINE_list(
+    "client_chunks", [], "Sweep: compile the round once per --client_chunk value in this"
     " list (0 or 'vmap': every client at once) and time them in turn in one process.")
 
 _SWEEP_FLAGS = ("profile_dir", "scale_clients", "imbalance_check", "json", "num_clients", "setting",
@@ -278,28 +278,28 @@ def imbalance_sweep() -> dict:
 
 def _positive_int(text: str) -> int:
   if not text.isdigit() or int(text) < 1:
-    raise ConfigError(f"--client_batches takes 'vmap', 0 or positive integers, got {text!r}")
+    raise ConfigError(f"--client_chunks takes 'vmap', 0 or positive integers, got {text!r}")
   return int(text)
 
 
-def client_batch_sweep(values: list[str]) -> dict:
-  """The same round compiled once per --client_batch value, timed in turn in one process."""
-  client_batches = {v: None if v in ("0", "vmap") else _positive_int(v) for v in values}
+def client_chunk_sweep(values: list[str]) -> dict:
+  """The same round compiled once per --client_chunk value, timed in turn in one process."""
+  client_chunks = {v: None if v in ("0", "vmap") else _positive_int(v) for v in values}
   setup = _setup()
   runs = {}
-  for value, client_batch in client_batches.items():
-    train = dataclasses.replace(setup.train, client_batch=client_batch)
+  for value, client_chunk in client_chunks.items():
+    train = dataclasses.replace(setup.train, client_chunk=client_chunk)
     runs[value] = prepare_run(FLAGS.algorithm, setup.config, setup.model, setup.data, train)
-    log(f"client_batch={value}: compiled in {runs[value].compile_seconds:.2f} s")
+    log(f"client_chunk={value}: compiled in {runs[value].compile_seconds:.2f} s")
   durations = benchmarking.interleaved_rounds(runs, _REPEATS.value, _WARMUP.value)
   medians = {value: float(np.median(d)) for value, d in durations.items()}
   first = values[0]
   for value, seconds in medians.items():
-    log(f"client_batch={value:>5}: {seconds * 1e3:8.1f} ms per round (median of"
-        f" {len(durations[value])}), {medians[first] / seconds:.2f}x client_batch={first}")
+    log(f"client_chunk={value:>5}: {seconds * 1e3:8.1f} ms per round (median of"
+        f" {len(durations[value])}), {medians[first] / seconds:.2f}x client_chunk={first}")
   fastest = min(medians, key=medians.get)
-  log(f"fastest: client_batch={fastest}")
-  return {"sweep": "client_batches", "algorithm": FLAGS.algorithm,
+  log(f"fastest: client_chunk={fastest}")
+  return {"sweep": "client_chunks", "algorithm": FLAGS.algorithm,
           "dataset": FLAGS.dataset, "num_clients": setup.data.num_clients,
           "platform": jax.default_backend(), "num_devices": jax.device_count(),
           "round_seconds": medians,
@@ -316,8 +316,8 @@ def run() -> dict:
     report = scale_sweep(clients)
   elif _IMBALANCE.value:
     report = imbalance_sweep()
-  elif _CLIENT_BATCHES.value:
-    report = client_batch_sweep(_CLIENT_BATCHES.value)
+  elif _CLIENT_CHUNKS.value:
+    report = client_chunk_sweep(_CLIENT_CHUNKS.value)
   else:
     report = single_run()
     log(summary(report))
@@ -329,7 +329,7 @@ def run() -> dict:
 def summary(r: dict) -> str:
   lines = [
       f"{r['algorithm']} on {r['dataset']} ({r['setting']}, K={r['num_clients']},"
-      f" {r['platform']} x{r['mesh_devices']}, client_batch {r['client_batch'] or 'vmap'}):",
+      f" {r['platform']} x{r['mesh_devices']}, client_chunk {r['client_chunk'] or 'vmap'}):",
       f"  round        {r['round_seconds'] * 1e3:.1f} ms (median of {r['repeats']}),"
       f" {r['client_updates_per_second']:.1f} client updates/s"
       f" ({r['clients_trained_per_round']} trained clients a round)",

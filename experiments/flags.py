@@ -18,8 +18,8 @@ from fedora_jax.data import datasets, partitions
 from fedora_jax.engine import sharding
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError
-from fedora_jax.experiment import TrainConfig
-from fedora_jax.models import MODELS, default_client_batch
+from fedora_jax.simulation import TrainConfig
+from fedora_jax.models import MODELS, default_client_chunk
 
 FLAGS = flags.FLAGS
 
@@ -107,9 +107,9 @@ flags.DEFINE_float("participation", 1.0, "Fraction of clients sampled each round
                   " same clients in the same rounds for every algorithm, from --seed);"
                   " the others keep their state.", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_integer("eval_batch_size", 1024, "Evaluation chunk size.", lower_bound=1)
-flags.DEFINE_integer("client_batch", None, "Clients trained together: 0 vmaps all of them,"
+flags.DEFINE_integer("client_chunk", None, "Clients trained together: 0 vmaps all of them,"
                      " n > 0 runs lax.map over chunks of n on each device (default on CPUs:"
-                     " cnn 1, mlp 2; elsewhere 0; see models.default_client_batch).",
+                     " cnn 1, mlp 2; elsewhere 0; see models.default_client_chunk).",
                      lower_bound=0)
 
 # FEDORA (Wu et al., KDD 2023). Explicit flags override the variant's preset; the help
@@ -200,15 +200,15 @@ def train_config() -> TrainConfig:
                      batch_size=FLAGS.batch_size, lr=FLAGS.lr, momentum=FLAGS.momentum,
                      weight_decay=FLAGS.weight_decay, seed=FLAGS.seed,
                      eval_batch_size=FLAGS.eval_batch_size, log_every=FLAGS.log_every,
-                     client_batch=client_batch(), participation=FLAGS.participation)
+                     client_chunk=client_chunk(), participation=FLAGS.participation)
 
 
-def client_batch() -> int | None:
-  """--client_batch, else models.default_client_batch for this platform; None means vmap."""
-  if FLAGS.client_batch is not None:
-    return FLAGS.client_batch or None
+def client_chunk() -> int | None:
+  """--client_chunk, else models.default_client_chunk for this platform; None means vmap."""
+  if FLAGS.client_chunk is not None:
+    return FLAGS.client_chunk or None
   model = FLAGS.model or datasets.get_spec(FLAGS.dataset).model
-  return default_client_batch(model, jax.default_backend())
+  return default_client_chunk(model, jax.default_backend())
 
 
 # Flags that change nothing a run computes, so a workdir may be resumed with other values.
@@ -258,7 +258,7 @@ def run_identity(algorithm: str) -> dict:
     identity.pop(k, None)
   if identity.get("data_source") == "files":  # the default: earlier runs keep their identity
     identity.pop("data_source")
-  for k in (*_PARTITION_FLAGS, "client_batch"):  # unset: earlier runs keep their identity
+  for k in (*_PARTITION_FLAGS, "client_chunk"):  # unset: earlier runs keep their identity
     if identity.get(k) is None:
       identity.pop(k, None)
   # Only the chosen algorithm's own group counts.

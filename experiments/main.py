@@ -27,7 +27,7 @@ from fedora_jax import new_clients
 from fedora_jax import metric_writer, plots
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError, FedoraError
-from fedora_jax.experiment import root_keys, run_algorithm
+from fedora_jax.simulation import root_keys, run_algorithm
 from fedora_jax.models import build_model
 
 FLAGS = run_flags.FLAGS

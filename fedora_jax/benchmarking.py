@@ -1,7 +1,7 @@
 """Times the production `train_round` and sets it beside the machine's matmul peak.
 
 What it measures, for one algorithm on one federated dataset:
-  - seconds per round: the AOT-compiled round of `experiment.prepare_run` (the very
+  - seconds per round: the AOT-compiled round of `simulation.prepare_run` (the very
     function `run_algorithm` calls, state donated, metrics fetched to the host), median
     over repeats after warm-up rounds;
   - model FLOPs per round, counted analytically (`round_work`): the forward FLOPs of one
@@ -50,7 +50,7 @@ from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.rounds import client_keys, num_sampled_clients
 from fedora_jax.engine import sharding
 from fedora_jax.engine.sharding import constrain_to_clients
-from fedora_jax.experiment import (PreparedRun, TrainConfig, _to_host, prepare_run,
+from fedora_jax.simulation import (PreparedRun, TrainConfig, to_host, prepare_run,
                                    shared_initial_params)
 
 # Validation passes a round makes beyond the engine's own evaluation (one pass over
@@ -256,7 +256,7 @@ def time_rounds(prepared: PreparedRun, repeats: int, warmup: int):
   for r in range(warmup + repeats):
     tic = time.perf_counter()
     state, metrics = prepared.compiled(state, prepared.buckets, prepared.keys["train"])
-    metrics = _to_host(metrics)  # also waits for the round to finish
+    metrics = to_host(metrics)  # also waits for the round to finish
     if r >= warmup:
       durations.append(time.perf_counter() - tic)
   return durations, state, metrics
@@ -273,7 +273,7 @@ def paired_rounds(prepared: PreparedRun, state, other_round: Callable[[], Any],
   for _ in range(repeats):
     tic = time.perf_counter()
     state, metrics = prepared.compiled(state, prepared.buckets, prepared.keys["train"])
-    metrics = _to_host(metrics)
+    metrics = to_host(metrics)
     ours.append(time.perf_counter() - tic)
     tic = time.perf_counter()
     other_round()
@@ -291,7 +291,7 @@ def interleaved_rounds(runs: dict[str, PreparedRun], repeats: int,
     for name, run in runs.items():
       tic = time.perf_counter()
       states[name], metrics = run.compiled(states[name], run.buckets, run.keys["train"])
-      _to_host(metrics)
+      to_host(metrics)
       if r >= warmup:
         durations[name].append(time.perf_counter() - tic)
   return durations
@@ -467,7 +467,7 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
       "num_devices": jax.device_count(), "cpu_count": os.cpu_count(),
       # the devices the clients are split over (sharding.default_mesh may use fewer)
       "mesh_devices": len(jax.tree.leaves(prepared.buckets)[0].sharding.device_set),
-      "client_batch": train.client_batch,
+      "client_chunk": train.client_chunk,
       "jax_version": jax.__version__,
       "round_seconds": round_seconds,
       "round_seconds_min": float(min(durations)),
@@ -573,7 +573,7 @@ def profile_rounds(prepared: PreparedRun, state, rounds: int, directory: str,
   with jax.profiler.trace(directory, create_perfetto_trace=True):
     for _ in range(rounds):
       state, metrics = prepared.compiled(state, prepared.buckets, prepared.keys["train"])
-      metrics = _to_host(metrics)
+      metrics = to_host(metrics)
   traces = sorted(glob.glob(os.path.join(directory, "**", "*.trace.json.gz"),
                             recursive=True), key=os.path.getmtime)
   if not traces:

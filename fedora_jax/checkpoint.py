@@ -43,7 +43,7 @@ def stack_history(rounds: list[RoundMetrics]) -> RoundMetrics:
 
 
 def unstack_history(history: RoundMetrics) -> list[RoundMetrics]:
-  num_rounds = history.test_acc.shape[0]
+  num_rounds = history.test_score.shape[0]
   return [jax.tree.map(lambda a, r=r: a[r], history) for r in range(num_rounds)]
 
 

@@ -16,9 +16,9 @@ from tensorboardX import SummaryWriter
 from fedora_jax.rounds import RoundMetrics
 
 # RoundMetrics field -> TensorBoard tag; each is logged as its mean over clients.
-MEAN_TAGS = {"train_loss": "train/loss", "val_loss": "val/loss", "val_acc": "val/accuracy",
-             "test_loss": "test/loss", "test_acc": "test/accuracy"}
-# A regression's val_acc / test_acc hold the mean absolute error.
+MEAN_TAGS = {"train_loss": "train/loss", "val_loss": "val/loss", "val_score": "val/accuracy",
+             "test_loss": "test/loss", "test_score": "test/accuracy"}
+# A regression's val_score / test_score hold the mean absolute error.
 _REGRESSION_TAGS = {"val/accuracy": "val/mae", "test/accuracy": "test/mae"}
 
 
@@ -55,7 +55,7 @@ class RoundWriter:
     for tag, value in round_scalars(metrics, self.algorithm, self.task).items():
       self._writer.add_scalar(tag, value, round_number)
     histogram = "test/client_mae" if self.task == "regression" else "test/client_accuracy"
-    self._writer.add_histogram(histogram, np.asarray(metrics.test_acc), round_number)
+    self._writer.add_histogram(histogram, np.asarray(metrics.test_score), round_number)
 
   def close(self) -> None:
     self._writer.close()

@@ -59,7 +59,7 @@ def evaluate_new_clients(config: fedora.FedoraConfig, finetune_trainer: ClientTr
       # Step 4-5 with the client's own model = its auxiliary model.
       tuned = finetune.client_update(theta_hat, theta_hat, splits, fedora_key).state
       global_tuned, _ = finetune_trainer.train(global_params, splits.train, fedavg_key)
-      test = lambda params: finetune_trainer.evaluate(params, splits.test).accuracy
+      test = lambda params: finetune_trainer.evaluate(params, splits.test).score
       return (test(theta_hat), test(tuned), test(global_params), test(global_tuned))
 
     return map_over_buckets(serve, (auxiliary, global_models,

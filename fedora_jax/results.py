@@ -3,8 +3,8 @@
 A regression run (run_info["task"] == "regression") reports the mean absolute error in
 place of accuracy: every `acc` key is named `mae` instead (`r_acc` -> `r_mae`,
 `best_val_acc` -> `best_val_mae`, ...), the best-validation round is the one with the
-lowest validation MAE, and the history's val_acc / test_acc are saved as val_mae /
-test_mae (see fedora_jax.metrics for R-MAE and PTR).
+lowest validation MAE, and the history's val_score / test_score are saved as val_mae /
+test_mae (val_acc / test_acc for classification) (see fedora_jax.metrics for R-MAE and PTR).
 """
 
 import csv
@@ -16,10 +16,10 @@ import numpy as np
 
 from fedora_jax import metrics
 from fedora_jax.errors import ConfigError
-from fedora_jax.experiment import RunResult
+from fedora_jax.simulation import RunResult
 
 
-class ClientAccuracies(NamedTuple):
+class ClientScores(NamedTuple):
   """Per-client test accuracy [K] (regression: MAE) at the final round and at the
   best-validation round."""
   final: np.ndarray
@@ -36,11 +36,11 @@ def score_name(task: str) -> str:
   return "mae" if task == "regression" else "acc"
 
 
-def accuracies(result: RunResult, task: str = "classification") -> ClientAccuracies:
-  best = metrics.best_validation_round(result.history.val_acc,
+def accuracies(result: RunResult, task: str = "classification") -> ClientScores:
+  best = metrics.best_validation_round(result.history.val_score,
                                        lower_is_better=task == "regression")
-  return ClientAccuracies(final=result.history.test_acc[-1],
-                          best_val=result.history.test_acc[best], best_round=best + 1)
+  return ClientScores(final=result.history.test_score[-1],
+                          best_val=result.history.test_score[best], best_round=best + 1)
 
 
 # Fields a LOCAL reference must share with the run it is compared against.
@@ -49,7 +49,7 @@ _REFERENCE_KEYS = ("dataset", "setting", "num_clients", "data_seed", "seed", "ro
 _REFERENCE_TRAIN_KEYS = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay")
 
 
-def load_reference(path: str, run_info: dict[str, Any]) -> ClientAccuracies:
+def load_reference(path: str, run_info: dict[str, Any]) -> ClientScores:
   """Per-client LOCAL accuracies from a LOCAL run's results.json, checked for the same split."""
   try:
     with open(path) as f:
@@ -74,7 +74,7 @@ def load_reference(path: str, run_info: dict[str, Any]) -> ClientAccuracies:
     details = ", ".join(f"{k}={theirs!r} (run: {ours!r})" for k, theirs, ours in mismatched)
     raise ConfigError(f"--reference {path} was made with other settings: {details}")
   clients = sorted(reference["clients"], key=lambda c: c["id"])
-  return ClientAccuracies(final=np.array([c[score] for c in clients]),
+  return ClientScores(final=np.array([c[score] for c in clients]),
                           best_val=np.array([c[f"best_val_{score}"] for c in clients]),
                           best_round=reference["best_val"]["round"])
 
@@ -83,8 +83,8 @@ def _rounded(x):
   return None if x is None or not np.isfinite(x) else round(float(x), 6)
 
 
-def build_results(run_info: dict[str, Any], result: RunResult, ours: ClientAccuracies,
-                  local: ClientAccuracies, client_info: dict[str, np.ndarray]) -> dict:
+def build_results(run_info: dict[str, Any], result: RunResult, ours: ClientScores,
+                  local: ClientScores, client_info: dict[str, np.ndarray]) -> dict:
   """The results.json document. Headline numbers are the final round's."""
   if task_of(run_info) == "regression":
     return _build_regression_results(run_info, ours, local, client_info)
@@ -113,8 +113,8 @@ def build_results(run_info: dict[str, Any], result: RunResult, ours: ClientAccur
   }
 
 
-def _build_regression_results(run_info: dict[str, Any], ours: ClientAccuracies,
-                               local: ClientAccuracies,
+def _build_regression_results(run_info: dict[str, Any], ours: ClientScores,
+                               local: ClientScores,
                                client_info: dict[str, np.ndarray]) -> dict:
   """build_results for a regression: MAE, R-MAE and PTR (MAE_k <= LOCAL's) in the
   places of Acc, R-Acc and PTR."""
@@ -153,7 +153,7 @@ def timing(result: RunResult, earlier: dict | None = None) -> dict:
   extended from checkpoints still reports its whole cost. A process killed before it
   wrote this file leaves no segment.
   """
-  first, last = result.resumed_from_round, int(np.shape(result.history.test_acc)[0])
+  first, last = result.resumed_from_round, int(np.shape(result.history.test_score)[0])
   segments = [segment for segment in (earlier or {}).get("segments", [])
               if first and segment["last_round"] <= first]
   if last > first:
@@ -190,7 +190,7 @@ def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
     json.dump(results, f, indent=2)
   timing_path = os.path.join(workdir, "timing.json")
   earlier = _read_json(timing_path) if result.resumed_from_round else None
-  trained = np.shape(result.history.test_acc)[0] > result.resumed_from_round
+  trained = np.shape(result.history.test_score)[0] > result.resumed_from_round
   if trained or earlier is None:  # a rerun of a finished run keeps the times it measured
     with open(timing_path, "w") as f:
       json.dump(timing(result, earlier), f, indent=2)
@@ -199,15 +199,15 @@ def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
     writer.writeheader()
     writer.writerows(results["clients"])
   history = result.history
-  per_round = {name: getattr(history, name) for name in history._fields if name != "extra"}
-  if task_of(results) == "regression":  # val_acc / test_acc hold the MAE
-    per_round = {name.replace("_acc", "_mae"): values for name, values in per_round.items()}
+  score = "mae" if task_of(results) == "regression" else "acc"  # the files' column names
+  per_round = {name.replace("_score", f"_{score}"): getattr(history, name)
+               for name in history._fields if name != "extra"}
   per_round.update(history.extra)
   np.savez_compressed(os.path.join(workdir, "history.npz"), **per_round)
   with open(os.path.join(workdir, "rounds.csv"), "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(["round"] + [f"mean_{name}" for name in per_round])
-    for r in range(history.test_acc.shape[0]):
+    for r in range(history.test_score.shape[0]):
       writer.writerow([r + 1] + [f"{float(np.nanmean(v[r])):.6g}" for v in per_round.values()])
   for name, array in result.artifacts.items():
     np.save(os.path.join(workdir, f"{name}.npy"), array)

@@ -28,9 +28,9 @@ class RoundMetrics(NamedTuple):
   train_loss: jax.Array
   local_steps: jax.Array
   val_loss: jax.Array
-  val_acc: jax.Array
+  val_score: jax.Array    # accuracy (classification) or MAE (regression)
   test_loss: jax.Array
-  test_acc: jax.Array
+  test_score: jax.Array
   extra: dict[str, jax.Array]
 
 
@@ -40,12 +40,12 @@ def client_keys(round_key: jax.Array, num_clients: int) -> jax.Array:
 
 
 def evaluate_clients(trainer: ClientTrainer, params: Any, data: FederatedData,
-                     buckets: tuple[ClientSplits, ...], client_batch: int | None = None):
-  """Validation and test (loss, accuracy) of each client's model, all [K]."""
+                     buckets: tuple[ClientSplits, ...], client_chunk: int | None = None):
+  """Validation and test (loss, score) of each client's model, all [K]."""
   def evaluate_one(params_k, splits: ClientSplits):
     return trainer.evaluate(params_k, splits.val), trainer.evaluate(params_k, splits.test)
   return map_over_buckets(evaluate_one, (params,), buckets, data.client_ids,
-                          data.num_clients, client_batch)
+                          data.num_clients, client_chunk)
 
 
 def sampled_clients(round_key: jax.Array, num_clients: int, num_sampled: int) -> jax.Array:
@@ -87,7 +87,7 @@ def _sampled_outputs(out: ClientOutput, slot_clients: jax.Array, clients: Any,
 
 
 def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: FederatedData,
-                      client_batch: int | None = None, participation: float = 1.0):
+                      client_chunk: int | None = None, participation: float = 1.0):
   """The round function for this algorithm and client layout (bucket membership is static).
 
   `layout` supplies the static bucket structure; the arrays themselves are passed to
@@ -116,19 +116,19 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
       active = sampled_clients(round_key, num_clients, num_sampled)
       out, slot_clients = map_over_sampled(
           _client_step(algorithm), per_client, data, layout.client_ids, num_clients,
-          active, num_sampled, client_batch)
+          active, num_sampled, client_chunk)
       out = _sampled_outputs(out, slot_clients, clients, num_clients)
       weights = jnp.where(active, train_weights, 0.0)
     else:
       out = map_over_buckets(_client_step(algorithm), per_client, data, layout.client_ids,
-                             num_clients, client_batch)
+                             num_clients, client_chunk)
     new_state = algorithm.aggregate(server, out.state, out.upload, weights)
     evaluated = algorithm.personalized_params(new_state.server, new_state.clients)
-    val, test = evaluate_clients(trainer, evaluated, layout, data, client_batch)
+    val, test = evaluate_clients(trainer, evaluated, layout, data, client_chunk)
     metrics = RoundMetrics(
         train_loss=out.train.loss, local_steps=out.train.steps,
-        val_loss=val.loss, val_acc=val.accuracy, test_loss=test.loss,
-        test_acc=test.accuracy, extra=out.metrics)
+        val_loss=val.loss, val_score=val.score, test_loss=test.loss,
+        test_score=test.score, extra=out.metrics)
     return RoundState(round=state.round + 1, algorithm=new_state), metrics
 
   return train_round

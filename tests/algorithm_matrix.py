@@ -21,7 +21,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 from fedora_jax import algorithms
 from fedora_jax.algorithms import ala, confree
 from fedora_jax.engine import sharding
-from fedora_jax.experiment import TrainConfig, run_algorithm
+from fedora_jax.simulation import TrainConfig, run_algorithm
 import tiny
 
 # One size bucket: a bucket compiles its own client program, and buckets are covered
@@ -32,7 +32,7 @@ PARTIAL = 0.5                  # 3 of the 6 clients a round
 
 class Path(NamedTuple):
   devices: int
-  client_batch: int | None     # None: vmap; n: lax.map over chunks of n (shard_map on 2+)
+  client_chunk: int | None     # None: vmap; n: lax.map over chunks of n (shard_map on 2+)
   participation: float
 
 
@@ -66,13 +66,13 @@ def run_path(name: str, plugin: str, path: Path) -> dict:
   """Two rounds on `path`: the per-client metrics of both, as lists."""
   data, _ = tiny.tiny_data(SIZES)
   train = TrainConfig(rounds=2, local_epochs=2, batch_size=4, lr=0.1, momentum=0.9,
-                      log_every=0, client_batch=path.client_batch,
+                      log_every=0, client_chunk=path.client_chunk,
                       participation=path.participation)
   mesh = sharding.client_mesh(jax.devices()[:path.devices])
   result = run_algorithm(name, config_of(name, plugin), tiny.tiny_model(), data, train,
                          mesh=mesh)
   history = result.history
-  return {"val_loss": history.val_loss.tolist(), "test_acc": history.test_acc.tolist(),
+  return {"val_loss": history.val_loss.tolist(), "test_acc": history.test_score.tolist(),
           "train_loss": history.train_loss.tolist(),
           "local_steps": history.local_steps.tolist()}
 

@@ -14,7 +14,7 @@ import pytest
 
 from fedora_jax import algorithms, benchmarking, propagation
 from fedora_jax.data.client_data import Client, stack_clients
-from fedora_jax.experiment import TrainConfig, prepare_run
+from fedora_jax.simulation import TrainConfig, prepare_run
 from fedora_jax.models.cnn import CHANNEL_STATS, CNN
 from tests.tiny import init_params, tiny_data, tiny_model
 
@@ -193,7 +193,7 @@ def test_interleaved_rounds_times_each_compiled_run_in_turn():
   train = TrainConfig(rounds=1, local_epochs=1, batch_size=4, log_every=0)
   config = algorithms.get("fedavg").config_class()
   runs = {str(cb): prepare_run("fedavg", config, model, data,
-                               dataclasses.replace(train, client_batch=cb))
+                               dataclasses.replace(train, client_chunk=cb))
           for cb in (None, 2)}
   durations = benchmarking.interleaved_rounds(runs, repeats=3, warmup=1)
   assert sorted(durations) == ["2", "None"]

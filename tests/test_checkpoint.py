@@ -23,7 +23,7 @@ from fedora_jax.algorithms.base import AlgorithmState
 from fedora_jax.checkpoint import Checkpointer, check_workdir, claim_workdir, open_run
 from fedora_jax.rounds import RoundMetrics, RoundState
 from fedora_jax.errors import ConfigError
-from fedora_jax.experiment import TrainConfig, run_algorithm
+from fedora_jax.simulation import TrainConfig, run_algorithm
 from tiny import tiny_data, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +35,8 @@ K = 3
 def _metrics(r: int) -> RoundMetrics:
   values = np.arange(K, dtype=np.float32) + r
   return RoundMetrics(train_loss=values, local_steps=np.full(K, r, np.int32),
-                      val_loss=values, val_acc=values / 10, test_loss=values,
-                      test_acc=values / 20, extra={"lambda": values * 2})
+                      val_loss=values, val_score=values / 10, test_loss=values,
+                      test_score=values / 20, extra={"lambda": values * 2})
 
 
 def _states():
@@ -121,7 +121,7 @@ def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
   assert first.resumed_from_round == 0  # saves after rounds 2 and 3
   finished = train(3, checkpointer)  # restored after its last round: nothing to train
   assert finished.resumed_from_round == 3 and finished.round_seconds == 0.0
-  np.testing.assert_array_equal(finished.history.test_acc, straight.history.test_acc[:3])
+  np.testing.assert_array_equal(finished.history.test_score, straight.history.test_score[:3])
   extended = train(5, checkpointer)  # the finished 3-round run, extended to 5
   assert extended.resumed_from_round == 3 and checkpointer.latest_round() == 5
   for got, want in zip(jax.tree.leaves((extended.history, extended.final_state)),

@@ -128,15 +128,15 @@ def test_lax_map_over_clients_equals_vmap():
   keys = jax.random.split(jax.random.key(0), 5)
   data = rng.normal(size=(5, 4, 3)).astype(np.float32)
   expected = over_clients(fn)(w, keys, data)
-  for client_batch in (1, 2, 5, 8):
-    np.testing.assert_allclose(over_clients(fn, client_batch)(w, keys, data), expected,
+  for client_chunk in (1, 2, 5, 8):
+    np.testing.assert_allclose(over_clients(fn, client_chunk)(w, keys, data), expected,
                                rtol=1e-6)
   # Two buckets, out of order: the scatter back to client order is the same.
   ids = (np.array([0, 3, 4]), np.array([1, 2]))
   buckets = (data[ids[0]], data[ids[1]])
-  for client_batch in (None, 2):
+  for client_chunk in (None, 2):
     np.testing.assert_allclose(
-        map_over_buckets(fn, (w, keys), buckets, ids, 5, client_batch=client_batch), expected,
+        map_over_buckets(fn, (w, keys), buckets, ids, 5, client_chunk=client_chunk), expected,
         rtol=1e-6)
   with pytest.raises(ValueError):
     over_clients(fn, 0)

@@ -11,9 +11,9 @@ from fedora_jax.algorithms import fedavg, local
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.rounds import RoundMetrics, RoundState, build_train_round
 from fedora_jax.errors import TrainingDivergedError
-from fedora_jax.experiment import check_finite
+from fedora_jax.simulation import check_finite
 from fedora_jax.engine import sharding
-from fedora_jax.models import default_client_batch
+from fedora_jax.models import default_client_chunk
 from tiny import TraceCounter, init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
 
@@ -61,7 +61,7 @@ def test_round_compiles_once_and_reports_per_client_metrics():
     state, metrics = round_fn(state, data.buckets, jax.random.key(0))
   assert int(state.round) == 3
   assert counter.traces == 1
-  for field in ("train_loss", "val_loss", "val_acc", "test_loss", "test_acc"):
+  for field in ("train_loss", "val_loss", "val_score", "test_loss", "test_score"):
     chex.assert_shape(getattr(metrics, field), (4,))
     chex.assert_tree_all_finite(getattr(metrics, field))
   # ceil(n / batch) steps per epoch, two epochs, whatever the bucket's padding.
@@ -96,7 +96,7 @@ def test_evaluation_matches_a_plain_computation():
   logits = model.apply(params, clients[0].x_test)
   np.testing.assert_allclose(stats.loss, mean_ce(model, params, clients[0].x_test,
                                                   clients[0].y_test), rtol=1e-6)
-  np.testing.assert_allclose(stats.accuracy,
+  np.testing.assert_allclose(stats.score,
                              np.mean(np.argmax(logits, -1) == clients[0].y_test))
 
 
@@ -120,8 +120,8 @@ def test_same_seed_same_numbers():
 def test_nan_stops_the_run_naming_round_and_clients():
   finite = np.ones(5, np.float32)
   metrics = RoundMetrics(train_loss=np.array([1.0, np.nan, 1.0, 1.0, np.inf], np.float32),
-                         local_steps=finite, val_loss=finite, val_acc=finite,
-                         test_loss=finite, test_acc=finite, extra={})
+                         local_steps=finite, val_loss=finite, val_score=finite,
+                         test_loss=finite, test_score=finite, extra={})
   with pytest.raises(TrainingDivergedError, match=r"round 7 at client\(s\) 1, 4 \(2 of 5\)"):
     check_finite(metrics, round_number=7)
   check_finite(metrics._replace(train_loss=finite), round_number=7)
@@ -135,20 +135,20 @@ def test_client_chunks_give_the_vmapped_round():
   trainer = tiny_trainer(model, batch_size=2, momentum=0.9, weight_decay=1e-3)
   algorithm = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)
   outputs = {}
-  for client_batch in (None, 3):
-    round_fn = jax.jit(build_train_round(algorithm, trainer, data, client_batch))
+  for client_chunk in (None, 3):
+    round_fn = jax.jit(build_train_round(algorithm, trainer, data, client_chunk))
     state = _start(algorithm, trainer, data, init_params(model))
     for _ in range(2):
       state, metrics = round_fn(state, data.buckets, jax.random.key(1))
-    outputs[client_batch] = (state, metrics)
+    outputs[client_chunk] = (state, metrics)
   chex.assert_trees_all_close(outputs[3], outputs[None], rtol=1e-5, atol=1e-6)
 
 
-def test_default_client_batch_chunks_on_cpus_only():
-  assert default_client_batch("mlp", "cpu") == 2
-  assert default_client_batch("cnn", "cpu") == 1
-  assert default_client_batch("mlp", "gpu") is None
-  assert default_client_batch("cnn", "tpu") is None
+def test_default_client_chunk_on_cpus_only():
+  assert default_client_chunk("mlp", "cpu") == 2
+  assert default_client_chunk("cnn", "cpu") == 1
+  assert default_client_chunk("mlp", "gpu") is None
+  assert default_client_chunk("cnn", "tpu") is None
 
 
 def test_default_mesh_spans_no_more_cpu_devices_than_the_smallest_bucket():

@@ -228,7 +228,7 @@ def test_per_round_similarities_run_jitted_rounds(measure):
   assert traces == 1
   clients = state.algorithm.clients
   w = np.asarray(state.algorithm.server.similarity)
-  assert np.all(np.isfinite(w)) and np.all(np.isfinite(metrics.test_acc))
+  assert np.all(np.isfinite(w)) and np.all(np.isfinite(metrics.test_score))
   np.testing.assert_allclose(w, w.T, atol=1e-5)
   if measure == "parameters":  # the cosines of the models the next round propagates
     np.testing.assert_allclose(w, fedora.parameter_similarity(clients), atol=1e-5)

@@ -133,8 +133,8 @@ def read_events(logdir):
 def round_metrics(test_acc, lam):
   k = len(test_acc)
   return RoundMetrics(train_loss=np.full(k, 2.0), local_steps=np.full(k, 3),
-                      val_loss=np.full(k, 1.5), val_acc=np.full(k, 0.25),
-                      test_loss=np.full(k, 1.0), test_acc=np.asarray(test_acc),
+                      val_loss=np.full(k, 1.5), val_score=np.full(k, 0.25),
+                      test_loss=np.full(k, 1.0), test_score=np.asarray(test_acc),
                       extra={"lambda": np.asarray(lam)})
 
 

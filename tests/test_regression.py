@@ -8,7 +8,7 @@ import pytest
 from fedora_jax import algorithms, metrics, results
 from fedora_jax.data.client_data import Client, ClientData, stack_clients
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
-from fedora_jax.experiment import TrainConfig, run_algorithm
+from fedora_jax.simulation import TrainConfig, run_algorithm
 from fedora_jax.models import build_model
 from fedora_jax.models.mlp import MLP
 from fedora_jax import similarity
@@ -43,10 +43,10 @@ def test_mse_loss_and_mae_score_match_hand_computed_values():
   data = ClientData(x=x, y=y, mask=weights.astype(bool), n=np.int32(3))
   stats = trainer.evaluate(params, data)
   np.testing.assert_allclose(stats.loss, (0.25 + 2.25 + 6.25) / 3, rtol=1e-6)
-  np.testing.assert_allclose(stats.accuracy, (0.5 + 1.5 + 2.5) / 3, rtol=1e-6)  # MAE
+  np.testing.assert_allclose(stats.score, (0.5 + 1.5 + 2.5) / 3, rtol=1e-6)  # MAE
   # Chunked evaluation (chunks of 2, last one padded) gives the same numbers.
   chunked = _trainer(model, "regression", eval_batch_size=2).evaluate(params, data)
-  np.testing.assert_allclose(chunked.accuracy, stats.accuracy, rtol=1e-6)
+  np.testing.assert_allclose(chunked.score, stats.score, rtol=1e-6)
 
 
 def test_regression_sgd_step_follows_the_mse_gradient():
@@ -77,7 +77,7 @@ def test_classification_stays_cross_entropy_and_accuracy():
   stats = trainer.evaluate(params, ClientData(x=x, y=y, mask=np.ones(5, bool),
                                               n=np.int32(5)))
   expected_acc = np.mean(np.argmax(model.apply(params, x), -1) == y)
-  np.testing.assert_allclose(stats.accuracy, expected_acc, rtol=1e-6)
+  np.testing.assert_allclose(stats.score, expected_acc, rtol=1e-6)
   with pytest.raises(ValueError, match="unknown task"):
     make_client_trainer(model.apply, make_optimizer(0.1), 1, 8, task="ranking")
 
@@ -127,8 +127,8 @@ def test_two_round_regression_run_end_to_end():
                        train)
   local = run_algorithm("local", algorithms.get("local").config_class(), model, data, train)
   for run in (ours, local):
-    assert run.history.test_acc.shape == (2, 4) and run.history.val_loss.shape == (2, 4)
-    assert np.all(np.isfinite(run.history.test_acc)) and np.all(run.history.test_acc >= 0)
+    assert run.history.test_score.shape == (2, 4) and run.history.val_loss.shape == (2, 4)
+    assert np.all(np.isfinite(run.history.test_score)) and np.all(run.history.test_score >= 0)
   # The reported MAE is the mean absolute error of the personalized models' predictions.
   info = {"dataset": "synthetic", "algorithm": algorithm, "setting": "natural",
           "num_clients": 4, "seed": 0, "rounds": 2, "task": "regression"}

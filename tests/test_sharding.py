@@ -51,7 +51,7 @@ _FOUR_DEVICES = textwrap.dedent("""
     sys.path[:0] = [{root!r}, {tests!r}]
     from fedora_jax import algorithms
     from fedora_jax.engine import sharding
-    from fedora_jax.experiment import TrainConfig, prepare_run, run_algorithm
+    from fedora_jax.simulation import TrainConfig, prepare_run, run_algorithm
     import tiny
 
     assert jax.device_count() == 4, jax.devices()
@@ -64,21 +64,21 @@ _FOUR_DEVICES = textwrap.dedent("""
       config = algorithms.get(name).config_class()
       runs = {{}}
       # vmap, and chunks of 2 clients (each device loops over its own: shard_map).
-      for client_batch in (None, 2):
+      for client_chunk in (None, 2):
         for count in (1, 4):
           mesh = sharding.client_mesh(jax.devices()[:count])
-          chunked = dataclasses.replace(train, client_batch=client_batch)
+          chunked = dataclasses.replace(train, client_chunk=client_chunk)
           prepared = prepare_run(name, config, model, data, chunked, mesh=mesh)
           shards = [len(b.train.x.sharding.device_set) for b in prepared.buckets]
           slots = [b.train.x.shape[0] for b in prepared.buckets]
           history = run_algorithm(name, config, model, data, chunked, mesh=mesh).history
-          runs[client_batch, count] = (shards, slots, history)
+          runs[client_chunk, count] = (shards, slots, history)
       (s1, k1, h1), (s4, k4, _) = runs[None, 1], runs[None, 4]
       report[name] = {{
           "shards": [s1, s4], "slots": [k1, k4],
           "max_diff": max(float(np.max(np.abs(getattr(h1, f) - getattr(h, f))))
                           for (_, _, h) in runs.values()
-                          for f in ("train_loss", "val_loss", "val_acc", "test_acc"))}}
+                          for f in ("train_loss", "val_loss", "val_score", "test_score"))}}
     print(json.dumps(report))
 """)
 
@@ -110,10 +110,10 @@ def test_two_processes_give_the_single_process_results(tmp_path):
   """experiments.main as two jax.distributed processes on a loopback coordinator, against
   the same command in one process. The two-process run stops after round 1 and resumes
   from the checkpoint both processes saved into one folder."""
-  # --client_batch=0: one CPU device would otherwise default to chunks of clients, two
-  # to vmap (models.default_client_batch); both sides run the same program here.
+  # --client_chunk=0: one CPU device would otherwise default to chunks of clients, two
+  # to vmap (models.default_client_chunk); both sides run the same program here.
   fast = ["--algorithm=fedavg", "--num_clients=5", "--local_epochs=1", "--hidden=16",
-          "--log_every=0", "--client_batch=0"]
+          "--log_every=0", "--client_chunk=0"]
   main = [sys.executable, "-m", "experiments.main", *fast]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   single = subprocess.run([*main, "--rounds=2", "--checkpoint_every=0",

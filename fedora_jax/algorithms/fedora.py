@@ -186,7 +186,7 @@ def propagate_to_new_clients(new_graph: jax.Array, propagated_params):
 SUBSPACE_CHUNK_BYTES = 64 * 2**20
 
 
-def _subspace_client_batch(data: FederatedData) -> int | None:
+def _subspace_client_chunk(data: FederatedData) -> int | None:
   """Clients per chunk of the init's lax.map (None: all at once, vmapped).
 
   On CPU one client at a time: it was as fast as vmap (1000 rotated-MNIST clients:
@@ -212,7 +212,7 @@ def client_subspaces(data: FederatedData, p: int, method: str = "iteration") -> 
     z = similarity.client_features(splits.train.x, splits.train.y, data.num_classes)
     return similarity.client_subspace(z, p, splits.train.mask, method=method)
   return map_over_buckets(one_client, (), data.buckets, data.client_ids, data.num_clients,
-                          client_batch=_subspace_client_batch(data))
+                          client_chunk=_subspace_client_chunk(data))
 
 
 def parameter_similarity(client_params) -> jax.Array:

@@ -31,7 +31,7 @@ def gather(tree: Any, ids: np.ndarray) -> Any:
   return jax.tree.map(lambda a: a[ids], tree)
 
 
-def over_clients(fn: Callable[..., Any], client_batch: int | None = None) -> Callable[..., Any]:
+def over_clients(fn: Callable[..., Any], client_chunk: int | None = None) -> Callable[..., Any]:
   """`fn` mapped over a leading client axis of all its arguments.
 
   None: `jax.vmap` (every client at once). n > 0: `jax.lax.map` over chunks of n clients,
@@ -40,13 +40,13 @@ def over_clients(fn: Callable[..., Any], client_batch: int | None = None) -> Cal
   convolutions, which XLA's CPU backend may run slower than a loop over smaller groups:
   experiments/bench_vmap_vs_map.py measures both.
   """
-  if client_batch is None:
+  if client_chunk is None:
     return jax.vmap(fn)
-  if client_batch < 1:
-    raise ValueError(f"client_batch must be >= 1 or None, got {client_batch}")
+  if client_chunk < 1:
+    raise ValueError(f"client_chunk must be >= 1 or None, got {client_chunk}")
 
   def chunked(*args):
-    return jax.lax.map(lambda a: fn(*a), args, batch_size=client_batch)
+    return jax.lax.map(lambda a: fn(*a), args, batch_size=client_chunk)
 
   def mapped(*args):
     mesh = jax.sharding.get_abstract_mesh()
@@ -66,16 +66,16 @@ def over_clients(fn: Callable[..., Any], client_batch: int | None = None) -> Cal
 
 def map_over_buckets(fn: Callable[..., Any], per_client_args: tuple, buckets: tuple,
                      client_ids: Sequence[np.ndarray], num_clients: int,
-                     client_batch: int | None = None) -> Any:
+                     client_chunk: int | None = None) -> Any:
   """fn(*per_client_args_k, bucket_data_k) for every client k; outputs stacked [K, ...].
 
   `per_client_args` are pytrees with leaves [K, ...] (or None); `buckets[b]` is bucket b's
   data with leaves [K_b, ...], or [S_b >= K_b, ...] when padded for the device mesh
   (engine/sharding.py): the padded slots get copies of the bucket's last client and their
   outputs are dropped. Under a mesh the client axis of every argument is split over its
-  `clients` axis. `client_batch`: see `over_clients` (None: vmap).
+  `clients` axis. `client_chunk`: see `over_clients` (None: vmap).
   """
-  mapped = over_clients(fn, client_batch)
+  mapped = over_clients(fn, client_chunk)
   slots = [leading_size(data) for data in buckets]
   if _is_identity(client_ids, num_clients) and slots[0] == num_clients:
     return mapped(*constrain_to_clients(per_client_args), buckets[0])
@@ -107,7 +107,7 @@ def sampled_slots(bucket_size: int, bucket_slots: int, num_sampled: int,
 def map_over_sampled(fn: Callable[..., Any], per_client_args: tuple, buckets: tuple,
                      client_ids: Sequence[np.ndarray], num_clients: int,
                      sampled: jax.Array, num_sampled: int,
-                     client_batch: int | None = None) -> tuple[Any, jax.Array]:
+                     client_chunk: int | None = None) -> tuple[Any, jax.Array]:
   """fn(*per_client_args_k, bucket_data_k) for the sampled clients k only.
 
   `sampled` [K] bool marks `num_sampled` clients (a static count). Bucket b gets
@@ -116,7 +116,7 @@ def map_over_sampled(fn: Callable[..., Any], per_client_args: tuple, buckets: tu
   slot s holds client slot_clients[s]'s output, or slot_clients[s] == K for a filler,
   whose output `scatter_to_clients` drops. Per-client results equal `map_over_buckets`'s.
   """
-  mapped = over_clients(fn, client_batch)
+  mapped = over_clients(fn, client_chunk)
   num_devices = _mesh_size()
   outputs, slot_clients = [], []
   for ids, data in zip(client_ids, buckets):

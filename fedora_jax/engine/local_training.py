@@ -39,10 +39,10 @@ TASKS = ("classification", "regression")
 
 
 class EvalStats(NamedTuple):
-  """Classification: mean cross-entropy and accuracy. Regression: mean squared error and,
-  in `accuracy`, the mean absolute error (the task's score; lower is better there)."""
+  """Classification: mean cross-entropy and accuracy. Regression: mean squared error and
+  the mean absolute error. `score` is the task's metric (lower is better for MAE)."""
   loss: jax.Array      # [] mean loss over the real samples
-  accuracy: jax.Array  # [] fraction classified correctly; regression: mean absolute error
+  score: jax.Array  # [] classification: fraction classified correctly; regression: MAE
 
 
 class ClientTrainer(NamedTuple):
@@ -168,7 +168,7 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
         (x.reshape((num_chunks, chunk) + x.shape[1:]), y.reshape(num_chunks, chunk),
          mask.reshape(num_chunks, chunk)))
     count = jnp.maximum(data.n.astype(jnp.float32), 1.0)
-    return EvalStats(loss=jnp.sum(ce_sums) / count, accuracy=jnp.sum(correct_sums) / count)
+    return EvalStats(loss=jnp.sum(ce_sums) / count, score=jnp.sum(correct_sums) / count)
 
   return ClientTrainer(loss=loss, train=train, evaluate=evaluate,
                        steps_per_epoch=steps_per_epoch, task=task, epochs=epochs)

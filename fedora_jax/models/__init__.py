@@ -29,18 +29,18 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn}
 # adds them here in the order its forward pass meets them.
 LAYER_TYPE_ORDER: tuple[str, ...] = ("Conv", "Dense")
 
-# Default --client_batch per model on CPU devices (None: vmap over all clients). There a
+# Default --client_chunk per model on CPU devices (None: vmap over all clients). There a
 # few clients at a time keep their weights, gradients and momentum in cache: vmapping all
 # 36 MLP clients streams ~50 MB through memory every SGD step. Measured on a 2-core CPU,
-# one device per core, with `python -m experiments.benchmark --client_batches=1,2,3,4,6`
+# one device per core, with `python -m experiments.benchmark --client_chunks=1,2,3,4,6`
 # (FEDORA rmnist round 183 / 172 / 178 / 195 / 224 ms; 313 ms vmapped) and
 # experiments/bench_vmap_vs_map.py (the CNN ~1.5x faster one client at a time).
 # Accelerators vmap.
 CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "mlp": 2}
 
 
-def default_client_batch(model: str, platform: str) -> int | None:
-  """The --client_batch a run uses unless told: None (vmap) off CPUs."""
+def default_client_chunk(model: str, platform: str) -> int | None:
+  """The --client_chunk a run uses unless told: None (vmap) off CPUs."""
   return CPU_CLIENT_BATCH.get(model) if platform == "cpu" else None
 
 

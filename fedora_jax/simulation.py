@@ -34,8 +34,8 @@ class TrainConfig:
   eval_batch_size: int = 1024
   log_every: int = 50
   # None: every client's update at once (vmap); n: lax.map over chunks of n clients,
-  # faster on CPUs (engine/buckets.py over_clients, models.default_client_batch).
-  client_batch: int | None = None
+  # faster on CPUs (engine/buckets.py over_clients, models.default_client_chunk).
+  client_chunk: int | None = None
   participation: float = 1.0  # fraction of clients sampled each round (rounds.py)
 
 
@@ -64,7 +64,8 @@ def shared_initial_params(model, data: FederatedData, key: jax.Array):
   return jax.tree.map(lambda a: jnp.broadcast_to(a, (data.num_clients,) + a.shape), params)
 
 
-def _to_host(metrics: RoundMetrics) -> RoundMetrics:
+def to_host(metrics: RoundMetrics) -> RoundMetrics:
+  """The round's metrics as numpy arrays on the host (waits for the round to finish)."""
   return jax.tree.map(np.asarray, jax.device_get(metrics))
 
 
@@ -116,7 +117,7 @@ def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
         out_shardings=everywhere)
     state = RoundState(round=jnp.zeros((), jnp.int32),
                        algorithm=init_state(params, buckets, keys["algorithm"]))
-    train_round = jax.jit(build_train_round(algorithm, trainer, data, train.client_batch,
+    train_round = jax.jit(build_train_round(algorithm, trainer, data, train.client_chunk,
                                             train.participation),
                           donate_argnums=0,
                           out_shardings=everywhere)
@@ -152,7 +153,7 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
   for r in range(resumed_from_round, train.rounds):
     tic = time.perf_counter()
     state, metrics = compiled(state, buckets, keys["train"])
-    metrics = _to_host(metrics)  # also waits for the round to finish
+    metrics = to_host(metrics)  # also waits for the round to finish
     durations.append(time.perf_counter() - tic)
     check_finite(metrics, r + 1)
     history.append(metrics)
@@ -162,10 +163,10 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
       checkpointer.save(state, history)
     if train.log_every and ((r + 1) % train.log_every == 0 or r + 1 == train.rounds):
       eta = np.median(durations) * (train.rounds - r - 1)
-      score = "mae" if data.task == "regression" else "acc"  # val_acc holds a regression's MAE
+      score = "mae" if data.task == "regression" else "acc"
       logger.info("%s round %d/%d: %.3f s/round, val %s %.4f, test %s %.4f, ETA %.0f s",
                   name, r + 1, train.rounds, np.median(durations), score,
-                  metrics.val_acc.mean(), score, metrics.test_acc.mean(), eta)
+                  metrics.val_score.mean(), score, metrics.test_score.mean(), eta)
   total_seconds = time.perf_counter() - run_start
 
   stacked = jax.tree.map(lambda *rounds: np.stack(rounds), *history)
