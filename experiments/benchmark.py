@@ -16,7 +16,7 @@ speedup:
 
   python -m experiments.benchmark --dataset=cifar10 --data_dir=<cifar10> --algorithm=fedora
 
-See fedora_jax/benchmarking.py for how each number is measured. With --json the last
+See benchmarks/measure.py for how each number is measured. With --json the last
 line printed is one JSON object.
 """
 
@@ -37,8 +37,8 @@ import jax
 import numpy as np
 
 from experiments import flags as run_flags
-from experiments.main import run_command
-from fedora_jax import benchmarking
+from experiments.cli import run_command
+from benchmarks import measure
 from fedora_jax.data import datasets
 from fedora_jax.simulation import prepare_run
 from fedora_jax.errors import ConfigError, FedoraError
@@ -118,7 +118,7 @@ def _setup() -> Setup:
     train_per_client, val_per_client = _TRAIN_PER_CLIENT.value, _VAL_PER_CLIENT.value
     if train_per_client is None or val_per_client is None:
       source = datasets.load_source(FLAGS.dataset, FLAGS.data_dir, FLAGS.data_source)
-      fit = benchmarking.client_sizes_that_fit(num_clients, len(source.x_train),
+      fit = measure.client_sizes_that_fit(num_clients, len(source.x_train),
                                                FLAGS.setting)
       train_per_client = train_per_client or fit[0]
       val_per_client = val_per_client or fit[1]
@@ -132,9 +132,9 @@ def _setup() -> Setup:
   hidden = run_flags.hidden_widths()
   model_name = FLAGS.model or spec.model
   model = build_model(model_name, data.num_classes, hidden)
+  train = run_flags.train_config()
   return Setup(data=data, model=model, model_name=model_name, hidden=hidden,
-               train=run_flags.train_config(),
-               config=run_flags.algorithm_config(FLAGS.algorithm),
+               train=train, config=run_flags.algorithm_config(FLAGS.algorithm, train),
                train_per_client=partition.train_per_client,
                val_per_client=partition.val_per_client)
 
@@ -142,13 +142,13 @@ def _setup() -> Setup:
 def single_run() -> dict:
   setup = _setup()
   data, train, config = setup.data, setup.train, setup.config
-  bench_config = benchmarking.BenchmarkConfig(
+  bench_config = measure.BenchmarkConfig(
       algorithm=FLAGS.algorithm, algorithm_config=config, dataset=FLAGS.dataset,
       num_clients=data.num_clients, setting=FLAGS.setting, train=train,
       repeats=_REPEATS.value, warmup=_WARMUP.value, time_server=_SERVER.value,
       peak_repeats=_PEAK_REPEATS.value, peak_size=_PEAK_SIZE.value,
       profile_dir=_PROFILE.value)
-  report, final_state, prepared = benchmarking.run_benchmark(bench_config, setup.model,
+  report, final_state, prepared = measure.run_benchmark(bench_config, setup.model,
                                                               data, log)
   report.update(train_per_client=setup.train_per_client,
                 val_per_client=setup.val_per_client, hidden=list(setup.hidden),
@@ -172,9 +172,9 @@ def torch_baseline(data, model_name, hidden, train, config, graph, prepared, sta
   fastest count is then timed in --torch_repeats pairs (one JAX round, one PyTorch
   round), and the speedup is the median of the per-pair ratios.
   """
-  from fedora_jax import torch_reference  # pylint: disable=import-outside-toplevel
+  from benchmarks import torch_loop  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
-  device = torch_reference.pick_device(torch)
+  device = torch_loop.pick_device(torch)
   counts = []
   for value in _THREADS.value if device == "cpu" else [str(torch.get_num_threads())]:
     count = os.cpu_count() if value == "all" else int(value)
@@ -182,14 +182,14 @@ def torch_baseline(data, model_name, hidden, train, config, graph, prepared, sta
       counts.append(count)
   references, probes = {}, {}
   for threads in counts:
-    references[threads] = torch_reference.TorchFedora(
+    references[threads] = torch_loop.TorchFedora(
         data, graph, hidden, alpha=config.alpha, lambda_rule=config.lambda_rule,
         lambda_eps=config.lambda_eps, pull=config.pull, local_epochs=train.local_epochs,
         batch_size=train.batch_size, lr=train.lr, momentum=train.momentum,
         weight_decay=train.weight_decay, eval_batch_size=train.eval_batch_size,
         seed=train.seed, threads=threads, model=model_name, device=device,
         participation=train.participation)
-    durations, _ = torch_reference.time_torch_fedora(references[threads], 1, warmup=1)
+    durations, _ = torch_loop.time_torch_fedora(references[threads], 1, warmup=1)
     probes[threads] = durations[0]
     log(f"PyTorch sequential loop ({model_name}, {device}), {threads} thread(s): probe"
         f" round {durations[0] * 1e3:.1f} ms")
@@ -197,7 +197,7 @@ def torch_baseline(data, model_name, hidden, train, config, graph, prepared, sta
   reference = references[best]
   torch.set_num_threads(best)
   reference.server_seconds = 0.0
-  ours, theirs, _ = benchmarking.paired_rounds(prepared, state, reference.round,
+  ours, theirs, _ = measure.paired_rounds(prepared, state, reference.round,
                                                _TORCH_REPEATS.value)
   ratios = [t / o for o, t in zip(ours, theirs)]
   torch_seconds = float(np.median(theirs))
@@ -238,7 +238,7 @@ def child_run(extra: list[str]) -> dict:
   done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
   if done.returncode != 0:
     raise FedoraError(f"benchmark child failed ({done.returncode}): {done.stderr[-2000:]}")
-  return benchmarking.last_json_line(done.stdout)
+  return measure.last_json_line(done.stdout)
 
 
 def scale_sweep(clients: list[int]) -> dict:
@@ -291,7 +291,7 @@ def client_chunk_sweep(values: list[str]) -> dict:
     train = dataclasses.replace(setup.train, client_chunk=client_chunk)
     runs[value] = prepare_run(FLAGS.algorithm, setup.config, setup.model, setup.data, train)
     log(f"client_chunk={value}: compiled in {runs[value].compile_seconds:.2f} s")
-  durations = benchmarking.interleaved_rounds(runs, _REPEATS.value, _WARMUP.value)
+  durations = measure.interleaved_rounds(runs, _REPEATS.value, _WARMUP.value)
   medians = {value: float(np.median(d)) for value, d in durations.items()}
   first = values[0]
   for value, seconds in medians.items():

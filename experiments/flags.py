@@ -1,25 +1,26 @@
-"""Command-line flags shared by experiments.main (and later reproduce / benchmark).
+"""Command-line flags of experiments.main (shared by reproduce and benchmark), and the
+ExperimentConfig they describe.
 
-Flags are grouped by prefix: run and data flags, client training flags, then one group
-per algorithm (--fedora_*). Presets live in experiments/configs/*.flags (--flagfile).
+Run and data flags, client training flags, then one group per registered algorithm,
+generated from its config: --<algorithm>_<field> (or the registry's own name for it),
+default None meaning "the config's value", plus --<algorithm>_variant for an algorithm
+with presets (FEDORA's paper and authors' settings). Presets of whole runs live in
+experiments/configs/*.flags (--flagfile).
 """
-
-import os
 
 from absl import flags
 
 import jax
 
 from fedora_jax import algorithms
+from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import confree as confree_lib
-from fedora_jax.algorithms import fedora as fedora_lib
 from fedora_jax.data import datasets, partitions
-from fedora_jax.engine import sharding
-from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
-from fedora_jax.errors import ConfigError
-from fedora_jax.simulation import TrainConfig
+from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.models import MODELS, default_client_chunk
+from fedora_jax.simulation import TrainConfig
+from fedora_jax.train import ExperimentConfig
 
 FLAGS = flags.FLAGS
 
@@ -53,8 +54,6 @@ flags.DEFINE_integer("fixed_train_size", None, "Training samples each regular cl
 flags.DEFINE_integer("fixed_val_size", None, "With --fixed_train_size: validation samples"
                      " per regular client (default: half of --fixed_train_size).",
                      lower_bound=1)
-_PARTITION_FLAGS = ("partition", "classes_per_client", "dirichlet_alpha", "min_client_size",
-                    "fixed_train_size", "fixed_val_size")
 flags.DEFINE_integer("rounds", 500, "Communication rounds.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed of model init and training randomness.")
 flags.DEFINE_integer("data_seed", None, "Seed of the client partition (default: --seed).")
@@ -77,8 +76,8 @@ flags.DEFINE_integer("checkpoint_every", 50, "Checkpoint every N rounds and afte
                      " from the latest (0: no checkpoints, always start afresh).",
                      lower_bound=0)
 
-# Devices and processes (fedora_jax/engine/sharding.py). The client axis is split over
-# every device of every process; results do not depend on how many there are.
+# Devices and processes (experiments/cli.py). The client axis is split over every device
+# of every process; results do not depend on how many there are.
 flags.DEFINE_bool("distributed", False, "Join a multi-process run via"
                   " jax.distributed.initialize(): its environment auto-detection (SLURM,"
                   " Open MPI, TPU pods), or the three flags below.")
@@ -104,75 +103,54 @@ flags.DEFINE_float("momentum", 0.9, "Client SGD momentum.", lower_bound=0.0, upp
 flags.DEFINE_float("weight_decay", 5e-5, "Client weight decay (PyTorch-style, coupled).",
                    lower_bound=0.0)
 flags.DEFINE_float("participation", 1.0, "Fraction of clients sampled each round (the"
-                  " same clients in the same rounds for every algorithm, from --seed);"
-                  " the others keep their state.", lower_bound=0.0, upper_bound=1.0)
+                   " same clients in the same rounds for every algorithm, from --seed);"
+                   " the others keep their state.", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_integer("eval_batch_size", 1024, "Evaluation chunk size.", lower_bound=1)
 flags.DEFINE_integer("client_chunk", None, "Clients trained together: 0 vmaps all of them,"
                      " n > 0 runs lax.map over chunks of n on each device (default on CPUs:"
                      " cnn 1, mlp 2; elsewhere 0; see models.default_client_chunk).",
                      lower_bound=0)
 
-# FEDORA (Wu et al., KDD 2023). Explicit flags override the variant's preset; the help
-# gives each field's value under the printed equations (paper) and the authors' code.
-flags.DEFINE_enum("fedora_variant", fedora_lib.DEFAULT_VARIANT, sorted(fedora_lib.PRESETS),
-                  "authors (default): the public code's graph, kappa, lambda rule and pull,"
-                  " whose numbers the paper reports (rotated MNIST: Acc 0.816 against the"
-                  " paper's 0.825); paper: the equations as printed, which end near LOCAL"
-                  " (0.761; see fedora_jax/algorithms/fedora.py).")
-flags.DEFINE_float("fedora_alpha", None, "Propagation strength alpha, kappa = alpha/(1+alpha)"
-                   " (paper 1; authors' code kappa 0.8, i.e. alpha 4).")
-flags.DEFINE_integer("fedora_p", None, "Singular vectors per client subspace (paper 1).")
-flags.DEFINE_enum("fedora_weights", None, ["cosine", "exp"],
-                  "Graph weights: sum of cosines (paper) or exp(temperature * it) (code).")
-flags.DEFINE_float("fedora_temperature", None, "Temperature of exp weights (code: 10).")
-flags.DEFINE_bool("fedora_zero_diagonal", None, "Drop self-similarity from W (code).")
-flags.DEFINE_integer("fedora_top_k", None, "Keep each client's k strongest neighbours;"
-                     " 0 keeps all (paper 0, code 2).")
-flags.DEFINE_enum("fedora_lambda_rule", None, list(fedora_lib.LAMBDA_RULES),
-                  "lambda = max(eps, diff) (paper) or exp(diff/2), 0 if diff < 0 (code);"
-                  " constant: --fedora_lambda_value for every client (Table 5).")
-flags.DEFINE_float("fedora_lambda_eps", None, "The paper's lambda floor (1e-8).")
-flags.DEFINE_float("fedora_lambda_value", None, "lambda_k of every client with"
-                   " --fedora_lambda_rule=constant (default 1; Table 5: 0.01, 0.1, 1, 10).")
-flags.DEFINE_enum("fedora_similarity", None, list(fedora_lib.SIMILARITIES),
-                  "Client similarity W is built from: principal_angles of the data"
-                  " subspaces (paper and code); Table 4's random (FedU), parameters"
-                  " (cosine of the client models, FedAMP) or gradients (cosine of the"
-                  " client updates, clustered FL), the last two recomputed every round.")
-flags.DEFINE_enum("fedora_pull", None, ["prox", "decoupled"],
-                  "Proximal term in the loss (paper) or a pull after each step (code).")
-flags.DEFINE_integer("fedora_propagation_steps", None,
-                     "0: closed-form propagation; n > 0: n steps of the iterative form.")
-
-_FEDORA_FIELDS = ("alpha", "p", "weights", "temperature", "zero_diagonal", "top_k",
-                  "lambda_rule", "lambda_eps", "lambda_value", "pull", "propagation_steps",
-                  "similarity")
 _DEFINE_BY_TYPE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
                    float: flags.DEFINE_float, str: flags.DEFINE_string}
-# Flag name -> the algorithm whose hyperparameter it is (names can share prefixes:
+# Flag -> the algorithm whose hyperparameter it is (names can share prefixes:
 # --fedprox_mu and --fedprox_ft_mu belong to different algorithms).
-_ALGORITHM_OF_FLAG = {f"fedora_{field}": "fedora" for field in (*_FEDORA_FIELDS, "variant")}
+OWNER_OF_FLAG: dict[str, str] = {}
+
+
+def flag_name(owner: str, field: str) -> str:
+  """--<owner>_<field>, unless the registry names it otherwise (--coach_lambda); the
+  run's own fields (owners "experiment" and "train") are flags of their own name."""
+  if owner in ("experiment", "train"):
+    return field
+  if owner in algorithms.REGISTRY:
+    return algorithms.get(owner).flag_names.get(field, f"{owner}_{field}")
+  return f"{owner}_{field}"  # a plug-in: ala, confree
+
+
+def _preset_values(registered, field) -> str:
+  values = {name: {**registered.config_class._field_defaults, **preset}[field]
+            for name, preset in registered.presets.items()}
+  return "; ".join(f"{name}: {value!r}" for name, value in values.items())
 
 
 def _define_algorithm_flags() -> None:
-  """--<algorithm>_<field> for each hyperparameter of every other registered algorithm.
-
-  Defaults stay None, meaning "the paper's value" (the config's own default), so a
-  flag's absence and its paper value read the same.
-  """
+  """--<algorithm>_<field> for each hyperparameter of every registered algorithm, and
+  --<algorithm>_variant for one with presets. Defaults stay None, meaning "the config's
+  (or the preset's) value", so a flag's absence and its paper value read the same."""
   for name, registered in algorithms.REGISTRY.items():
-    if name == "fedora":
-      continue
+    if registered.presets:
+      flags.DEFINE_enum(f"{name}_variant", registered.default_preset,
+                        sorted(registered.presets), registered.preset_help + ".")
+      OWNER_OF_FLAG[f"{name}_variant"] = name
     for field, default in registered.config_class._field_defaults.items():
+      if field in registered.train_fields:
+        continue
       help_text = registered.flag_help.get(field, field.replace("_", " "))
-      flag_name = _flag_name(name, field)
-      _DEFINE_BY_TYPE[type(default)](flag_name, None, f"{help_text} (paper: {default!r}).")
-      _ALGORITHM_OF_FLAG[flag_name] = name
-
-
-def _flag_name(algorithm: str, field: str) -> str:
-  """--<algorithm>_<field>, unless the registry names it otherwise (--coach_lambda)."""
-  return algorithms.get(algorithm).flag_names.get(field, f"{algorithm}_{field}")
+      values = _preset_values(registered, field) if registered.presets else f"paper: {default!r}"
+      name_of_flag = flag_name(name, field)
+      _DEFINE_BY_TYPE[type(default)](name_of_flag, None, f"{help_text} ({values}).")
+      OWNER_OF_FLAG[name_of_flag] = name
 
 
 _define_algorithm_flags()
@@ -189,18 +167,43 @@ flags.DEFINE_enum("aggregation", "mean", ["mean", "confree"],
 for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():
   _DEFINE_BY_TYPE[type(_default)](f"confree_{_field}", None,
                                   f"{confree_lib.FLAG_HELP[_field]} (default: {_default!r}).")
-_ALA_FLAGS = tuple(f"ala_{field}" for field in ala_lib.AlaConfig._fields)
-_CONFREE_FLAGS = tuple(f"confree_{field}" for field in confree_lib.ConfreeConfig._fields)
+PLUGIN_FLAGS = {"ala": tuple(f"ala_{field}" for field in ala_lib.AlaConfig._fields),
+                "aggregation": tuple(f"confree_{field}"
+                                     for field in confree_lib.ConfreeConfig._fields)}
 
 
-def train_config() -> TrainConfig:
-  if FLAGS.participation <= 0.0:
-    raise ConfigError(f"--participation must be in (0, 1], got {FLAGS.participation}")
-  return TrainConfig(rounds=FLAGS.rounds, local_epochs=FLAGS.local_epochs,
-                     batch_size=FLAGS.batch_size, lr=FLAGS.lr, momentum=FLAGS.momentum,
-                     weight_decay=FLAGS.weight_decay, seed=FLAGS.seed,
-                     eval_batch_size=FLAGS.eval_batch_size, log_every=FLAGS.log_every,
-                     client_chunk=client_chunk(), participation=FLAGS.participation)
+def _given(owner: str, config_class: type) -> dict:
+  """The fields of `config_class` whose --<owner>_<field> flags are set."""
+  return {field: FLAGS[flag_name(owner, field)].value for field in config_class._fields
+          if flag_name(owner, field) in FLAGS and FLAGS[flag_name(owner, field)].value
+          is not None}
+
+
+def algorithm_config(name: str, train: TrainConfig):
+  """The algorithm's hyperparameters: its preset, its training fields, its flags."""
+  registered = algorithms.get(name)
+  given = _given(name, registered.config_class)
+  preset = FLAGS[f"{name}_variant"].value if registered.presets else None
+  config = algorithms.default_config(name, train, preset, **given)
+  for field, (other, value) in registered.only_with.items():
+    if field in given and getattr(config, other) != value:
+      raise ConfigError(f"--{flag_name(name, field)} only acts with"
+                        f" --{flag_name(name, other)}={value}; this run's is"
+                        f" {getattr(config, other)}")
+  return config
+
+
+def plugged_config(name: str, train: TrainConfig):
+  """The algorithm's config with the plug-ins the flags ask for (algorithms.Plugged), or
+  its plain config without any; a one-line ConfigError for an unsupported combination."""
+  config = algorithm_config(name, train)
+  ala = ala_lib.AlaConfig(**_given("ala", ala_lib.AlaConfig)) if FLAGS.ala else None
+  aggregation = (confree_lib.ConfreeConfig(**_given("confree", confree_lib.ConfreeConfig))
+                 if FLAGS.aggregation == "confree" else None)
+  algorithms.check_plugins(name, ala, aggregation)
+  if ala is None and aggregation is None:
+    return config
+  return algorithms.Plugged(config=config, ala=ala, aggregation=aggregation)
 
 
 def client_chunk() -> int | None:
@@ -211,158 +214,59 @@ def client_chunk() -> int | None:
   return default_client_chunk(model, jax.default_backend())
 
 
-# Flags that change nothing a run computes, so a workdir may be resumed with other values.
-# --rounds may grow: a round's randomness depends only on the seed and the round number and
-# there is no schedule, so a longer run extends a shorter one exactly (cutting a run short
-# is refused by fedora_jax.checkpoint). --reference only changes what R-Acc compares with.
-_NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "checkpoint_every", "verbose",
-                 "distributed", "coordinator_address", "num_processes", "process_id",
-                 "cpu_devices")
-
-
-# Flags whose default changed, and the value a run recorded before the change ran with.
-# run_config.json records every identity flag's value, default or not, so such a run holds
-# the old value and is refused by the new default (never resumed as the other variant);
-# this entry keeps that true even for a record that lacks the flag.
-_ABSENT_MEANS = {"fedora_variant": "paper"}  # the default until 2026-11-26
-
-
-def identity_defaults() -> dict:
-  """Each identity flag's default: at its default a flag counts as absent when a workdir's
-  recorded run is compared (checkpoint.claim_workdir), so runs recorded before a flag
-  was added still resume. A flag whose default changed counts as absent at its old value
-  (_ABSENT_MEANS)."""
-  return {flag.name: _ABSENT_MEANS.get(flag.name, flag.default)
-          for flag in FLAGS.get_flags_for_module(__name__)
-          if flag.name not in _NOT_IDENTITY}
-
-
-def run_identity(algorithm: str) -> dict:
-  """What a run of `algorithm` with these flags computes, kept in run_config.json.
-
-  Every flag of this module except _NOT_IDENTITY, so a flag added later counts by
-  default; an algorithm's own group (--fedora_*, --fedprox_*, ...) only for it. Flags as given, not resolved, so an
-  explicit default (e.g. --num_clients=36) reads as a different run: refused, never mixed.
-  """
-  identity = {flag.name: flag.value for flag in FLAGS.get_flags_for_module(__name__)
-              if flag.name not in _NOT_IDENTITY}
-  identity["algorithm"] = algorithm
-  # Plug-in flags count only when the plug-in is on (so runs without one keep their
-  # identity); --ala_* always for fedala, whose own flags they are.
-  ala_on = FLAGS.ala and algorithm != "local"
-  confree_on = FLAGS.aggregation == "confree" and algorithm != "local"
-  for k in ("ala", *_ALA_FLAGS) if not ala_on else ():
-    if k == "ala" or algorithm != "fedala":
-      identity.pop(k, None)
-  for k in ("aggregation", *_CONFREE_FLAGS) if not confree_on else ():
-    identity.pop(k, None)
-  if identity.get("data_source") == "files":  # the default: earlier runs keep their identity
-    identity.pop("data_source")
-  for k in (*_PARTITION_FLAGS, "client_chunk"):  # unset: earlier runs keep their identity
-    if identity.get(k) is None:
-      identity.pop(k, None)
-  # Only the chosen algorithm's own group counts.
-  return {k: v for k, v in identity.items()
-          if _ALGORITHM_OF_FLAG.get(k, algorithm) == algorithm
-          or (ala_on and k in _ALA_FLAGS)}
-
-
-def algorithm_config(name: str):
-  """The algorithm's hyperparameters from its flag group."""
-  registered = algorithms.get(name)
-  if name != "fedora":
-    fields = registered.config_class._fields
-    return registered.config_class(**{
-        field: FLAGS[_flag_name(name, field)].value for field in fields
-        if FLAGS[_flag_name(name, field)].value is not None})
-  overrides = {field: FLAGS[f"fedora_{field}"].value for field in _FEDORA_FIELDS
-               if FLAGS[f"fedora_{field}"].value is not None}
-  config = fedora_lib.config_for_variant(FLAGS.fedora_variant, lr=FLAGS.lr, **overrides)
-  if "lambda_value" in overrides and config.lambda_rule != "constant":
-    raise ConfigError(f"--fedora_lambda_value is the lambda of --fedora_lambda_rule=constant;"
-                      f" this run's rule is {config.lambda_rule}")
-  return config
-
-
-def plugged_config(name: str):
-  """The algorithm's config with the plug-ins the flags ask for (algorithms.Plugged), or
-  its plain config without any; a one-line ConfigError for an unsupported combination."""
-  config = algorithm_config(name)
-  ala = aggregation = None
-  if FLAGS.ala:
-    ala = ala_lib.AlaConfig(**{field: FLAGS[f"ala_{field}"].value
-                               for field in ala_lib.AlaConfig._fields
-                               if FLAGS[f"ala_{field}"].value is not None})
-  if FLAGS.aggregation == "confree":
-    aggregation = confree_lib.ConfreeConfig(**{
-        field: FLAGS[f"confree_{field}"].value for field in confree_lib.ConfreeConfig._fields
-        if FLAGS[f"confree_{field}"].value is not None})
-  algorithms.check_plugins(name, ala, aggregation)
-  plugged = (config if ala is None and aggregation is None else
-             algorithms.Plugged(config=config, ala=ala, aggregation=aggregation))
-  # Built once around a stand-in model, so every algorithm's own checks of its
-  # hyperparameters run now, before any data is loaded or any workdir claimed.
-  stand_in = make_client_trainer(lambda params, x: x, make_optimizer(
-      FLAGS.lr, FLAGS.momentum, FLAGS.weight_decay), FLAGS.local_epochs, FLAGS.batch_size)
-  algorithms.build(name, plugged, stand_in)
-  return plugged
+def train_config() -> TrainConfig:
+  return TrainConfig(rounds=FLAGS.rounds, local_epochs=FLAGS.local_epochs,
+                     batch_size=FLAGS.batch_size, lr=FLAGS.lr, momentum=FLAGS.momentum,
+                     weight_decay=FLAGS.weight_decay, seed=FLAGS.seed,
+                     eval_batch_size=FLAGS.eval_batch_size, log_every=FLAGS.log_every,
+                     client_chunk=client_chunk(), participation=FLAGS.participation)
 
 
 def partition_config(dataset: str) -> partitions.PartitionConfig:
   """The client partition the flags ask for, the dataset's defaults filling the rest."""
-  spec = datasets.get_spec(dataset)
-  defaults = partitions.PartitionConfig()
-  return partitions.PartitionConfig(
-      kind=FLAGS.partition or spec.partition, setting=FLAGS.setting,
-      classes_per_client=FLAGS.classes_per_client or spec.classes_per_client,
-      dirichlet_alpha=(defaults.dirichlet_alpha if FLAGS.dirichlet_alpha is None
-                       else FLAGS.dirichlet_alpha),
-      min_client_size=(defaults.min_client_size if FLAGS.min_client_size is None
-                       else FLAGS.min_client_size),
-      train_per_client=FLAGS.fixed_train_size, val_per_client=FLAGS.fixed_val_size)
+  given = {"kind": FLAGS.partition, "classes_per_client": FLAGS.classes_per_client,
+           "dirichlet_alpha": FLAGS.dirichlet_alpha, "min_client_size": FLAGS.min_client_size,
+           "train_per_client": FLAGS.fixed_train_size, "val_per_client": FLAGS.fixed_val_size}
+  return datasets.default_partition(dataset, FLAGS.setting,
+                                    **{k: v for k, v in given.items() if v is not None})
 
 
 def hidden_widths() -> tuple[int, ...]:
   try:
-    widths = tuple(int(w) for w in FLAGS.hidden)
+    return tuple(int(w) for w in FLAGS.hidden)
   except ValueError:
     raise ConfigError(f"--hidden must be comma-separated integers, got {FLAGS.hidden}") from None
-  if any(w < 1 for w in widths):
-    raise ConfigError(f"--hidden widths must be >= 1, got {FLAGS.hidden}")
-  return widths
 
 
-def configure_cpu_devices() -> None:
-  """One JAX CPU device per core (or --cpu_devices), set before any backend starts.
-
-  Each device then runs its share of the clients on its own core, which beat one device
-  using both cores by 1.7x for FEDORA's round on a 2-core CPU (docs/performance.md).
-  Left alone: multi-process runs (a process per host or core is the user's layout) and
-  an XLA_FLAGS that already sets --xla_force_host_platform_device_count."""
-  multi_process = FLAGS.distributed or FLAGS.num_processes is not None
-  forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-  if FLAGS.cpu_devices is None and (multi_process or forced):
-    return
-  try:
-    jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices or sharding.cpu_device_count())
-  except RuntimeError as e:  # a backend already started (e.g. in a notebook)
-    raise ConfigError(f"--cpu_devices must be set before JAX starts: {e}") from None
+def experiment_config() -> ExperimentConfig:
+  """The experiment the flags describe (plug-ins checked before any work)."""
+  train = train_config()
+  return ExperimentConfig(
+      dataset=FLAGS.dataset, algorithm=FLAGS.algorithm,
+      algorithm_config=plugged_config(FLAGS.algorithm, train), data_dir=FLAGS.data_dir,
+      data_source=FLAGS.data_source, num_clients=FLAGS.num_clients, setting=FLAGS.setting,
+      partition=partition_config(FLAGS.dataset), data_seed=FLAGS.data_seed,
+      max_pad_ratio=FLAGS.max_pad_ratio, model=FLAGS.model, hidden=hidden_widths(),
+      train=train, reference=FLAGS.reference, checkpoint_every=FLAGS.checkpoint_every,
+      new_clients=FLAGS.new_clients, new_client_epochs=FLAGS.new_client_epochs)
 
 
-def initialize_distributed() -> None:
-  """Starts jax.distributed when asked to, before anything touches a device."""
-  explicit = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  if any(v is not None for v in explicit) and any(v is None for v in explicit):
-    raise ConfigError("--coordinator_address, --num_processes and --process_id go"
-                      " together (or use --distributed alone for auto-detection)")
-  if FLAGS.num_processes is not None and FLAGS.process_id >= FLAGS.num_processes:
-    raise ConfigError(f"--process_id={FLAGS.process_id} must be below"
-                      f" --num_processes={FLAGS.num_processes}")
-  if FLAGS.distributed or FLAGS.num_processes is not None:
-    sharding.initialize_distributed(*explicit)
+def _settings() -> dict:
+  return {flag.name: flag.value for flag in FLAGS.get_flags_for_module(__name__)}
 
 
-def shutdown_distributed() -> None:
-  """Leaves a multi-process run together with the other processes (a no-op otherwise)."""
-  if jax.process_count() > 1:
-    jax.distributed.shutdown()
+def identity_defaults() -> dict:
+  """Each identity flag's default (checkpoint.identity_defaults)."""
+  return checkpoint_lib.identity_defaults(
+      {flag.name: flag.default for flag in FLAGS.get_flags_for_module(__name__)})
+
+
+def run_identity(algorithm: str) -> dict:
+  """What a run of `algorithm` with these flags computes, kept in run_config.json
+  (checkpoint.run_identity): every flag of this module, so a flag added later counts."""
+  return checkpoint_lib.run_identity(_settings(), algorithm, OWNER_OF_FLAG, PLUGIN_FLAGS)
+
+
+def as_flag_error(error: FieldError) -> str:
+  """A config field's error in the command line's words: --fedprox_mu must be >= 0."""
+  return f"--{flag_name(error.owner, error.field)} {error.problem}"

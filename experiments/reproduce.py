@@ -46,10 +46,12 @@ from absl import app, flags
 
 import numpy as np
 
+from experiments import cli
 from experiments import flags as run_flags
 from experiments import main as main_lib
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import plots
+from fedora_jax import train as train_lib
 from fedora_jax.errors import ConfigError
 
 FLAGS = run_flags.FLAGS
@@ -277,7 +279,7 @@ def check_before_the_sweep(rows: list[str], workdir: str, first_seed: int) -> No
   for seed in range(first_seed, first_seed + FLAGS.seeds):
     for row in rows:
       _use_row(row, seed, workdir, None)  # --reference is not part of a run's identity
-      run_flags.plugged_config(RUNS[row].algorithm)
+      train_lib.check_config(run_flags.experiment_config())
       checkpoint_lib.check_workdir(FLAGS.workdir, run_flags.run_identity(FLAGS.algorithm),
                                    defaults)
   FLAGS.seed = first_seed
@@ -326,7 +328,7 @@ def reproduce() -> dict:
 
 
 def main(argv):
-  main_lib.run_command(argv, reproduce,
+  cli.run_command(argv, reproduce,
                        "interrupted (rerun the same command to resume the sweep)")
 
 

@@ -147,6 +147,66 @@ def _write_json_atomically(path: str, document: dict) -> None:
   os.replace(temporary, path)
 
 
+# What a run computes (run_config.json) is the flat dict of its settings, by their
+# command-line names, reduced by the rules below; a rerun must match it to resume.
+#
+# Settings that change nothing a run computes, so a workdir may be resumed with other
+# values. `rounds` may grow: a round's randomness depends only on the seed and the round
+# number and there is no schedule, so a longer run extends a shorter one exactly (cutting
+# a run short is refused by open_run). `reference` only changes what R-Acc compares with.
+NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "checkpoint_every",
+                "verbose", "distributed", "coordinator_address", "num_processes",
+                "process_id", "cpu_devices")
+# Settings whose default changed, and the value a run recorded before the change ran with.
+# run_config.json records every identity setting's value, default or not, so such a run
+# holds the old value and is refused by the new default (never resumed as the other
+# variant); this entry keeps that true even for a record that lacks the setting.
+ABSENT_MEANS = {"fedora_variant": "paper"}  # the default until 2026-11-26
+# Left out of the identity when unset (None), so runs from before they existed resume.
+OPTIONAL = ("partition", "classes_per_client", "dirichlet_alpha", "min_client_size",
+            "fixed_train_size", "fixed_val_size", "client_chunk")
+
+
+def identity_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
+  """Each identity setting's default (from setting -> default): at its default a setting
+  counts as absent when a workdir's recorded run is compared (check_workdir), so runs
+  recorded before a setting was added still resume; a setting whose default changed
+  counts as absent at its old value (ABSENT_MEANS)."""
+  return {name: ABSENT_MEANS.get(name, default) for name, default in defaults.items()
+          if name not in NOT_IDENTITY}
+
+
+def run_identity(settings: dict[str, Any], algorithm: str, owner_of: dict[str, str],
+                 plugin_settings: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+  """What a run of `algorithm` with `settings` (name -> value as given, not resolved, so
+  an explicit default reads as a different run: refused, never mixed) computes.
+
+  `owner_of` names the algorithm each hyperparameter setting belongs to: only the chosen
+  algorithm's own group counts. `plugin_settings`: plug-in switch -> its settings (ala ->
+  ala_*, aggregation -> confree_*), which count only when the plug-in is on (ALA's
+  settings always for fedala, whose own they are); LOCAL takes no plug-in.
+  """
+  identity = {k: v for k, v in settings.items() if k not in NOT_IDENTITY}
+  identity["algorithm"] = algorithm
+  switched_on = {"ala": bool(settings.get("ala")),
+                 "aggregation": settings.get("aggregation") not in (None, "mean")}
+  for switch, names in plugin_settings.items():
+    if switched_on.get(switch) and algorithm != "local":
+      continue
+    identity.pop(switch, None)
+    for name in names:
+      if owner_of.get(name) != algorithm:
+        identity.pop(name, None)
+  if identity.get("data_source") == "files":  # the default: earlier runs keep their identity
+    identity.pop("data_source")
+  for name in OPTIONAL:
+    if identity.get(name) is None:
+      identity.pop(name, None)
+  plugin_names = {n for names in plugin_settings.values() for n in names}
+  return {k: v for k, v in identity.items()
+          if owner_of.get(k, algorithm) == algorithm or k in plugin_names}
+
+
 def holds_a_run(workdir: str) -> bool:
   """Whether a run left results or a checkpoint in `workdir`, not just its settings."""
   checkpoints = os.path.join(workdir, CHECKPOINTS)

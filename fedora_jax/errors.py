@@ -9,6 +9,16 @@ class ConfigError(FedoraError):
   """An invalid flag value or combination."""
 
 
+class FieldError(ConfigError):
+  """A config field holds a bad value. The message names the field (`fedprox: mu must be
+  >= 0, got -1`); the command line rewrites it as the flag that sets the field
+  (`--fedprox_mu must be >= 0, got -1`), so the library never needs to know its flags."""
+
+  def __init__(self, owner: str, field: str, problem: str):
+    self.owner, self.field, self.problem = owner, field, problem
+    super().__init__(f"{owner}: {field} {problem}")
+
+
 class DataError(FedoraError):
   """A data file is missing, truncated or corrupt, or a partition is impossible."""
 

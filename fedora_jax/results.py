@@ -36,11 +36,11 @@ def score_name(task: str) -> str:
   return "mae" if task == "regression" else "acc"
 
 
-def accuracies(result: RunResult, task: str = "classification") -> ClientScores:
+def client_scores(result: RunResult, task: str = "classification") -> ClientScores:
   best = metrics.best_validation_round(result.history.val_score,
                                        lower_is_better=task == "regression")
   return ClientScores(final=result.history.test_score[-1],
-                          best_val=result.history.test_score[best], best_round=best + 1)
+                      best_val=result.history.test_score[best], best_round=best + 1)
 
 
 # Fields a LOCAL reference must share with the run it is compared against.

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedora_jax import algorithms, benchmarking, propagation
+from benchmarks import measure
+from fedora_jax import algorithms, propagation
 from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.simulation import TrainConfig, prepare_run
 from fedora_jax.models.cnn import CHANNEL_STATS, CNN
@@ -26,15 +27,15 @@ def test_flops_of_a_tiny_mlp_in_closed_form():
   # 4 -> 5 -> 3: forward matmul FLOPs per sample = 2 * (4*5 + 5*3) = 70.
   params = init_params(tiny_model(num_classes=3, hidden=(5,)), num_features=4)
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), params)
-  assert benchmarking.dense_layer_shapes(stacked) == [(4, 5), (5, 3)]
-  assert benchmarking.dense_layer_shapes(params, stacked=False) == [(4, 5), (5, 3)]
-  forward = benchmarking.forward_flops_per_sample([(4, 5), (5, 3)])
+  assert measure.dense_layer_shapes(stacked) == [(4, 5), (5, 3)]
+  assert measure.dense_layer_shapes(params, stacked=False) == [(4, 5), (5, 3)]
+  forward = measure.forward_flops_per_sample([(4, 5), (5, 3)])
   assert forward == 70
-  num_params = benchmarking.parameter_count(stacked)
+  num_params = measure.parameter_count(stacked)
   assert num_params == 4 * 5 + 5 + 5 * 3 + 3
 
   n_train, n_val, n_test = np.array([10, 6]), np.array([4, 4]), np.array([6, 6])
-  work = benchmarking.round_work("fedora", forward, n_train, n_val, n_test,
+  work = measure.round_work("fedora", forward, n_train, n_val, n_test,
                                  local_epochs=2, num_params=num_params)
   # Training: 3x forward per sample-step, 2 epochs over 16 samples. Evaluation: FEDORA
   # scores validation 3 times (theta_k, theta_hat_k, the round's own) and test once.
@@ -42,15 +43,15 @@ def test_flops_of_a_tiny_mlp_in_closed_form():
   assert work.train_sample_steps == 32 and work.eval_samples == 3 * 8 + 12
   assert work.server_flops == 2 * 2 * 2 * num_params
   assert work.flops == 3 * 70 * 32 + 70 * 36 + 2 * 2 * 2 * 43
-  local = benchmarking.round_work("local", forward, n_train, n_val, n_test, 2, num_params)
+  local = measure.round_work("local", forward, n_train, n_val, n_test, 2, num_params)
   assert local.flops == 3 * 70 * 32 + 70 * (8 + 12)
   # Iterative propagation: one K x K x d product per step.
-  iterative = benchmarking.round_work("fedora", forward, n_train, n_val, n_test, 2,
+  iterative = measure.round_work("fedora", forward, n_train, n_val, n_test, 2,
                                       num_params, propagation_products=10)
   assert iterative.server_flops == 10 * work.server_flops
   # Participation 1/2: one client of two trains (half the training and FEDORA's own two
   # validation passes, in expectation); both are evaluated and propagated.
-  half = benchmarking.round_work("fedora", forward, n_train, n_val, n_test, 2, num_params,
+  half = measure.round_work("fedora", forward, n_train, n_val, n_test, 2, num_params,
                                  num_trained=1)
   assert half.train_sample_steps == 16 and half.eval_samples == (1 + 1) * 8 + 12
   assert half.server_flops == work.server_flops
@@ -66,29 +67,29 @@ def test_model_flops_count_matmuls_and_convolutions():
   for conv in ("im2col", "xla"):  # a matmul over patches, or a convolution
     model = CNN(num_outputs=10, conv=conv)
     params = model.init(jax.random.key(0), image)
-    assert benchmarking.model_forward_flops(model.apply, params, image) == by_hand
+    assert measure.model_forward_flops(model.apply, params, image) == by_hand
   mlp = tiny_model(num_classes=3, hidden=(5,))
   params = init_params(mlp, num_features=4)
-  assert benchmarking.model_forward_flops(mlp.apply, params, np.zeros((1, 4))) == 70
+  assert measure.model_forward_flops(mlp.apply, params, np.zeros((1, 4))) == 70
   # A scan's body counts once per step; XLA's per-sample counts cover the matmuls.
   scanned = lambda p, x: jax.lax.scan(lambda h, _: (mlp.apply(p, h[:, :4])[:, :1] * h, None),
                                       x, None, length=3)[0]
-  assert benchmarking.model_forward_flops(scanned, params, np.zeros((1, 4))) == 3 * 70
-  xla = benchmarking.xla_flops_per_sample(mlp.apply, params, np.zeros((8, 4), np.float32))
+  assert measure.model_forward_flops(scanned, params, np.zeros((1, 4))) == 3 * 70
+  xla = measure.xla_flops_per_sample(mlp.apply, params, np.zeros((8, 4), np.float32))
   assert xla["eval"] >= 70 and xla["train"] > xla["eval"]
 
 
 def test_matmul_peak_and_helpers():
-  peaks = benchmarking.matmul_peak({"square": (64, 64, 64), "batched": (3, 8, 16, 4)},
+  peaks = measure.matmul_peak({"square": (64, 64, 64), "batched": (3, 8, 16, 4)},
                                    repeats=1, seconds_per_shape=0.01)
   assert set(peaks) == {"square", "batched"}
   assert all(math.isfinite(v) and v > 0 for v in peaks.values())
-  assert benchmarking.peak_rss_bytes() > 0
+  assert measure.peak_rss_bytes() > 0
   # K clients at 128 + 64 fit 60000 images up to K = 312; beyond, sizes halve.
-  assert benchmarking.client_sizes_that_fit(36, 60000, "balanced") == (128, 64)
-  assert benchmarking.client_sizes_that_fit(576, 60000, "balanced") == (64, 32)
-  assert benchmarking.client_sizes_that_fit(1152, 60000, "balanced") == (32, 16)
-  assert benchmarking.last_json_line('log\n{"a": 1}\n') == {"a": 1}
+  assert measure.client_sizes_that_fit(36, 60000, "balanced") == (128, 64)
+  assert measure.client_sizes_that_fit(576, 60000, "balanced") == (64, 32)
+  assert measure.client_sizes_that_fit(1152, 60000, "balanced") == (32, 16)
+  assert measure.last_json_line('log\n{"a": 1}\n') == {"a": 1}
 
 
 REQUIRED = ("round_seconds", "client_updates_per_second", "flops_per_second",
@@ -126,11 +127,11 @@ def test_benchmark_command_prints_a_json_report():
 @pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
 def test_torch_reference_round_and_propagation():
   import torch  # pylint: disable=import-outside-toplevel
-  from fedora_jax import torch_reference  # pylint: disable=import-outside-toplevel
+  from benchmarks import torch_loop  # pylint: disable=import-outside-toplevel
   data, _ = tiny_data([10, 12, 9])
   graph = np.array([[1.0, 0.5, 0.2], [0.5, 1.0, 0.7], [0.2, 0.7, 1.0]], np.float32)
   for pull, rule in (("prox", "paper"), ("decoupled", "authors")):
-    reference = torch_reference.TorchFedora(data, graph, hidden=(5,), alpha=1.0,
+    reference = torch_loop.TorchFedora(data, graph, hidden=(5,), alpha=1.0,
                                             pull=pull, lambda_rule=rule, local_epochs=2,
                                             batch_size=4, lr=0.1, threads=1)
     # Make the clients differ, then check the solve against the JAX closed form.
@@ -149,14 +150,14 @@ def test_torch_reference_round_and_propagation():
                       for m in reference.models])
     assert 0.0 <= metrics["val_acc"] <= 1.0 and 0.0 <= metrics["test_acc"] <= 1.0
     assert np.all(np.isfinite(after)) and not np.allclose(after, before)
-  durations, server = torch_reference.time_torch_fedora(reference, repeats=2, warmup=0)
+  durations, server = torch_loop.time_torch_fedora(reference, repeats=2, warmup=0)
   assert len(durations) == 2 and all(d > 0 for d in durations) and server > 0
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
 def test_torch_reference_cnn_trains_the_sampled_clients():
   import torch  # pylint: disable=import-outside-toplevel
-  from fedora_jax import torch_reference  # pylint: disable=import-outside-toplevel
+  from benchmarks import torch_loop  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
 
   def images(n):  # 16x16 RGB: 16 -> 12 -> 6 -> 2 -> 1 through the CNN
@@ -164,7 +165,7 @@ def test_torch_reference_cnn_trains_the_sampled_clients():
             rng.integers(0, 3, n).astype(np.int32))
   data = stack_clients([Client(*images(9), *images(4), *images(5)) for _ in range(3)], 3)
   graph = np.ones((3, 3), np.float32)
-  reference = torch_reference.TorchFedora(data, graph, hidden=(), alpha=1.0, model="cnn",
+  reference = torch_loop.TorchFedora(data, graph, hidden=(), alpha=1.0, model="cnn",
                                           local_epochs=1, batch_size=4, lr=0.1, threads=1,
                                           participation=0.34, device="cpu")
   assert reference.num_trained == 1 and reference.device == "cpu"
@@ -177,7 +178,7 @@ def test_torch_reference_cnn_trains_the_sampled_clients():
   # Same layer shapes as the JAX CNN: conv 16 and 32 kernels of 5x5, dense 32 -> 120 -> 84.
   jax_cnn = CNN(num_outputs=3).init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.uint8))
   assert (sum(p.numel() for p in reference.models[0].parameters())
-          == benchmarking.parameter_count(jax_cnn, stacked=False))
+          == measure.parameter_count(jax_cnn, stacked=False))
   flat = lambda: [torch.nn.utils.parameters_to_vector(m.parameters()).detach().clone()
                   for m in reference.models]
   before = flat()
@@ -195,7 +196,7 @@ def test_interleaved_rounds_times_each_compiled_run_in_turn():
   runs = {str(cb): prepare_run("fedavg", config, model, data,
                                dataclasses.replace(train, client_chunk=cb))
           for cb in (None, 2)}
-  durations = benchmarking.interleaved_rounds(runs, repeats=3, warmup=1)
+  durations = measure.interleaved_rounds(runs, repeats=3, warmup=1)
   assert sorted(durations) == ["2", "None"]
   for times in durations.values():
     assert len(times) == 3 and all(t > 0 for t in times)
@@ -206,13 +207,13 @@ def test_torch_cnn_is_the_jax_cnn():
   """Same weights, same uint8 images: the PyTorch loop's CNN (with its input
   standardisation) gives the JAX CNN's logits, so both loops train the same model."""
   import torch  # pylint: disable=import-outside-toplevel
-  from fedora_jax import torch_reference  # pylint: disable=import-outside-toplevel
+  from benchmarks import torch_loop  # pylint: disable=import-outside-toplevel
   from fedora_jax.models.cnn import CNN  # pylint: disable=import-outside-toplevel
   images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
   model = CNN(num_outputs=10)
   params = model.init(jax.random.key(0), images)["params"]
   ours = np.asarray(model.apply({"params": params}, images))
-  theirs = torch_reference.make_cnn(torch, (3, 32, 32), 10)
+  theirs = torch_loop.make_cnn(torch, (3, 32, 32), 10)
   convs = [m for m in theirs if isinstance(m, torch.nn.Conv2d)]
   denses = [m for m in theirs if isinstance(m, torch.nn.Linear)]
   assert sum(p.numel() for p in theirs.parameters()) == sum(
@@ -228,7 +229,7 @@ def test_torch_cnn_is_the_jax_cnn():
         kernel = kernel.reshape(5, 5, 32, -1).transpose(2, 0, 1, 3).reshape(800, -1)
       module.weight.copy_(torch.from_numpy(kernel.T.copy()))
       module.bias.copy_(torch.from_numpy(np.array(params[f"Dense_{i}"]["bias"])))
-    inputs = torch.from_numpy(torch_reference._inputs(images, "cnn"))  # pylint: disable=protected-access
+    inputs = torch.from_numpy(torch_loop._inputs(images, "cnn"))  # pylint: disable=protected-access
     np.testing.assert_allclose(theirs(inputs).numpy(), ours, rtol=1e-4, atol=1e-4)
 
 
@@ -239,7 +240,7 @@ def test_server_step_is_the_propagation_of_the_new_client_states():
   config = algorithms.get("fedora").config_class()
   prepared = prepare_run("fedora", config, model, data, train)
   state = prepared.state
-  step, client_results = benchmarking.server_step(prepared, state, data)
+  step, client_results = measure.server_step(prepared, state, data)
   zeros, uploads = client_results()
   assert all(float(jnp.abs(a).max()) == 0.0 for a in jax.tree.leaves(zeros))
   # Distinct client models, as the client step would hand them over.
@@ -256,5 +257,5 @@ def test_server_step_is_the_propagation_of_the_new_client_states():
         np.asarray(got).reshape(3, -1),
         propagation.propagate(flat, server.graph, kappa=kappa), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(kept, theta)  # FEDORA's aggregate keeps the states
-  durations = benchmarking.time_server(prepared, state, data, repeats=2)
+  durations = measure.time_server(prepared, state, data, repeats=2)
   assert len(durations) == 2 and all(d > 0 for d in durations)

@@ -188,7 +188,7 @@ def test_bad_settings_are_config_errors():
   trainer = tiny_trainer(tiny_model())
   for bad in ({"r_init": "zeros"}, {"r_constraint": "simplex"}, {"r_steps": -1},
               {"beta": -1.0}, {"lr_r_rule": "adaptive"}):
-    with pytest.raises(ConfigError, match="coach_"):
+    with pytest.raises(ConfigError, match="coaching: "):
       coaching.coaching(coaching.CoachingConfig()._replace(**bad), trainer)
 
 

@@ -185,7 +185,7 @@ def test_unsupported_plugins_fail_before_any_work():
   for name in ("local", "fedora", "fedala", "fedper", "coaching"):
     with pytest.raises(ConfigError, match="--ala"):
       algorithms.check_plugins(name, ala=ala.AlaConfig())
-  with pytest.raises(ConfigError, match="confree_projection"):
+  with pytest.raises(ConfigError, match="confree: projection"):
     confree.validate(confree.ConfreeConfig(projection="other"))
-  with pytest.raises(ConfigError, match="confree_projection_order"):
+  with pytest.raises(ConfigError, match="confree: projection_order"):
     confree.validate(confree.ConfreeConfig(projection_order="parallel"))

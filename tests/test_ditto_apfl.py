@@ -100,7 +100,7 @@ def test_apfl_alpha_stays_in_the_unit_interval_or_fixed():
   fixed = apfl.apfl(apfl.ApflConfig(adapt_alpha=False), trainer)
   np.testing.assert_allclose(
       fixed.client_update(state, global_params, splits, jax.random.key(0)).state.alpha, 0.5)
-  with pytest.raises(ConfigError, match="apfl_alpha"):
+  with pytest.raises(ConfigError, match="apfl: alpha"):
     apfl.apfl(apfl.ApflConfig(alpha=1.5), trainer)
 
 

@@ -37,7 +37,7 @@ def test_aggregation_takes_global_lower_layers_and_mixes_the_top_ones():
   bias = mixed["params"]["Dense_2"]["bias"]
   np.testing.assert_allclose(bias[0], local["params"]["Dense_2"]["bias"][0])   # W = 0: local
   np.testing.assert_allclose(bias[1], global_params["params"]["Dense_2"]["bias"][1])  # W = 1
-  with pytest.raises(ConfigError, match="ala_p"):
+  with pytest.raises(ConfigError, match="ala: p"):
     ala.top_layers(local, 4)
 
 

@@ -65,12 +65,12 @@ def test_bad_config_is_refused():
     fedora.config_for_variant("paper", alpha=0.0)
   with pytest.raises(ConfigError, match="pull"):
     fedora.config_for_variant("paper", pull="push")
-  with pytest.raises(ConfigError, match="fedora_similarity must be one of principal_angles,"):
+  with pytest.raises(ConfigError, match="fedora: similarity must be one of principal_angles,"):
     fedora.config_for_variant(similarity="kl")
-  with pytest.raises(ConfigError, match="fedora_lambda_rule must be one of paper, authors,"
+  with pytest.raises(ConfigError, match="fedora: lambda_rule must be one of paper, authors,"
                      " constant"):
     fedora.config_for_variant(lambda_rule="fixed")
-  with pytest.raises(ConfigError, match="fedora_lambda_value must be >= 0, got -1"):
+  with pytest.raises(ConfigError, match="fedora: lambda_value must be >= 0, got -1"):
     fedora.config_for_variant(lambda_rule="constant", lambda_value=-1.0)
 
 

@@ -49,7 +49,7 @@ def test_client_takes_the_proximal_gradient_step():
 
 
 def test_negative_mu_is_refused():
-  with pytest.raises(ConfigError, match="fedprox_mu"):
+  with pytest.raises(ConfigError, match="fedprox: mu"):
     fedprox.fedprox(fedprox.FedProxConfig(mu=-1.0), tiny_trainer(tiny_model()))
 
 

@@ -50,9 +50,9 @@ def test_fedrep_trains_the_head_then_the_body_and_uploads_the_body():
   chex.assert_trees_all_close(out.state, expected, atol=1e-6)
   assert sorted(out.upload["params"]) == ["Dense_0"]
   chex.assert_trees_all_close(out.upload["params"]["Dense_0"], expected["params"]["Dense_0"])
-  with pytest.raises(ConfigError, match="fedrep_head_epochs"):
+  with pytest.raises(ConfigError, match="fedrep: head_epochs"):
     fedrep.fedrep(fedrep.FedRepConfig(head_epochs=0), trainer)
-  with pytest.raises(ConfigError, match="smaller than --local_epochs"):  # body never trains
+  with pytest.raises(ConfigError, match="smaller than the local epochs"):  # body never trains
     fedrep.fedrep(fedrep.FedRepConfig(head_epochs=3), trainer)
 
 

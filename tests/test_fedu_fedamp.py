@@ -23,7 +23,7 @@ def test_fedu_laplacian_step_by_hand():
 
 
 def test_fedu_rejects_negative_lambda():
-  with pytest.raises(ConfigError, match="fedu_lam"):
+  with pytest.raises(ConfigError, match="fedu: lam"):
     fedu.fedu(fedu.FedUConfig(lam=-1.0), tiny_trainer(tiny_model()))
 
 

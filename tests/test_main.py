@@ -104,12 +104,12 @@ def test_presets_pick_their_fedora_variant(preset, variant):
     (["--setting=lopsided"], "--setting"),
     (["--reference=/nonexistent/results.json"], "--reference"),
     (["--num_clients=4", "--new_clients=4"], "leaves no client to train"),
-    (["--algorithm=local", "--new_clients=1"], "--algorithm=fedora"),
+    (["--algorithm=local", "--new_clients=1"], "--new_clients is FEDORA's Algorithm 2"),
     (["--batch_size=0"], "--batch_size"),
     (["--momentum=1.5"], "--momentum"),
     (["--fedora_p=0"], "fedora_p must be >= 1"),
-    (["--fedora_lambda_value=0.1"], "--fedora_lambda_value is the lambda of"
-     " --fedora_lambda_rule=constant; this run's rule is authors"),
+    (["--fedora_lambda_value=0.1"], "--fedora_lambda_value only acts with"
+     " --fedora_lambda_rule=constant; this run's is authors"),
     (["--num_clients=4", "--new_clients=1", "--fedora_similarity=gradients"],
      "it has no gradients similarity to them"),
     (["--max_pad_ratio=0.5"], "--max_pad_ratio"),

@@ -133,8 +133,8 @@ def test_two_round_regression_run_end_to_end():
   info = {"dataset": "synthetic", "algorithm": algorithm, "setting": "natural",
           "num_clients": 4, "seed": 0, "rounds": 2, "task": "regression"}
   client_info = {"n_train": data.split_sizes("train")}
-  report = results.build_results(info, ours, results.accuracies(ours, "regression"),
-                                 results.accuracies(local, "regression"), client_info)
+  report = results.build_results(info, ours, results.client_scores(ours, "regression"),
+                                 results.client_scores(local, "regression"), client_info)
   assert "acc" not in report and "r_acc" not in report
   maes = np.array([c["mae"] for c in report["clients"]])
   local_maes = np.array([c["local_mae"] for c in report["clients"]])

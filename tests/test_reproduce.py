@@ -201,7 +201,7 @@ def test_each_ablation_row_is_the_fedora_row_with_its_own_flags(tmp_path):
   try:
     def row_config(row):
       reproduce._use_row(row, 0, str(tmp_path), None)
-      return run_flags.algorithm_config("fedora"), run_flags.run_identity("fedora")
+      return run_flags.algorithm_config("fedora", run_flags.train_config()), run_flags.run_identity("fedora")
 
     fedora_row, fedora_identity = row_config("fedora")
     assert fedora_row == fedora_lib.config_for_variant("authors", lr=flag_values.lr)
@@ -221,9 +221,9 @@ def test_each_ablation_row_is_the_fedora_row_with_its_own_flags(tmp_path):
     # A constant without the constant rule is an error, not silently ignored.
     reproduce._use_row("fedora", 0, str(tmp_path), None)
     flag_values.fedora_lambda_value = 0.1
-    with pytest.raises(ConfigError, match="--fedora_lambda_value is the lambda of"
-                       " --fedora_lambda_rule=constant; this run's rule is authors"):
-      run_flags.algorithm_config("fedora")
+    with pytest.raises(ConfigError, match="--fedora_lambda_value only acts with"
+                       " --fedora_lambda_rule=constant; this run's is authors"):
+      run_flags.algorithm_config("fedora", run_flags.train_config())
   finally:
     flag_values.unparse_flags()
 

@@ -126,9 +126,9 @@ def test_one_round_averages_only_the_shared_layers(name, shared):
 
 def test_layer_counts_are_checked():
   trainer = tiny_trainer(tiny_model())
-  with pytest.raises(ConfigError, match="lg_fedavg_local_layers"):
+  with pytest.raises(ConfigError, match="lg_fedavg: local_layers"):
     lg_fedavg.lg_fedavg(lg_fedavg.LgFedAvgConfig(local_layers=0), trainer)
-  with pytest.raises(ConfigError, match="fedper_personal_layers"):
+  with pytest.raises(ConfigError, match="fedper: personal_layers"):
     fedper.fedper(fedper.FedPerConfig(personal_layers=0), trainer)
   data, _ = tiny_data([4, 4])
   model = tiny_model()  # two layers: one local layer at most

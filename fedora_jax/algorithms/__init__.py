@@ -1,10 +1,11 @@
 """Algorithm registry: name -> (config class, factory(config, trainer) -> Algorithm).
 
 Each config is a NamedTuple whose defaults are its paper's values. experiments/flags.py
-turns every field into a flag `--<name>_<field>` (help text from `flag_help`), except for
-FEDORA, whose flags are written out by hand around its paper / authors' presets; a
-registry entry may rename a field's flag (`flag_names`: coaching's --coach_lambda, FedALA
-reading the --ala_* flags of the ALA plug-in).
+turns every field into a flag `--<name>_<field>` (help text from `flag_help`); a registry
+entry may rename a field's flag (`flag_names`: coaching's --coach_lambda, FedALA reading
+the --ala_* flags of the ALA plug-in), name presets of its fields (`presets`, picked by
+`--<name>_variant`: FEDORA's paper and authors' settings), take fields from the client
+training (`train_fields`: FEDORA's lr) and tie a field to another's value (`only_with`).
 
 Plug-ins wrap a registered host (`build`, `Plugged`): ALA (ala.py, --ala) in front of the
 client update of a host that sends a global model, ConFREE (confree.py,
@@ -27,12 +28,20 @@ class Registered(NamedTuple):
   factory: Callable[[Any, Any], Algorithm]
   flag_help: dict[str, str] = {}  # config field -> help text of --<name>_<field>
   flag_names: dict[str, str] = {}  # config field -> its flag's name, if not <name>_<field>
+  presets: dict[str, dict[str, Any]] = {}  # preset name -> field values over the defaults
+  default_preset: str | None = None
+  preset_help: str = ""
+  train_fields: tuple[str, ...] = ()  # fields copied from the client training (TrainConfig)
+  only_with: dict[str, tuple[str, Any]] = {}  # field -> (field, value) it only acts with
 
 
 REGISTRY: dict[str, Registered] = {
     "local": Registered(local.LocalConfig, local.local),
     "fedavg": Registered(fedavg.FedAvgConfig, fedavg.fedavg),
-    "fedora": Registered(fedora.FedoraConfig, fedora.fedora),
+    "fedora": Registered(fedora.FedoraConfig, fedora.fedora, fedora.FLAG_HELP,
+                         presets=fedora.PRESETS, default_preset=fedora.DEFAULT_VARIANT,
+                         preset_help=fedora.PRESET_HELP, train_fields=("lr",),
+                         only_with=fedora.ONLY_WITH),
     "fedprox": Registered(fedprox.FedProxConfig, fedprox.fedprox, fedprox.FLAG_HELP),
     "fedavg_ft": Registered(fedavg_ft.FedAvgFTConfig, fedavg_ft.fedavg_ft),
     "fedprox_ft": Registered(fedprox_ft.FedProxFTConfig, fedprox_ft.fedprox_ft,
@@ -85,6 +94,21 @@ def get(name: str) -> Registered:
   return REGISTRY[name]
 
 
+def default_config(name: str, train: Any = None, preset: str | None = None, **overrides):
+  """`name`'s config: its `preset` (default: the registry's default preset) with the
+  fields in `train_fields` taken from `train` (a TrainConfig) and `overrides` on top."""
+  registered = get(name)
+  preset = preset or registered.default_preset
+  if preset is not None and preset not in registered.presets:
+    raise ConfigError(f"unknown {name} variant {preset!r}; known:"
+                      f" {', '.join(registered.presets)}")
+  values = dict(registered.presets.get(preset, {}))
+  if train is not None:
+    values.update({field: getattr(train, field) for field in registered.train_fields})
+  values.update(overrides)
+  return registered.config_class(**values)
+
+
 class Plugged(NamedTuple):
   """An algorithm's config with the plug-ins applied around it (issue 7): ALA in front of
   its client update (--ala), ConFREE as its server aggregation (--aggregation=confree)."""
@@ -119,4 +143,4 @@ def build(name: str, config: Any, trainer: Any, ala: Any = None,
 
 
 __all__ = ["Algorithm", "AlgorithmState", "ClientOutput", "InitContext", "Plugged", "REGISTRY",
-           "build", "check_plugins", "get"]
+           "build", "check_plugins", "default_config", "get"]

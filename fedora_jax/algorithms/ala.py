@@ -75,7 +75,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.layers import layer_names, merge_layers, take_layers
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine.local_training import ClientTrainer, epoch_batches
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 Params = Any
 PyTree = Any
@@ -106,15 +106,17 @@ FLAG_HELP = {
 
 def validate(config: AlaConfig) -> AlaConfig:
   if not 0.0 < config.s <= 100.0:
-    raise ConfigError(f"ala_s must be in (0, 100], got {config.s}")
+    raise FieldError("ala", "s", f"must be in (0, 100], got {config.s}")
   if config.p < 1:
-    raise ConfigError(f"ala_p must be >= 1, got {config.p}")
+    raise FieldError("ala", "p", f"must be >= 1, got {config.p}")
   if not config.eta > 0:
-    raise ConfigError(f"ala_eta must be > 0, got {config.eta}")
+    raise FieldError("ala", "eta", f"must be > 0, got {config.eta}")
   if config.num_pre_loss < 2:
-    raise ConfigError(f"ala_num_pre_loss must be >= 2, got {config.num_pre_loss}")
-  if config.max_epochs < 1 or config.batch_size < 1:
-    raise ConfigError("ala_max_epochs and ala_batch_size must be >= 1")
+    raise FieldError("ala", "num_pre_loss", f"must be >= 2, got {config.num_pre_loss}")
+  if config.max_epochs < 1:
+    raise FieldError("ala", "max_epochs", f"must be >= 1, got {config.max_epochs}")
+  if config.batch_size < 1:
+    raise FieldError("ala", "batch_size", f"must be >= 1, got {config.batch_size}")
   return config
 
 
@@ -136,7 +138,7 @@ class AlaClient(NamedTuple):
 def top_layers(params: Params, p: int) -> list[str]:
   names = layer_names(params)
   if p > len(names):
-    raise ConfigError(f"ala_p must be at most the model's {len(names)} layers, got {p}")
+    raise FieldError("ala", "p", f"must be at most the model's {len(names)} layers, got {p}")
   return names[len(names) - p:]
 
 

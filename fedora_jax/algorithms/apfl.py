@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 Params = Any
 
@@ -66,7 +66,7 @@ class ApflTrained(NamedTuple):
 
 def validate(config: ApflConfig) -> ApflConfig:
   if not 0.0 <= config.alpha <= 1.0:
-    raise ConfigError(f"apfl_alpha must be in [0, 1], got {config.alpha}")
+    raise FieldError("apfl", "alpha", f"must be in [0, 1], got {config.alpha}")
   return config
 
 

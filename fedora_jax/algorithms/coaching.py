@@ -83,7 +83,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import layer_names
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 
@@ -131,21 +131,23 @@ class CoachingServer(NamedTuple):
 
 
 def validate(config: CoachingConfig) -> CoachingConfig:
-  if config.lam < 0 or config.beta < 0:
-    raise ConfigError("coach_lambda and coach_beta must be >= 0")
+  if config.lam < 0:
+    raise FieldError("coaching", "lam", f"must be >= 0, got {config.lam}")
+  if config.beta < 0:
+    raise FieldError("coaching", "beta", f"must be >= 0, got {config.beta}")
   if config.lr_r < 0:
-    raise ConfigError(f"coach_lr_r must be >= 0, got {config.lr_r}")
+    raise FieldError("coaching", "lr_r", f"must be >= 0, got {config.lr_r}")
   if config.r_steps < 0:
-    raise ConfigError(f"coach_r_steps must be >= 0, got {config.r_steps}")
+    raise FieldError("coaching", "r_steps", f"must be >= 0, got {config.r_steps}")
   if config.r_init not in R_INITS:
-    raise ConfigError(f"coach_r_init must be one of {', '.join(R_INITS)},"
-                      f" got {config.r_init!r}")
+    raise FieldError("coaching", "r_init", f"must be one of {', '.join(R_INITS)},"
+                                           f" got {config.r_init!r}")
   if config.r_constraint not in R_CONSTRAINTS:
-    raise ConfigError(f"coach_r_constraint must be one of {', '.join(R_CONSTRAINTS)},"
-                      f" got {config.r_constraint!r}")
+    raise FieldError("coaching", "r_constraint", f"must be one of {', '.join(R_CONSTRAINTS)},"
+                                                 f" got {config.r_constraint!r}")
   if config.lr_r_rule not in LR_R_RULES:
-    raise ConfigError(f"coach_lr_r_rule must be one of {', '.join(LR_R_RULES)},"
-                      f" got {config.lr_r_rule!r}")
+    raise FieldError("coaching", "lr_r_rule", f"must be one of {', '.join(LR_R_RULES)},"
+                                              f" got {config.lr_r_rule!r}")
   return config
 
 

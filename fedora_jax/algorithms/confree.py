@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 _TINY = 1e-12
 
@@ -103,16 +103,16 @@ FLAG_HELP = {
 
 def validate(config: ConfreeConfig) -> ConfreeConfig:
   if config.c < 0:
-    raise ConfigError(f"confree_c must be >= 0, got {config.c}")
+    raise FieldError("confree", "c", f"must be >= 0, got {config.c}")
   if config.projection_order not in ("sequential", "eq3"):
-    raise ConfigError("confree_projection_order must be sequential or eq3, got"
-                      f" {config.projection_order!r}")
+    raise FieldError("confree", "projection_order", "must be sequential or eq3, got"
+                                                    f" {config.projection_order!r}")
   if config.projection not in ("paper", "code"):
-    raise ConfigError(f"confree_projection must be paper or code, got {config.projection!r}")
+    raise FieldError("confree", "projection", f"must be paper or code, got {config.projection!r}")
   if config.granularity not in ("model", "leaf"):
-    raise ConfigError(f"confree_granularity must be model or leaf, got {config.granularity!r}")
+    raise FieldError("confree", "granularity", f"must be model or leaf, got {config.granularity!r}")
   if config.solver_steps < 1:
-    raise ConfigError(f"confree_solver_steps must be >= 1, got {config.solver_steps}")
+    raise FieldError("confree", "solver_steps", f"must be >= 1, got {config.solver_steps}")
   return config
 
 

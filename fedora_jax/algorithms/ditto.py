@@ -31,7 +31,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.fedprox import proximal_term
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 
 class DittoConfig(NamedTuple):
@@ -43,7 +43,7 @@ FLAG_HELP = {"lam": "Ditto lambda: personal loss + lambda/2 ||v - w_global||^2"}
 
 def validate(config: DittoConfig) -> DittoConfig:
   if config.lam < 0:
-    raise ConfigError(f"ditto_lam must be >= 0, got {config.lam}")
+    raise FieldError("ditto", "lam", f"must be >= 0, got {config.lam}")
   return config
 
 

@@ -27,16 +27,16 @@ docs/results.md ("FedAMP's hyperparameters") has a sweep of alpha_k, lambda and 
 rotated MNIST.
 """
 
+import logging
 from typing import NamedTuple
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 
 class FedAmpConfig(NamedTuple):
@@ -59,15 +59,15 @@ class FedAmpMessage(NamedTuple):
 
 def validate(config: FedAmpConfig) -> FedAmpConfig:
   if config.attention not in ("distance", "cosine"):
-    raise ConfigError(f"fedamp_attention must be distance or cosine, got {config.attention!r}")
+    raise FieldError("fedamp", "attention", f"must be distance or cosine, got {config.attention!r}")
   if not config.alpha_k > 0:
-    raise ConfigError(f"fedamp_alpha_k must be > 0, got {config.alpha_k}")
+    raise FieldError("fedamp", "alpha_k", f"must be > 0, got {config.alpha_k}")
   if config.lam < 0:
-    raise ConfigError(f"fedamp_lam must be >= 0, got {config.lam}")
+    raise FieldError("fedamp", "lam", f"must be >= 0, got {config.lam}")
   if not config.sigma > 0:
-    raise ConfigError(f"fedamp_sigma must be > 0, got {config.sigma}")
+    raise FieldError("fedamp", "sigma", f"must be > 0, got {config.sigma}")
   if not 0.0 <= config.self_weight <= 1.0:
-    raise ConfigError(f"fedamp_self_weight must be in [0, 1], got {config.self_weight}")
+    raise FieldError("fedamp", "self_weight", f"must be in [0, 1], got {config.self_weight}")
   return config
 
 
@@ -112,7 +112,7 @@ def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
     self_weight = first_round_self_weight(num_clients, config)
     if config.attention == "distance" and self_weight < 0:
       # A warning, not an error: PFLlib's defaults do this for any K > 2.
-      logging.warning(
+      logging.getLogger("fedora_jax").warning(
           "fedamp: with %d clients, alpha_k=%g and sigma=%g the first cloud models "
           "extrapolate (self weight xi_ii = %.3g < 0); the paper's analysis needs "
           "alpha_k <= sigma / (K - 1) = %.3g", num_clients, config.alpha_k, config.sigma,

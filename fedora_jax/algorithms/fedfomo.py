@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 
 class FedFomoConfig(NamedTuple):
@@ -61,11 +61,11 @@ class FomoUpload(NamedTuple):
 
 def validate(config: FedFomoConfig) -> FedFomoConfig:
   if config.num_models < 1:
-    raise ConfigError(f"fedfomo_num_models must be >= 1, got {config.num_models}")
+    raise FieldError("fedfomo", "num_models", f"must be >= 1, got {config.num_models}")
   if not 0.0 <= config.epsilon <= 1.0:
-    raise ConfigError(f"fedfomo_epsilon must be in [0, 1], got {config.epsilon}")
+    raise FieldError("fedfomo", "epsilon", f"must be in [0, 1], got {config.epsilon}")
   if config.epsilon_decay < 0:
-    raise ConfigError(f"fedfomo_epsilon_decay must be >= 0, got {config.epsilon_decay}")
+    raise FieldError("fedfomo", "epsilon_decay", f"must be >= 0, got {config.epsilon_decay}")
   return config
 
 

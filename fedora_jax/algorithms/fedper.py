@@ -22,7 +22,7 @@ from typing import NamedTuple
 from fedora_jax.algorithms.base import Algorithm
 from fedora_jax.algorithms.layers import all_but_top_layers, partial_sharing
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 
 class FedPerConfig(NamedTuple):
@@ -35,7 +35,7 @@ FLAG_HELP = {"personal_layers": "FedPer: number of top layers kept personal (K_P
 
 def fedper(config: FedPerConfig, trainer: ClientTrainer) -> Algorithm:
   if config.personal_layers < 1:
-    raise ConfigError(f"fedper_personal_layers must be >= 1, got {config.personal_layers}")
+    raise FieldError("fedper", "personal_layers", f"must be >= 1, got {config.personal_layers}")
   return partial_sharing("fedper", trainer,
                          all_but_top_layers(config.personal_layers,
                                             "fedper_personal_layers"))

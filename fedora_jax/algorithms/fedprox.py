@@ -21,7 +21,7 @@ from fedora_jax.algorithms import fedavg
 from fedora_jax.algorithms.base import Algorithm, ClientOutput
 from fedora_jax import tree
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 
 class FedProxConfig(NamedTuple):
@@ -33,7 +33,7 @@ FLAG_HELP = {"mu": "FedProx proximal strength: local loss + mu/2 ||w - w_global|
 
 def validate(config: FedProxConfig) -> FedProxConfig:
   if config.mu < 0:
-    raise ConfigError(f"fedprox_mu must be >= 0, got {config.mu}")
+    raise FieldError("fedprox", "mu", f"must be >= 0, got {config.mu}")
   return config
 
 

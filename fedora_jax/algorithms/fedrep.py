@@ -35,7 +35,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 
@@ -108,12 +108,13 @@ def alternating_train(trainer: ClientTrainer, params: Params, first: list[str],
 
 def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
   if config.head_epochs < 1:
-    raise ConfigError(f"fedrep_head_epochs must be >= 1, got {config.head_epochs}")
+    raise FieldError("fedrep", "head_epochs", f"must be >= 1, got {config.head_epochs}")
   if config.head_epochs >= trainer.epochs:
-    raise ConfigError(f"fedrep_head_epochs ({config.head_epochs}) must be smaller than"
-                      f" --local_epochs ({trainer.epochs}), or the body never trains")
+    raise FieldError("fedrep", "head_epochs",
+                     f"({config.head_epochs}) must be smaller than the local epochs"
+                     f" ({trainer.epochs}), or the body never trains")
   if config.head_layers < 1:
-    raise ConfigError(f"fedrep_head_layers must be >= 1, got {config.head_layers}")
+    raise FieldError("fedrep", "head_layers", f"must be >= 1, got {config.head_layers}")
   batch_size = batch_size_of(trainer)
 
   def body_of(params: Params) -> Params:

@@ -37,7 +37,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 
@@ -91,7 +91,8 @@ def fedrod_loss(trainer: ClientTrainer, head: str, log_prior: jax.Array):
 
 def fedrod(config: FedRodConfig, trainer: ClientTrainer) -> Algorithm:
   if config.personal_init not in ("copy", "zeros"):
-    raise ConfigError(f"fedrod_personal_init must be copy or zeros, got {config.personal_init!r}")
+    raise FieldError("fedrod", "personal_init",
+                     f"must be copy or zeros, got {config.personal_init!r}")
 
   def init(context: InitContext) -> AlgorithmState:
     first = tree.first(context.params)

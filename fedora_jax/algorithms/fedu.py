@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from fedora_jax.algorithms import local
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 
 class FedUConfig(NamedTuple):
@@ -37,9 +37,9 @@ class FedUConfig(NamedTuple):
 
 def validate(config: FedUConfig) -> FedUConfig:
   if config.lam < 0:
-    raise ConfigError(f"fedu_lam must be >= 0, got {config.lam}")
+    raise FieldError("fedu", "lam", f"must be >= 0, got {config.lam}")
   if config.eta < 0:
-    raise ConfigError(f"fedu_eta must be >= 0, got {config.eta}")
+    raise FieldError("fedu", "eta", f"must be >= 0, got {config.eta}")
   return config
 
 

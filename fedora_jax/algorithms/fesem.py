@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 
 class FesemConfig(NamedTuple):
@@ -50,7 +50,7 @@ class FesemClients(NamedTuple):
 
 def validate(config: FesemConfig) -> FesemConfig:
   if config.num_clusters < 1:
-    raise ConfigError(f"fesem_num_clusters must be >= 1, got {config.num_clusters}")
+    raise FieldError("fesem", "num_clusters", f"must be >= 1, got {config.num_clusters}")
   return config
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 
 class IfcaConfig(NamedTuple):
@@ -44,7 +44,7 @@ class IfcaClients(NamedTuple):
 
 def validate(config: IfcaConfig) -> IfcaConfig:
   if config.num_clusters < 1:
-    raise ConfigError(f"ifca_num_clusters must be >= 1, got {config.num_clusters}")
+    raise FieldError("ifca", "num_clusters", f"must be >= 1, got {config.num_clusters}")
   return config
 
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 from fedora_jax.algorithms.base import Algorithm
 from fedora_jax.algorithms.layers import all_but_bottom_layers, partial_sharing
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 
 class LgFedAvgConfig(NamedTuple):
@@ -44,6 +44,6 @@ FLAG_HELP = {"local_layers": "LG-FedAvg: number of bottom layers kept local (the
 
 def lg_fedavg(config: LgFedAvgConfig, trainer: ClientTrainer) -> Algorithm:
   if config.local_layers < 1:
-    raise ConfigError(f"lg_fedavg_local_layers must be >= 1, got {config.local_layers}")
+    raise FieldError("lg_fedavg", "local_layers", f"must be >= 1, got {config.local_layers}")
   return partial_sharing("lg_fedavg", trainer,
                          all_but_bottom_layers(config.local_layers, "lg_fedavg_local_layers"))

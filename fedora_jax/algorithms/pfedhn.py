@@ -37,7 +37,7 @@ import optax
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 
 class PfedhnConfig(NamedTuple):
@@ -68,15 +68,15 @@ class PfedhnServer(NamedTuple):
 
 def validate(config: PfedhnConfig) -> PfedhnConfig:
   if config.embed_dim < 0:
-    raise ConfigError(f"pfedhn_embed_dim must be >= 0, got {config.embed_dim}")
+    raise FieldError("pfedhn", "embed_dim", f"must be >= 0, got {config.embed_dim}")
   if config.hidden_dim < 1:
-    raise ConfigError(f"pfedhn_hidden_dim must be >= 1, got {config.hidden_dim}")
+    raise FieldError("pfedhn", "hidden_dim", f"must be >= 1, got {config.hidden_dim}")
   if config.n_hidden < 0:
-    raise ConfigError(f"pfedhn_n_hidden must be >= 0, got {config.n_hidden}")
+    raise FieldError("pfedhn", "n_hidden", f"must be >= 0, got {config.n_hidden}")
   if not config.server_lr > 0:
-    raise ConfigError(f"pfedhn_server_lr must be > 0, got {config.server_lr}")
+    raise FieldError("pfedhn", "server_lr", f"must be > 0, got {config.server_lr}")
   if config.grad_clip < 0:
-    raise ConfigError(f"pfedhn_grad_clip must be >= 0, got {config.grad_clip}")
+    raise FieldError("pfedhn", "grad_clip", f"must be >= 0, got {config.grad_clip}")
   return config
 
 

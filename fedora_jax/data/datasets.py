@@ -87,6 +87,14 @@ def get_spec(name: str) -> DatasetSpec:
   return DATASETS[name]
 
 
+def default_partition(name: str, setting: str = "balanced", **overrides) -> PartitionConfig:
+  """`name`'s client partition (its kind and class count), `overrides` on top."""
+  spec = get_spec(name)
+  fields = dict(kind=spec.partition, setting=setting,
+                classes_per_client=spec.classes_per_client)
+  return PartitionConfig(**{**fields, **overrides})
+
+
 class FederatedDataset(NamedTuple):
   data: FederatedData                 # the clients that train
   partition: Partition                # every client, held-out ones included

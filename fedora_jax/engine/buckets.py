@@ -38,7 +38,7 @@ def over_clients(fn: Callable[..., Any], client_chunk: int | None = None) -> Cal
   each chunk vmapped (under a multi-device mesh, inside `shard_map`: each device loops
   over its own clients); the results are the same. Vmapped convolutions lower to grouped
   convolutions, which XLA's CPU backend may run slower than a loop over smaller groups:
-  experiments/bench_vmap_vs_map.py measures both.
+  benchmarks/vmap_vs_map.py measures both.
   """
   if client_chunk is None:
     return jax.vmap(fn)

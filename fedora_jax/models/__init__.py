@@ -34,7 +34,7 @@ LAYER_TYPE_ORDER: tuple[str, ...] = ("Conv", "Dense")
 # 36 MLP clients streams ~50 MB through memory every SGD step. Measured on a 2-core CPU,
 # one device per core, with `python -m experiments.benchmark --client_chunks=1,2,3,4,6`
 # (FEDORA rmnist round 183 / 172 / 178 / 195 / 224 ms; 313 ms vmapped) and
-# experiments/bench_vmap_vs_map.py (the CNN ~1.5x faster one client at a time).
+# benchmarks/vmap_vs_map.py (the CNN ~1.5x faster one client at a time).
 # Accelerators vmap.
 CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "mlp": 2}
 

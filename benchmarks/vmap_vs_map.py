@@ -1,7 +1,7 @@
 """Times one round of local training over clients: jax.vmap against jax.lax.map.
 
-  python -m experiments.bench_vmap_vs_map                      # the CNN on CIFAR-10 shapes
-  python -m experiments.bench_vmap_vs_map --model=mlp --clients=36 --samples=128
+  python -m benchmarks.vmap_vs_map                      # the CNN on CIFAR-10 shapes
+  python -m benchmarks.vmap_vs_map --model=mlp --clients=36 --samples=128
 
 Vmapping a convolution over clients (each with its own kernels) lowers to a grouped
 convolution; XLA's CPU backend may run that slower than a sequential loop over clients

@@ -1,0 +1,264 @@
+"""The library's entry point: one experiment from a config to its results files.
+
+  from fedora_jax import train
+  results = train.train_and_evaluate(train.ExperimentConfig(dataset="rmnist"), "runs/x")
+
+trains the algorithm, the LOCAL reference its R-Acc and PTR are measured against (unless
+`reference` names a LOCAL run's results.json), and for FEDORA's Algorithm 2 the FedAvg
+baseline of the held-out clients; writes results.json, timing.json, clients.csv,
+rounds.csv, history.npz, the algorithm's arrays, plots and TensorBoard events to
+`workdir` (the LOCAL run to `workdir/local`); returns the results document.
+`python -m experiments.main` builds an ExperimentConfig from its flags and calls this.
+"""
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from typing import Any, Callable
+
+import jax
+
+from fedora_jax import algorithms
+from fedora_jax import checkpoint as checkpoint_lib
+from fedora_jax import metric_writer, new_clients, plots
+from fedora_jax import results as results_lib
+from fedora_jax.data import datasets, partitions
+from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
+from fedora_jax.errors import FieldError
+from fedora_jax.models import build_model
+from fedora_jax.simulation import TrainConfig, root_keys, run_algorithm
+
+logger = logging.getLogger("fedora_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """What one experiment computes. Defaults: the paper's rotated-MNIST FEDORA run."""
+  dataset: str = "rmnist"
+  algorithm: str = "fedora"
+  # The algorithm's NamedTuple config, or an algorithms.Plugged with its plug-ins;
+  # None: the registry's defaults (FEDORA: the authors' variant).
+  algorithm_config: Any = None
+  data_dir: str | None = None
+  data_source: str = "files"        # or "tfds"
+  num_clients: int | None = None    # None: the dataset's (36 for rmnist)
+  setting: str = "balanced"         # client sizes: balanced or imbalanced
+  partition: partitions.PartitionConfig | None = None  # None: the dataset's default
+  data_seed: int | None = None      # None: train.seed
+  max_pad_ratio: float = 2.0
+  model: str | None = None          # None: the dataset's
+  hidden: tuple[int, ...] = (128, 128)
+  train: TrainConfig = TrainConfig()
+  reference: str | None = None      # a LOCAL run's results.json to compare against
+  checkpoint_every: int = 50        # 0: no checkpoints
+  new_clients: int = 0              # FEDORA's Algorithm 2: clients held out of training
+  new_client_epochs: int = 5
+
+
+def resolved_algorithm_config(config: ExperimentConfig):
+  """The algorithm's config, the registry default when none is given."""
+  if config.algorithm_config is not None:
+    return config.algorithm_config
+  return algorithms.default_config(config.algorithm, config.train)
+
+
+def check_config(config: ExperimentConfig) -> None:
+  """One-line ConfigErrors for a bad combination, before any data is loaded."""
+  datasets.get_spec(config.dataset)
+  algorithm_config = resolved_algorithm_config(config)
+  if not 0.0 < config.train.participation <= 1.0:
+    raise FieldError("train", "participation",
+                     f"must be in (0, 1], got {config.train.participation}")
+  if any(w < 1 for w in config.hidden):
+    raise FieldError("experiment", "hidden",
+                     f"widths must be >= 1, got {','.join(map(str, config.hidden))}")
+  # Built once around a stand-in model, so every algorithm's own checks of its
+  # hyperparameters (and its plug-ins') run now.
+  train = config.train
+  stand_in = make_client_trainer(lambda params, x: x, make_optimizer(
+      train.lr, train.momentum, train.weight_decay), train.local_epochs, train.batch_size)
+  algorithms.build(config.algorithm, algorithm_config, stand_in)
+  if config.new_clients:
+    if config.algorithm != "fedora":
+      raise FieldError("experiment", "new_clients",
+                       "is FEDORA's Algorithm 2: use it with the fedora algorithm")
+    if algorithm_config.similarity != "principal_angles":
+      raise FieldError("experiment", "new_clients",
+                       "compares a new client's data subspace with the trained clients';"
+                       f" it has no {algorithm_config.similarity} similarity to them (leave"
+                       " FEDORA's similarity at principal_angles)")
+    task = datasets.get_spec(config.dataset).task
+    if task != "classification":
+      raise FieldError("experiment", "new_clients",
+                       f"reports accuracies; {config.dataset} is a {task}")
+
+
+def default_workdir(config: ExperimentConfig) -> str:
+  return os.path.join("runs", f"{config.dataset}_{config.setting}_{config.algorithm}"
+                              f"_seed{config.train.seed}")
+
+
+def config_identity(config: ExperimentConfig, algorithm: str) -> dict:
+  """What a run of `algorithm` (the config's, or its LOCAL reference) computes, for
+  run_config.json when the caller gives no identity (the CLI records its flags): every
+  field but those that change nothing a run computes (see checkpoint.claim_workdir)."""
+  own = algorithm == config.algorithm
+  identity = dataclasses.asdict(dataclasses.replace(
+      config, algorithm=algorithm, algorithm_config=None, reference=None,
+      checkpoint_every=0))
+  identity["algorithm_config"] = repr(resolved_algorithm_config(config)) if own else None
+  identity["train"] = {k: v for k, v in identity["train"].items()
+                       if k not in ("rounds", "log_every")}
+  return json.loads(json.dumps(identity, default=str))
+
+
+def _run_info(config: ExperimentConfig, num_clients: int, model_name: str,
+              partition: partitions.PartitionConfig | None) -> dict:
+  """results.json's description of the run (its keys and order are the file format)."""
+  spec = datasets.get_spec(config.dataset)
+  train = config.train
+  info = {"dataset": config.dataset, "algorithm": config.algorithm,
+          "setting": config.setting, "num_clients": num_clients, "seed": train.seed,
+          "data_seed": _data_seed(config), "rounds": train.rounds, "model": model_name,
+          "hidden": list(config.hidden), "devices": jax.device_count(),
+          "processes": jax.process_count(), "platform": jax.default_backend(),
+          "train": dataclasses.asdict(train)}
+  if spec.task != "classification":
+    info["task"] = spec.task  # results name MAE in place of accuracy
+  if config.data_source != "files":
+    info["data_source"] = config.data_source
+  if partition is not None and partition.kind != "rotation":  # rotation keeps its keys
+    info["partition"] = partition._asdict()
+  return info
+
+
+def _data_seed(config: ExperimentConfig) -> int:
+  return config.train.seed if config.data_seed is None else config.data_seed
+
+
+def _client_info(federated) -> dict:
+  """clients.csv's and results.json's per-client columns besides the scores."""
+  data, ids = federated.data, federated.client_ids
+  angles = federated.partition.angles
+  info = {"id": ids, **({"angle": angles[ids]} if angles is not None else {}),
+          "n_train": data.split_sizes("train"), "n_val": data.split_sizes("val"),
+          "n_test": data.split_sizes("test")}
+  if federated.partition.kind != "rotation" and federated.partition.class_counts is not None:
+    info["class_counts"] = federated.partition.class_counts[ids]  # [K, C]
+  if federated.groups is not None:  # clients are the data's groups (years), not rotations
+    info = {"id": info.pop("id"), "group": federated.groups[ids],
+            **{k: v for k, v in info.items() if k != "angle"}}
+  return info
+
+
+def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
+                       identity: Callable[[str], dict] | None = None,
+                       identity_defaults: dict | None = None) -> dict:
+  """Runs the experiment `config` into `workdir` (default `default_workdir`); returns the
+  results document (results.json) and prints nothing.
+
+  `identity(algorithm)` is what run_config.json records for the run of `algorithm` (the
+  config's, or "local" for its reference) and a rerun must match to resume from the
+  workdir's checkpoints (default `config_identity`); `identity_defaults` (setting ->
+  default) lets a setting added later count as absent at its default (see
+  checkpoint.check_workdir).
+  """
+  check_config(config)
+  spec = datasets.get_spec(config.dataset)
+  algorithm_config = resolved_algorithm_config(config)
+  train = config.train
+  num_clients = config.num_clients or datasets.default_num_clients(config.dataset,
+                                                                   config.data_dir)
+  model_name = config.model or spec.model
+  workdir = workdir or default_workdir(config)
+  # Every process computes the same results: process 0 writes them to the workdir, the
+  # others to workdir/process<i> (no two writers), and all save into the workdir's
+  # checkpoints (orbax's multi-process saves: one folder, process 0 finalizes).
+  checkpoint_root = workdir
+  if jax.process_index() > 0:
+    workdir = os.path.join(workdir, f"process{jax.process_index()}")
+  partition = None  # datasets whose clients are given by the data have no partition
+  if spec.load_groups is None:
+    partition = config.partition or datasets.default_partition(config.dataset,
+                                                               config.setting)
+  run_info = _run_info(config, num_clients, model_name, partition)
+  reference = None
+  if config.reference and config.algorithm != "local":
+    reference = results_lib.load_reference(config.reference, run_info)
+  # Before any work: refuse a workdir holding another run, and find checkpoints to resume.
+  identity = identity or functools.partial(config_identity, config)
+  checkpointer = checkpoint_lib.open_run(workdir, identity(config.algorithm), train.rounds,
+                                         config.checkpoint_every, checkpoint_root,
+                                         identity_defaults)
+  local_checkpointer = None
+  if config.algorithm != "local" and reference is None:
+    local_checkpointer = checkpoint_lib.open_run(
+        os.path.join(workdir, "local"), identity("local"), train.rounds,
+        config.checkpoint_every, os.path.join(checkpoint_root, "local"), identity_defaults)
+
+  federated = datasets.build_federated_dataset(
+      config.dataset, config.data_dir, num_clients, config.setting, _data_seed(config),
+      config.max_pad_ratio, config.new_clients, data_source=config.data_source,
+      partition_config=partition)
+  run_info["data"] = federated.source.name  # e.g. "CIFAR-10 (JPEG copy)"
+  data = federated.data
+  logger.info("%s: %s", config.dataset, datasets.describe(data))
+  model = build_model(model_name, data.num_classes, config.hidden)
+  client_info = _client_info(federated)
+
+  def save(directory, info, result, ours, local):
+    results = results_lib.build_results(info, result, ours, local, client_info)
+    results_lib.write_run_files(directory, results, result)
+    if spec.task == "classification":  # the plots are of accuracies
+      plots.write_plots_for_run_dir(directory)
+    return results
+
+  with metric_writer.RoundWriter(workdir, config.algorithm, spec.task) as log_round:
+    result = run_algorithm(config.algorithm, algorithm_config, model, data, train,
+                           on_round=log_round, checkpointer=checkpointer)
+  ours = results_lib.client_scores(result, spec.task)
+  if config.algorithm == "local":
+    local = ours
+  elif reference is not None:
+    local = reference
+  else:
+    logger.info("training the LOCAL reference on the same split and seed")
+    with metric_writer.RoundWriter(workdir, "local", spec.task) as log_round:
+      local_result = run_algorithm("local", algorithms.default_config("local", train), model,
+                                   data, train, on_round=log_round,
+                                   checkpointer=local_checkpointer)
+    local = results_lib.client_scores(local_result, spec.task)
+    # Kept as a LOCAL run of its own, so later runs can pass it as `reference`.
+    save(os.path.join(workdir, "local"), {**run_info, "algorithm": "local"}, local_result,
+         local, local)
+
+  info = dict(run_info)
+  if config.algorithm == "fedora":
+    info["fedora"] = algorithm_config._asdict()
+  if isinstance(algorithm_config, algorithms.Plugged):
+    info["plugins"] = {
+        "ala": algorithm_config.ala and algorithm_config.ala._asdict(),
+        "aggregation": algorithm_config.aggregation and algorithm_config.aggregation._asdict()}
+  if federated.new_data is not None:
+    info["new_clients"] = serve_new_clients(federated, algorithm_config, model, train,
+                                            result, config.new_client_epochs)
+  return save(workdir, info, result, ours, local)
+
+
+def serve_new_clients(federated, config, model, train: TrainConfig, fedora_result,
+                      epochs: int) -> dict:
+  """Trains FedAvg on the same clients, then serves the held-out ones (Algorithm 2)."""
+  logger.info("training FedAvg on the same clients as the new-client baseline")
+  fedavg_result = run_algorithm("fedavg", algorithms.default_config("fedavg", train), model,
+                                federated.data, train)
+  finetune_trainer = make_client_trainer(
+      model.apply, make_optimizer(train.lr, train.momentum, train.weight_decay),
+      epochs, train.batch_size, train.eval_batch_size)
+  accuracy = new_clients.evaluate_new_clients(
+      config, finetune_trainer, federated.data, fedora_result.final_state.algorithm,
+      federated.new_data, fedavg_result.final_state.algorithm.server,
+      root_keys(train.seed)["new_clients"])
+  return results_lib.new_client_results(federated.new_client_ids,
+                                        federated.partition.angles, accuracy, epochs)
