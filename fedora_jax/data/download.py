@@ -20,8 +20,9 @@ On a machine with internet, `python -m fedora_jax.data.download cifar10 --data_d
 fills DIR to copy elsewhere.
 
 Checksums (of the files as distributed):
-  - MNIST, Fashion-MNIST: the SHA-256 TFDS pins and the MD5 torchvision checks (and
-    Fashion-MNIST's README lists); both recomputed from the byte-identical copies in
+  - MNIST, Fashion-MNIST: the MD5s torchvision's `resources` check (and Fashion-MNIST's
+    README lists) and the files' SHA-256s (as torchvision's dataset prototypes pin
+    them for Fashion-MNIST); both recomputed from the byte-identical copies in
     shared/data (shared/data/SOURCES.md).
   - CIFAR-10 / CIFAR-100 python versions: torchvision's `tgz_md5` and the SHA-256 Keras
     (`file_hash`) and torchvision's dataset prototypes check.
