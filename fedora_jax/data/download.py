@@ -130,7 +130,9 @@ def urls(name: str, file: RemoteFile) -> list[str]:
 
 
 def _size(n: int | None) -> str:
-  return "? MB" if n is None else f"{n / 1e6:.1f} MB"
+  if n is None:
+    return "size unknown"
+  return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 def _report(line: str) -> None:
@@ -145,7 +147,7 @@ class _Progress:
     if sys.stderr.isatty():
       try:
         import tqdm  # pylint: disable=g-import-not-at-top
-        self._bar = tqdm.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+        self._bar = tqdm.tqdm(total=total, unit="B", unit_scale=True,
                               desc=os.path.basename(url), file=sys.stderr, leave=False)
       except ImportError:
         pass
