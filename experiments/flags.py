@@ -27,12 +27,16 @@ FLAGS = flags.FLAGS
 # Run and data.
 flags.DEFINE_enum("algorithm", "fedora", sorted(algorithms.REGISTRY), "Algorithm to run.")
 flags.DEFINE_enum("dataset", "rmnist", sorted(datasets.DATASETS), "Federated dataset.")
-flags.DEFINE_string("data_dir", None, "Folder of the dataset's files (MNIST IDX files for"
-                    " rmnist). Default: the MNIST copy shipped inside the package.")
+flags.DEFINE_string("data_dir", None, "Data root, one folder per dataset (mnist/,"
+                    " fashion-mnist/, cifar10/, cifar100/, gtsrb/, yearbook/, leaf/);"
+                    " a missing one with a public source is downloaded into it; or one"
+                    " dataset's own folder. Default: $FEDORA_JAX_DATA, else"
+                    " ~/.cache/fedora_jax (MNIST: else the copy in the package).")
 flags.DEFINE_enum("data_source", "files", list(datasets.DATA_SOURCES),
                   "files: the dataset's own files in --data_dir; tfds: a prepared TFDS"
                   " dataset (ArrayRecord; mnist, fashion_mnist, cifar10, cifar100) read"
-                  " with tfds.data_source from --data_dir (default ~/tensorflow_datasets).")
+                  " with tfds.data_source from the data root (default: the one above if"
+                  " it holds it, else ~/tensorflow_datasets).")
 flags.DEFINE_integer("num_clients", None, "Number of clients K (default: the dataset's,"
                      " 36 for rmnist).", lower_bound=1)
 flags.DEFINE_enum("setting", "balanced", list(partitions.SETTINGS),

@@ -13,6 +13,15 @@ from fedora_jax.data.sources import load_mnist  # pylint: disable=wrong-import-p
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _empty_offline_data_root(tmp_path_factory):
+  """Tests never touch ~/.cache or the network: an empty data root, downloads off
+  (tests/test_download.py lifts that for its loopback server). Subprocesses inherit it."""
+  os.environ["FEDORA_JAX_DATA"] = str(tmp_path_factory.mktemp("data_root"))
+  os.environ["FEDORA_JAX_OFFLINE"] = "1"
+  os.environ.pop("FEDORA_JAX_MIRROR", None)
+
+
 @functools.lru_cache(maxsize=None)
 def _mnist():
   return load_mnist()

@@ -166,7 +166,7 @@ def test_registry_defaults_and_mnist_dirichlet(mnist):
 
 
 def test_rfmnist_without_data_dir_says_where_to_get_the_files():
-  with pytest.raises(DataError, match="--data_dir") as error:
+  with pytest.raises(ConfigError, match="--data_dir") as error:
     datasets.build_federated_dataset("rfmnist", None, 72, "balanced", 0)
   assert "fashion-mnist" in str(error.value) and "\n" not in str(error.value)
 

@@ -11,7 +11,8 @@ from fedora_jax.data.gtsrb import load_gtsrb
 from fedora_jax.data.leaf import load_leaf
 from fedora_jax.data.tfds_source import load_tfds_dataset
 from fedora_jax.data.yearbook import load_yearbook
-from fedora_jax.data.cifar import load_cifar10
+from fedora_jax.data import root as data_root
+from fedora_jax.data.cifar import load_cifar10, load_cifar100
 from fedora_jax.data.partitions import Partition, PartitionConfig, make_partition
 from fedora_jax.data.sources import ImageDataset, load_fashion_mnist, load_mnist
 from fedora_jax.errors import ConfigError
@@ -61,9 +62,16 @@ DATASETS.update({
         load_source=load_cifar10, num_clients=10, model="cnn", partition="pathological",
         classes_per_client=2, paper_table="FEDORA Table 1 (CIFAR-10)",
         tfds_name="cifar10"),
+    "cifar100": DatasetSpec(
+        description="CIFAR-100 (100 fine classes), Dirichlet label skew (parameter"
+                    " coaching: 10 clients, alpha 0.1 and 0.3)",
+        load_source=load_cifar100, num_clients=10, model="cnn", partition="dirichlet",
+        paper_table="- (parameter coaching Table 1 uses ResNet-18, not shipped here)",
+        tfds_name="cifar100"),
 })
 
-# The remaining FEDORA datasets; none ships with the package (--data_dir, see docs/datasets.md).
+# The remaining FEDORA datasets: no public source to download them from (see
+# docs/datasets.md); put them in the data root (--data_dir, fedora_jax/data/root.py).
 DATASETS.update({
     "gtsrb": DatasetSpec(
         description="Rotated GTSRB traffic signs (43 classes, 32x32 RGB): client i"
@@ -107,7 +115,11 @@ class FederatedDataset(NamedTuple):
 
 
 def load_source(name: str, data_dir: str | None, data_source: str = "files") -> ImageDataset:
-  """`name`'s centralised source from its files, or (data_source="tfds") from TFDS."""
+  """`name`'s centralised source from its files, or (data_source="tfds") from TFDS.
+
+  `data_dir`: the data root (fedora_jax/data/root.py; None: the default one), or the
+  dataset's own folder; with "tfds", TFDS's data_dir.
+  """
   spec = get_spec(name)
   if data_source not in DATA_SOURCES:
     raise ConfigError(f"unknown data source {data_source!r}; known: {', '.join(DATA_SOURCES)}")
@@ -116,7 +128,8 @@ def load_source(name: str, data_dir: str | None, data_source: str = "files") -> 
       supported = sorted(k for k, v in DATASETS.items() if v.tfds_name is not None)
       raise ConfigError(f"--data_source=tfds: {name} has no TFDS source; datasets that"
                         f" have one: {', '.join(supported)}")
-    return load_tfds_dataset(spec.tfds_name, data_dir, name=f"{spec.tfds_name} (TFDS)")
+    tfds_dir = data_root.tfds_data_dir(spec.tfds_name, data_dir)
+    return load_tfds_dataset(spec.tfds_name, tfds_dir, name=f"{spec.tfds_name} (TFDS)")
   return spec.load_source(data_dir)
 
 

@@ -8,7 +8,8 @@ https://sid.erda.dk/public/archives/daaeac0d7ce1152aea9b61d9f1e19370/published-a
   GTSRB_Final_Test_Images.zip     -> GTSRB/Final_Test/Images/<nnnnn>.ppm
   GTSRB_Final_Test_GT.zip         -> GT-final_test.csv (the test labels)
 
-`data_dir` may be the folder holding `GTSRB/` or `GTSRB/` itself; GT-final_test.csv may
+`data_dir` may be the data root holding `gtsrb/` (fedora_jax/data/root.py), the folder
+holding `GTSRB/` or `GTSRB/` itself; GT-final_test.csv may
 lie in `data_dir`, in `GTSRB/` or beside the test images. The CSVs are semicolon
 separated: Filename;Width;Height;Roi.X1;Roi.Y1;Roi.X2;Roi.Y2;ClassId. Each image is
 cropped to its sign's bounding box (the Roi, corners inclusive) and resized to 32 x 32
@@ -21,6 +22,7 @@ import os
 
 import numpy as np
 
+from fedora_jax.data import root as data_root
 from fedora_jax.data.sources import ImageDataset
 from fedora_jax.errors import DataError
 
@@ -31,6 +33,11 @@ EXPECTED_FILES = ("GTSRB/Final_Training/Images/<00000..00042>/GT-<class>.csv + *
                   " GTSRB/Final_Test/Images/*.ppm and GT-final_test.csv (from"
                   " GTSRB_Final_Training_Images.zip, GTSRB_Final_Test_Images.zip and"
                   " GTSRB_Final_Test_GT.zip)")
+
+
+def _holds(folder: str) -> bool:
+  return any(os.path.isdir(os.path.join(root, "Final_Training", "Images"))
+             for root in (os.path.join(folder, "GTSRB"), folder))
 
 
 def _root(data_dir: str) -> str:
@@ -81,10 +88,7 @@ def _load(folder: str, rows: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarr
 
 def load_gtsrb(data_dir: str | None) -> ImageDataset:
   """The official GTSRB training and test sets as 32 x 32 RGB uint8 images."""
-  if not data_dir:
-    raise DataError(f"gtsrb needs --data_dir holding {EXPECTED_FILES}")
-  if not os.path.isdir(data_dir):
-    raise DataError(f"gtsrb: data directory not found: {data_dir}")
+  data_dir = data_root.locate("gtsrb", data_dir, _holds, EXPECTED_FILES)
   root = _root(data_dir)
   train_dir = os.path.join(root, "Final_Training", "Images")
   xs, ys = [], []

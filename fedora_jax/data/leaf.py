@@ -5,8 +5,9 @@ leaf trait from the leaf's hyperspectral reflectance, with clients given by the
 collection year. The data are not public in a fixed format and the authors' code does
 not load them, so this project defines a plain CSV format:
 
-  --data_dir holds one or more *.csv files (read in name order and concatenated, e.g.
-  one file per field campaign), comma separated, with a header row:
+  the data root's leaf/ folder (or --data_dir itself) holds one or more *.csv files
+  (read in name order and concatenated, e.g. one file per field campaign), comma
+  separated, with a header row:
     year   the collection year (integer): the client
     trait  the target value (float), e.g. Vcmax or leaf nitrogen
     <wavelength> columns: one per band, the header being the wavelength in nm as a
@@ -30,6 +31,7 @@ import os
 
 import numpy as np
 
+from fedora_jax.data import root as data_root
 from fedora_jax.data.grouped import GroupedDataset, make_grouped
 from fedora_jax.errors import DataError
 
@@ -86,10 +88,8 @@ def _read_csv(path: str) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray,
 
 def load_leaf(data_dir: str | None) -> GroupedDataset:
   """All leaves of the CSV files in `data_dir`, grouped by year: [n, B] float32 -> trait."""
-  if not data_dir:
-    raise DataError(f"leaf needs --data_dir holding {EXPECTED_FILES}")
-  if not os.path.isdir(data_dir):
-    raise DataError(f"leaf: data directory not found: {data_dir}")
+  holds = lambda folder: bool(glob.glob(os.path.join(folder, "*.csv")))
+  data_dir = data_root.locate("leaf", data_dir, holds, EXPECTED_FILES)
   paths = sorted(glob.glob(os.path.join(data_dir, "*.csv")))
   if not paths:
     raise DataError(f"leaf: no .csv file in {data_dir}; expected {EXPECTED_FILES}")

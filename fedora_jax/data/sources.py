@@ -1,4 +1,9 @@
-"""Raw image datasets: train and test arrays as stored on disk (uint8, HW or HWC)."""
+"""Raw image datasets: train and test arrays as stored on disk (uint8, HW or HWC).
+
+MNIST and Fashion-MNIST come from <data root>/mnist/ and <data root>/fashion-mnist/
+(fedora_jax/data/root.py); Fashion-MNIST is downloaded there when missing, MNIST falls
+back to the official files shipped in the package.
+"""
 
 import importlib.resources
 import os
@@ -6,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fedora_jax.data import root
 from fedora_jax.data.idx import read_idx
 from fedora_jax.errors import DataError
 
@@ -51,19 +57,23 @@ def load_idx_dataset(name: str, directory: str, num_classes: int = 10) -> ImageD
       num_classes=num_classes)
 
 
+def holds_idx_files(folder: str) -> bool:
+  return all(os.path.isfile(os.path.join(folder, f)) for f in _IDX_FILES.values())
+
+
+_EXPECTED = f"the four IDX files ({', '.join(_IDX_FILES.values())})"
+
+
 def load_mnist(data_dir: str | None = None) -> ImageDataset:
-  """MNIST from `data_dir` (a folder holding the four IDX files), else the embedded copy."""
-  return load_idx_dataset("mnist", data_dir or embedded_mnist_dir())
-
-
-FASHION_MNIST_URL = "https://github.com/zalandoresearch/fashion-mnist (data/fashion/)"
+  """MNIST from the data root's mnist/ (or `data_dir` holding the four IDX files), else
+  the copy shipped in the package."""
+  folder = root.locate("mnist", data_dir, holds_idx_files, _EXPECTED,
+                       fallback=embedded_mnist_dir())
+  return load_idx_dataset("mnist", folder)
 
 
 def load_fashion_mnist(data_dir: str | None = None) -> ImageDataset:
-  """Fashion-MNIST from `data_dir`, a folder holding its four IDX files (not shipped)."""
-  if data_dir is None:
-    raise DataError(
-        "Fashion-MNIST is not shipped with the package: download train-images-idx3-ubyte.gz,"
-        " train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz"
-        f" from {FASHION_MNIST_URL} into a folder and pass --data_dir=<that folder>")
-  return load_idx_dataset("fashion-mnist", data_dir)
+  """Fashion-MNIST from the data root's fashion-mnist/ (downloaded when missing), or
+  `data_dir` holding its four IDX files."""
+  folder = root.locate("fashion-mnist", data_dir, holds_idx_files, _EXPECTED)
+  return load_idx_dataset("fashion-mnist", folder)

@@ -13,13 +13,16 @@ Wild-Time's Yearbook benchmark (Yao et al., NeurIPS 2022), which the 84 clients 
 FEDORA's Yearbook setting correspond to, the task is gender classification (M = 0,
 F = 1), the years before 1930 are dropped (they hold few portraits) and the images are
 resized to 32 x 32; here they are kept as one grey channel (the portraits are black
-and white). Each year from 1930 to 2013 is one client: 84 clients.
+and white). Each year from 1930 to 2013 is one client: 84 clients. `data_dir`: the data
+root holding yearbook/ (fedora_jax/data/root.py), the folder holding the unpacked
+archive's folder, or that folder itself.
 """
 
 import os
 
 import numpy as np
 
+from fedora_jax.data import root as data_root
 from fedora_jax.data.grouped import GroupedDataset, make_grouped
 from fedora_jax.errors import DataError
 
@@ -30,6 +33,11 @@ IMAGE_SIZE = 32
 EXPECTED_FILES = (f"{FOLDER}/F/*.png and {FOLDER}/M/*.png, file names starting with the"
                   " year (unpacked from faces_aligned_small_mirrored_co_aligned_cropped"
                   "_cleaned.tar)")
+
+
+def _holds(folder: str) -> bool:
+  return any(all(os.path.isdir(os.path.join(root, g)) for g in LABELS)
+             for root in (os.path.join(folder, FOLDER), folder))
 
 
 def _root(data_dir: str) -> str:
@@ -57,10 +65,7 @@ def _load_image(path: str) -> np.ndarray:
 
 def load_yearbook(data_dir: str | None, first_year: int = FIRST_YEAR) -> GroupedDataset:
   """Portraits of `first_year` and later, grouped by year: [n, 32, 32] uint8, gender."""
-  if not data_dir:
-    raise DataError(f"yearbook needs --data_dir holding {EXPECTED_FILES}")
-  if not os.path.isdir(data_dir):
-    raise DataError(f"yearbook: data directory not found: {data_dir}")
+  data_dir = data_root.locate("yearbook", data_dir, _holds, EXPECTED_FILES)
   root = _root(data_dir)
   images, labels, years = [], [], []
   for gender, label in sorted(LABELS.items()):
