@@ -18,7 +18,7 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import coaching, confree, fedala, fedrep, fedrod
-from fedora_jax.algorithms import perfedavg
+from fedora_jax.algorithms import perfedavg, pfedme
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -79,6 +79,7 @@ REGISTRY: dict[str, Registered] = {
     "fedrod": Registered(fedrod.FedRodConfig, fedrod.fedrod, fedrod.FLAG_HELP),
     "perfedavg": Registered(perfedavg.PerFedAvgConfig, perfedavg.perfedavg,
                             perfedavg.FLAG_HELP),
+    "pfedme": Registered(pfedme.PfedmeConfig, pfedme.pfedme, pfedme.FLAG_HELP),
 }
 
 
