@@ -18,7 +18,7 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import coaching, confree, fedala, fedrep, fedrod
-from fedora_jax.algorithms import fedphp, perfedavg, pfedme
+from fedora_jax.algorithms import apple, fedphp, perfedavg, pfedme
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -81,6 +81,7 @@ REGISTRY: dict[str, Registered] = {
                             perfedavg.FLAG_HELP),
     "pfedme": Registered(pfedme.PfedmeConfig, pfedme.pfedme, pfedme.FLAG_HELP),
     "fedphp": Registered(fedphp.FedPhpConfig, fedphp.fedphp, fedphp.FLAG_HELP),
+    "apple": Registered(apple.AppleConfig, apple.apple, apple.FLAG_HELP),
 }
 
 
