@@ -15,11 +15,12 @@ from tiny import init_params, mean_ce, run_rounds, tiny_data, tiny_model, tiny_t
 LR = 0.1
 
 
-def test_one_step_moves_the_own_core_and_p_along_their_gradients():
+@pytest.mark.parametrize("core_lr_scale", [1.0, 3.0])
+def test_one_step_moves_the_own_core_and_p_along_their_gradients(core_lr_scale):
   data, clients = tiny_data([6, 6, 6])
   model = tiny_model()
   trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=1)  # one full-batch step
-  config = apple.AppleConfig(mu=0.5, reg_rounds=4, p_lr_scale=0.2)
+  config = apple.AppleConfig(mu=0.5, reg_rounds=4, p_lr_scale=0.2, core_lr_scale=core_lr_scale)
   algorithm = apple.apple(config, trainer)
   cores = jax.tree.map(lambda *m: jnp.stack(m), *[init_params(model, seed=s) for s in range(3)])
   p = jnp.array([0.5, 0.3, 0.2])
@@ -34,8 +35,10 @@ def test_one_step_moves_the_own_core_and_p_along_their_gradients():
   mixed = tree.mix(p, cores)
   grad = jax.jit(jax.grad(lambda w: mean_ce(model, w, clients[1].x_train,
                                             clients[1].y_train)))(mixed)
-  # d/dw_c^i = p_ii grad;  d/dp_j = <grad, w_c^j> + 2 coef (p_j - p0_j), at 0.2 x LR.
-  expected_core = jax.tree.map(lambda c, g: c - LR * p[1] * g, tree.take(cores, 1), grad)
+  # d/dw_c^i = p_ii grad (at core_lr_scale x LR);
+  # d/dp_j = <grad, w_c^j> + 2 coef (p_j - p0_j), at 0.2 x LR.
+  expected_core = jax.tree.map(lambda c, g: c - core_lr_scale * LR * p[1] * g,
+                               tree.take(cores, 1), grad)
   dots = jnp.stack([sum(jnp.vdot(g, c) for g, c in zip(jax.tree.leaves(grad),
                                                         jax.tree.leaves(tree.take(cores, j))))
                     for j in range(3)])
@@ -46,6 +49,15 @@ def test_one_step_moves_the_own_core_and_p_along_their_gradients():
   chex.assert_trees_all_close(out.state.personal, tree.mix(expected_p, expected_cores),
                               atol=1e-6)
   np.testing.assert_allclose(out.metrics["lambda_mu"], coef, rtol=1e-6)
+
+
+def test_personalized_model_is_the_weighted_sum_of_core_models():
+  cores = {"a": jnp.arange(24.0).reshape(3, 2, 4), "b": jnp.array([[1.0], [2.0], [3.0]])}
+  p = jnp.array([0.5, -0.25, 2.0])
+  mixed = apple.personalized_model(p, cores)
+  np.testing.assert_allclose(mixed["a"], 0.5 * cores["a"][0] - 0.25 * cores["a"][1]
+                             + 2.0 * cores["a"][2])
+  np.testing.assert_allclose(mixed["b"], [0.5 - 0.5 + 6.0])
 
 
 def test_lambda_schedules():

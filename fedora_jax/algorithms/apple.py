@@ -26,14 +26,18 @@ keeps it.
     "exponential" 0.001^(r / L) (the authors' default scheduler), both 0 from round L
     on. The authors' L is 10% of the rounds (16 of their 160); mu = 0.1. PFLlib uses the
     cosine over L * rounds with lambda mu / 2 as the weight (a gradient
-    lambda mu (p - p_0)).
+    lambda mu (p - p_0)). Default "cosine": PFLlib's, the implementation behind the
+    FedALA table this project reproduces (the paper's text was not at hand here to
+    check which shape its own tables used).
   * Learning rates: the authors train the core model at 0.01 and p at 0.001, both by SGD
-    with momentum 0.9. Here the core model takes the run's optimizer (--lr, --momentum,
-    --weight_decay) and p the same optimizer at `p_lr_scale` times the step (0.1, the
-    authors' ratio): p is trained as p_start + sqrt(scale) q from q = 0, so a step on q
-    moves p by scale times the step on p, momentum included, and weight decay pulls p
-    towards where it started the round. PFLlib instead scales the core model's step by
-    N and takes p's gradient as a mean over tensors.
+    with momentum 0.9. Here both take the run's optimizer (--lr, --momentum,
+    --weight_decay), p at `p_lr_scale` times its step (0.1, the authors' ratio): p is
+    trained as p_start + sqrt(scale) q from q = 0, so a step on q moves p by scale times
+    the run's step, momentum included, and weight decay pulls p towards where it started
+    the round. The own core model's gradient is p_ii grad CE, so with N clients it moves
+    about 1/N as fast as a FedAvg model; PFLlib multiplies its step by N,
+    `core_lr_scale` (default 1, the authors') scales that gradient. PFLlib also takes
+    p's gradient as a mean over parameter tensors instead of the sum.
   * Downloads: `num_models` = M > 0 lets each client refresh only M other core models a
     round, keeping stale copies of the rest (memory: N copies per client); 0 (default,
     the authors' --limit_downloaded_models 10000, and what a small N calls for) refreshes
@@ -76,7 +80,8 @@ class AppleConfig(NamedTuple):
   mu: float = 0.1               # weight of the proximal term on p
   reg_rounds: int = 16          # L: lambda(r) reaches 0 at round L (authors: 10% of 160)
   schedule: str = "cosine"      # lambda(r): "cosine" or "exponential" (authors' default)
-  p_lr_scale: float = 0.1       # p's step / the core model's step (authors 0.001 / 0.01)
+  p_lr_scale: float = 0.1       # p's step / the run's step (authors 0.001 / 0.01)
+  core_lr_scale: float = 1.0    # the core model's step / the run's (PFLlib: N)
   p0: str = "sizes"             # p_0 and p's start: "sizes" (n_j / n) or "uniform"
   num_models: int = 0           # M core models refreshed per round; 0: all
   download: str = "weighted"    # M > 0: "weighted" (the authors' rule) or "random"
@@ -88,8 +93,10 @@ FLAG_HELP = {
     "reg_rounds": "APPLE: rounds L after which lambda(r) is 0",
     "schedule": "APPLE: lambda(r), cosine ((cos(pi r / L) + 1) / 2) or exponential"
                 " (0.001^(r / L), the authors' default)",
-    "p_lr_scale": "APPLE: learning rate of the DR vectors p relative to the core models'"
+    "p_lr_scale": "APPLE: learning rate of the DR vectors p relative to the run's --lr"
                   " (authors: 0.001 / 0.01)",
+    "core_lr_scale": "APPLE: the own core model's gradient step relative to the run's"
+                     " --lr (the authors': 1; PFLlib: the number of clients)",
     "p0": "APPLE: p_0 and the initial p, sizes (training-set shares, the authors') or"
           " uniform (1/N)",
     "num_models": "APPLE: M other core models each client refreshes per round (0: all)",
@@ -134,8 +141,8 @@ def validate(config: AppleConfig) -> AppleConfig:
     raise ConfigError(f"apple_mu must be >= 0, got {config.mu}")
   if config.reg_rounds < 1:
     raise ConfigError(f"apple_reg_rounds must be >= 1, got {config.reg_rounds}")
-  if config.p_lr_scale < 0:
-    raise ConfigError(f"apple_p_lr_scale must be >= 0, got {config.p_lr_scale}")
+  if config.p_lr_scale < 0 or config.core_lr_scale < 0:
+    raise ConfigError("apple_p_lr_scale and apple_core_lr_scale must be >= 0")
   if config.num_models < 0:
     raise ConfigError(f"apple_num_models must be >= 0, got {config.num_models}")
   for field, allowed in (("schedule", SCHEDULES), ("p0", P0S), ("download", DOWNLOADS),
@@ -165,12 +172,27 @@ def with_own_core(cores: Params, index: jax.Array, core: Params) -> Params:
   return jax.tree.map(lambda c, own: c.at[index].set(own), cores, core)
 
 
+def scale_gradient(params: Params, factor: float) -> Params:
+  """The same values, with gradients multiplied by `factor` on the way back."""
+  if factor == 1.0:
+    return params
+  return jax.tree.map(lambda a: jax.lax.stop_gradient(a) + factor * (a - jax.lax.stop_gradient(a)),
+                      params)
+
+
 def apple_loss(trainer: ClientTrainer, cores: Params, index: jax.Array, p_start: jax.Array,
-               scale: float):
-  """loss_fn(AppleTrained, x, y, weights) = CE(sum_j p_j w_c^j): the other cores fixed."""
+               p_scale: float, core_scale: float):
+  """loss_fn(AppleTrained, x, y, weights) = CE(sum_j p_j w_c^j), the other cores fixed.
+
+  The mixture is sum_j p_j cores_j + p_i (w_c^i - cores_i): the held cores mixed once,
+  plus the own core's change, so no [N, ...] copy is written per step."""
+  own_start = tree.take(cores, index)
+
   def loss(trained: AppleTrained, x, y, weights):
-    p = p_start + scale * trained.q
-    mixed = personalized_model(p, with_own_core(cores, index, trained.core))
+    p = p_start + p_scale * trained.q
+    core = scale_gradient(trained.core, core_scale)
+    mixed = jax.tree.map(lambda m, c, c0: m + p[index] * (c - c0),
+                         personalized_model(p, cores), core, own_start)
     return trainer.loss(mixed, x, y, weights)
   return loss
 
@@ -269,7 +291,8 @@ def apple(config: AppleConfig, trainer: ClientTrainer) -> Algorithm:
     start = AppleTrained(core=own, q=jnp.zeros_like(client.p))
     trained, stats = trainer.train(
         start, data.train, key, regularizer=proximal,
-        loss_fn=apple_loss(trainer, cores, client.index, client.p, scale))
+        loss_fn=apple_loss(trainer, cores, client.index, client.p, scale,
+                           config.core_lr_scale))
     p = client.p + scale * trained.q
     cores = with_own_core(cores, client.index, trained.core)
     state = AppleClient(index=client.index, p=p,
