@@ -19,6 +19,7 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import coaching, confree, fedala, fedrep, fedrod
+from fedora_jax.algorithms import apple, fedphp, perfedavg, pfedme
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -85,6 +86,11 @@ REGISTRY: dict[str, Registered] = {
                            coaching.FLAG_NAMES),
     "fedrep": Registered(fedrep.FedRepConfig, fedrep.fedrep, fedrep.FLAG_HELP),
     "fedrod": Registered(fedrod.FedRodConfig, fedrod.fedrod, fedrod.FLAG_HELP),
+    "perfedavg": Registered(perfedavg.PerFedAvgConfig, perfedavg.perfedavg,
+                            perfedavg.FLAG_HELP),
+    "pfedme": Registered(pfedme.PfedmeConfig, pfedme.pfedme, pfedme.FLAG_HELP),
+    "fedphp": Registered(fedphp.FedPhpConfig, fedphp.fedphp, fedphp.FLAG_HELP),
+    "apple": Registered(apple.AppleConfig, apple.apple, apple.FLAG_HELP),
 }
 
 

@@ -53,6 +53,9 @@ class ClientTrainer(NamedTuple):
   steps_per_epoch: Callable[[int], int]
   task: str = "classification"
   epochs: int = 1  # local epochs per call of `train`
+  # apply(params, x) -> the model's outputs (logits): for losses on the outputs or on
+  # intermediate features (FedPHP's distillation towards another model).
+  apply: Callable[[Params, jax.Array], jax.Array] | None = None
 
 
 def _masked_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
@@ -171,7 +174,8 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     return EvalStats(loss=jnp.sum(ce_sums) / count, score=jnp.sum(correct_sums) / count)
 
   return ClientTrainer(loss=loss, train=train, evaluate=evaluate,
-                       steps_per_epoch=steps_per_epoch, task=task, epochs=epochs)
+                       steps_per_epoch=steps_per_epoch, task=task, epochs=epochs,
+                       apply=apply_fn)
 
 
 def make_optimizer(lr: float, momentum: float = 0.9,

@@ -1,0 +1,320 @@
+"""APPLE: each client learns how much to take from every client's core model.
+
+Luo, Wu. "Adapt to Adaptation: Learning Personalization for Cross-Silo Federated
+Learning." IJCAI 2022. https://arxiv.org/abs/2110.08394
+We follow the authors' code, github.com/ljaiverson/pFL-APPLE (train_APPLE.py,
+utils/apple.py, utils/losses.py, utils/models.py); PFLlib's port (TsingZ0/PFLlib
+clientapple.py) differs where noted.
+
+Every client j owns a core model w_c^j; client i holds (copies of) all N core models and a
+directed-relationship (DR) vector p_i in R^N, and its personalised model is
+  w_p^i = sum_j p_ij w_c^j.
+Local training of client i, every local step on a batch (the run's SGD and epochs), on
+  CE(w_p^i; x, y) + lambda(r) mu ||p_i - p_0||^2
+descends only its own core model w_c^i (gradient p_ii grad CE(w_p^i)) and p_i (gradient
+<grad CE(w_p^i), w_c^j> + 2 lambda(r) mu (p_ij - p_0j)); the other core models are fixed
+copies. It then uploads w_c^i; the server keeps the latest core model of every client
+and sends them out at the start of the next round. The personalised model evaluated is
+w_p^i as the client ends its round (the authors evaluate the client's model after
+training, built from the core models it downloaded); a client that sits a round out
+keeps it.
+
+  * p_0 and the start of p_i: the training-set shares n_j / sum n (the authors' init_pss
+    and reg_loss; PFLlib too), `p0="sizes"`; `p0="uniform"` takes 1/N. Equal on
+    balanced splits.
+  * lambda(r), r the round (0-based), L = `reg_rounds`: "cosine" (cos(pi r / L) + 1) / 2,
+    "exponential" 0.001^(r / L) (the authors' default scheduler), both 0 from round L
+    on. The authors' L is 10% of the rounds (16 of their 160); mu = 0.1. PFLlib uses the
+    cosine over L * rounds with lambda mu / 2 as the weight (a gradient
+    lambda mu (p - p_0)). Default "cosine": PFLlib's, the implementation behind the
+    FedALA table this project reproduces (the paper's text was not at hand here to
+    check which shape its own tables used).
+  * Learning rates: the authors train the core model at 0.01 and p at 0.001, both by SGD
+    with momentum 0.9. Here both take the run's optimizer (--lr, --momentum,
+    --weight_decay), p at `p_lr_scale` times its step (0.1, the authors' ratio): p is
+    trained as p_start + sqrt(scale) q from q = 0, so a step on q moves p by scale times
+    the run's step, momentum included, and weight decay pulls p towards where it started
+    the round. The own core model's gradient is p_ii grad CE, so with N clients it moves
+    about 1/N as fast as a FedAvg model; PFLlib multiplies its step by N,
+    `core_lr_scale` (default 1, the authors') scales that gradient. PFLlib also takes
+    p's gradient as a mean over parameter tensors instead of the sum.
+  * Downloads: `num_models` = M > 0 lets each client refresh only M other core models a
+    round, keeping stale copies of the rest (memory: N copies per client); 0 (default,
+    the authors' --limit_downloaded_models 10000, and what a small N calls for) refreshes
+    all of them. In the first round all are downloaded. Which M (the authors'
+    get_download_which): core models the client has never downloaded first, at random,
+    then at random with probability proportional to base^{|p_ij|}, base =
+    max(1.5, r M / N). (The authors' code never marks a model as downloaded, so there
+    every choice is uniformly random; `download="random"` does that.)
+  * Core models start from the run's shared initial model (PFLlib); the authors
+    initialise each client's core model independently, `core_init="independent"` (each
+    parameter tensor's entries shuffled, a fresh draw of the same initialiser).
+Partial participation: only the sampled clients train and download; the authors' and
+PFLlib's clients all train every round (cross-silo).
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedora_jax import tree
+from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.fedfomo import raw_key
+from fedora_jax.data.client_data import FederatedData
+from fedora_jax.engine.local_training import ClientTrainer
+from fedora_jax.errors import ConfigError
+
+Params = Any
+
+SCHEDULES = ("cosine", "exponential")
+P0S = ("sizes", "uniform")
+DOWNLOADS = ("weighted", "random")
+CORE_INITS = ("shared", "independent")
+# The authors' limited-bandwidth constants: --thresh 1.5 and --lamb 1.
+DOWNLOAD_THRESHOLD, DOWNLOAD_LAMB = 1.5, 1.0
+
+
+class AppleConfig(NamedTuple):
+  mu: float = 0.1               # weight of the proximal term on p
+  reg_rounds: int = 16          # L: lambda(r) reaches 0 at round L (authors: 10% of 160)
+  schedule: str = "cosine"      # lambda(r): "cosine" or "exponential" (authors' default)
+  p_lr_scale: float = 0.1       # p's step / the run's step (authors 0.001 / 0.01)
+  core_lr_scale: float = 1.0    # the core model's step / the run's (PFLlib: N)
+  p0: str = "sizes"             # p_0 and p's start: "sizes" (n_j / n) or "uniform"
+  num_models: int = 0           # M core models refreshed per round; 0: all
+  download: str = "weighted"    # M > 0: "weighted" (the authors' rule) or "random"
+  core_init: str = "shared"     # "shared" initial model or "independent" (authors)
+
+
+FLAG_HELP = {
+    "mu": "APPLE: mu of the proximal term lambda(r) mu ||p_i - p_0||^2",
+    "reg_rounds": "APPLE: rounds L after which lambda(r) is 0",
+    "schedule": "APPLE: lambda(r), cosine ((cos(pi r / L) + 1) / 2) or exponential"
+                " (0.001^(r / L), the authors' default)",
+    "p_lr_scale": "APPLE: learning rate of the DR vectors p relative to the run's --lr"
+                  " (authors: 0.001 / 0.01)",
+    "core_lr_scale": "APPLE: the own core model's gradient step relative to the run's"
+                     " --lr (the authors': 1; PFLlib: the number of clients)",
+    "p0": "APPLE: p_0 and the initial p, sizes (training-set shares, the authors') or"
+          " uniform (1/N)",
+    "num_models": "APPLE: M other core models each client refreshes per round (0: all)",
+    "download": "APPLE: with M > 0, weighted (never-downloaded first, then by |p_ij|) or"
+                " random choice of the M",
+    "core_init": "APPLE: core models start from the shared initial model (shared) or"
+                 " independently initialised ones (independent, the authors')",
+}
+
+
+class AppleServer(NamedTuple):
+  cores: Params              # [N, ...] the latest core model of every client
+  relations: jax.Array       # [N, N] p_ij as the clients last uploaded them (an artifact)
+  p0: jax.Array              # [N] p_0
+  downloaded: jax.Array      # [N, N] bool: client i has downloaded core j at least once
+  round: jax.Array           # [] int32 rounds aggregated so far
+  key: jax.Array             # raw PRNG key of the download choice
+
+
+class AppleClient(NamedTuple):
+  index: jax.Array    # [N] int32: the client's own index j (which core model is its own)
+  p: jax.Array        # [N, N] p_i, the DR vectors
+  personal: Params    # [N, ...] w_p^i as the client ended its last round
+  copies: Params      # [N, N, ...] held copies of all core models when M > 0, else ()
+
+
+class AppleMessage(NamedTuple):
+  cores: Params       # [N, ...] per client: the server's core models
+  fresh: jax.Array    # [N] bool per client: which of them the client downloads
+  p0: jax.Array       # [N]
+  round: jax.Array    # [] int32
+
+
+class AppleTrained(NamedTuple):
+  """What one client's local SGD updates."""
+  core: Params        # its own core model w_c^i
+  q: jax.Array        # [N]: p_i = p_start + sqrt(p_lr_scale) q
+
+
+def validate(config: AppleConfig) -> AppleConfig:
+  if config.mu < 0:
+    raise ConfigError(f"apple_mu must be >= 0, got {config.mu}")
+  if config.reg_rounds < 1:
+    raise ConfigError(f"apple_reg_rounds must be >= 1, got {config.reg_rounds}")
+  if config.p_lr_scale < 0 or config.core_lr_scale < 0:
+    raise ConfigError("apple_p_lr_scale and apple_core_lr_scale must be >= 0")
+  if config.num_models < 0:
+    raise ConfigError(f"apple_num_models must be >= 0, got {config.num_models}")
+  for field, allowed in (("schedule", SCHEDULES), ("p0", P0S), ("download", DOWNLOADS),
+                         ("core_init", CORE_INITS)):
+    if getattr(config, field) not in allowed:
+      raise ConfigError(f"apple_{field} must be one of {', '.join(allowed)},"
+                        f" got {getattr(config, field)!r}")
+  return config
+
+
+def reg_schedule(round_index: jax.Array, config: AppleConfig) -> jax.Array:
+  """lambda(r): from 1 at r = 0 down to 0 at r = L, 0 after."""
+  phase = round_index / config.reg_rounds
+  if config.schedule == "cosine":
+    value = (jnp.cos(jnp.pi * phase) + 1.0) / 2.0
+  else:
+    value = 0.001 ** phase
+  return jnp.where(round_index < config.reg_rounds, value, 0.0)
+
+
+def personalized_model(p: jax.Array, cores: Params) -> Params:
+  """w_p = sum_j p_j w_c^j from p [N] and cores [N, ...]."""
+  return tree.mix(p, cores)
+
+
+def with_own_core(cores: Params, index: jax.Array, core: Params) -> Params:
+  return jax.tree.map(lambda c, own: c.at[index].set(own), cores, core)
+
+
+def scale_gradient(params: Params, factor: float) -> Params:
+  """The same values, with gradients multiplied by `factor` on the way back."""
+  if factor == 1.0:
+    return params
+  return jax.tree.map(lambda a: jax.lax.stop_gradient(a) + factor * (a - jax.lax.stop_gradient(a)),
+                      params)
+
+
+def apple_loss(trainer: ClientTrainer, cores: Params, index: jax.Array, p_start: jax.Array,
+               p_scale: float, core_scale: float):
+  """loss_fn(AppleTrained, x, y, weights) = CE(sum_j p_j w_c^j), the other cores fixed.
+
+  The mixture is sum_j p_j cores_j + p_i (w_c^i - cores_i): the held cores mixed once,
+  plus the own core's change, so no [N, ...] copy is written per step."""
+  own_start = tree.take(cores, index)
+
+  def loss(trained: AppleTrained, x, y, weights):
+    p = p_start + p_scale * trained.q
+    core = scale_gradient(trained.core, core_scale)
+    mixed = jax.tree.map(lambda m, c, c0: m + p[index] * (c - c0),
+                         personalized_model(p, cores), core, own_start)
+    return trainer.loss(mixed, x, y, weights)
+  return loss
+
+
+def download_choice(relations: jax.Array, downloaded: jax.Array, key: jax.Array,
+                    round_index: jax.Array, num_models: int, rule: str) -> jax.Array:
+  """[N, N] bool: the M other core models each client refreshes (its own excluded)."""
+  num_clients = relations.shape[0]
+  others = ~jnp.eye(num_clients, dtype=bool)
+  gumbel = jax.random.gumbel(key, relations.shape)
+  if rule == "random":
+    score = gumbel
+  else:
+    base = jnp.maximum(DOWNLOAD_THRESHOLD, round_index * num_models / num_clients
+                       * DOWNLOAD_LAMB)
+    # Sampling without replacement with probabilities base^|p_ij| (Gumbel top-M); never
+    # downloaded models rank above all others.
+    weighted = jnp.abs(relations) * jnp.log(base) + gumbel
+    score = jnp.where(downloaded, weighted, 1e6 + gumbel)
+  score = jnp.where(others, score, -jnp.inf)
+  ranks = jnp.argsort(jnp.argsort(-score, axis=1), axis=1)
+  return (ranks < num_models) & others
+
+
+def train_sizes(data: FederatedData) -> jax.Array:
+  """[N] training-set sizes, in client order (traceable: init runs under jit)."""
+  sizes = jnp.zeros((data.num_clients,), jnp.float32)
+  for ids, bucket in zip(data.client_ids, data.buckets):
+    sizes = sizes.at[ids].set(jnp.asarray(bucket.train.n[:len(ids)], jnp.float32))
+  return sizes
+
+
+def apple(config: AppleConfig, trainer: ClientTrainer) -> Algorithm:
+  config = validate(config)
+  scale = float(np.sqrt(config.p_lr_scale))
+
+  def limited(num_clients: int) -> bool:
+    return 0 < config.num_models < num_clients - 1
+
+  def init(context: InitContext) -> AlgorithmState:
+    num_clients = tree.leading_size(context.params)
+    if num_clients < 2:
+      raise ConfigError("apple needs at least 2 clients")
+    init_key, download_key = jax.random.split(context.key)
+    cores = context.params
+    if config.core_init == "independent":
+      cores = tree.random_models(tree.first(context.params), init_key, num_clients)
+    if config.p0 == "sizes":
+      sizes = train_sizes(context.data)
+      p0 = sizes / jnp.sum(sizes)
+    else:
+      p0 = jnp.full((num_clients,), 1.0 / num_clients, jnp.float32)
+    p = jnp.broadcast_to(p0, (num_clients, num_clients))
+    copies = tree.broadcast_to_clients(cores, num_clients) if limited(num_clients) else ()
+    clients = AppleClient(index=jnp.arange(num_clients, dtype=jnp.int32), p=p,
+                          personal=tree.broadcast_to_clients(personalized_model(p0, cores),
+                                                             num_clients),
+                          copies=copies)
+    server = AppleServer(cores=cores, relations=p, p0=p0,
+                         downloaded=jnp.eye(num_clients, dtype=bool),
+                         round=jnp.zeros((), jnp.int32),
+                         key=raw_key(download_key))
+    return AlgorithmState(server=server, clients=clients)
+
+  def broadcast(server: AppleServer, clients: AppleClient):
+    num_clients = clients.p.shape[0]
+    if limited(num_clients):
+      key = jax.random.fold_in(jax.random.wrap_key_data(server.key), server.round)
+      chosen = download_choice(clients.p, server.downloaded, key, server.round,
+                               config.num_models, config.download)
+      fresh = (chosen | jnp.eye(num_clients, dtype=bool)) | (server.round == 0)
+    else:
+      fresh = jnp.ones((num_clients, num_clients), bool)
+    return AppleMessage(cores=tree.broadcast_to_clients(server.cores, num_clients),
+                        fresh=fresh,
+                        p0=jnp.broadcast_to(server.p0, (num_clients, num_clients)),
+                        round=jnp.broadcast_to(server.round, (num_clients,)))
+
+  def client_update(client: AppleClient, message: AppleMessage, data, key):
+    if isinstance(client.copies, tuple):
+      cores = message.cores
+      copies = ()
+    else:
+      cores = jax.tree.map(
+          lambda new, old: jnp.where(
+              message.fresh.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+          message.cores, client.copies)
+      copies = cores
+    own = tree.take(cores, client.index)
+    coef = config.mu * reg_schedule(message.round, config)
+
+    def proximal(trained: AppleTrained):
+      p = client.p + scale * trained.q
+      return coef * jnp.sum(jnp.square(p - message.p0))
+
+    start = AppleTrained(core=own, q=jnp.zeros_like(client.p))
+    trained, stats = trainer.train(
+        start, data.train, key, regularizer=proximal,
+        loss_fn=apple_loss(trainer, cores, client.index, client.p, scale,
+                           config.core_lr_scale))
+    p = client.p + scale * trained.q
+    cores = with_own_core(cores, client.index, trained.core)
+    state = AppleClient(index=client.index, p=p,
+                        personal=personalized_model(p, cores),
+                        copies=copies if isinstance(copies, tuple) else cores)
+    return ClientOutput(state=state, upload=(trained.core, message.fresh), train=stats,
+                        metrics={"p_self": p[client.index], "lambda_mu": coef})
+
+  def aggregate(server: AppleServer, clients: AppleClient, uploads, weights):
+    cores, fresh = uploads
+    sampled = weights > 0
+    # Only the round's sampled clients upload a core model; the others' stay.
+    cores = jax.tree.map(
+        lambda new, old: jnp.where(sampled.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+        cores, server.cores)
+    return AlgorithmState(
+        server=server._replace(cores=cores, relations=clients.p,
+                               downloaded=server.downloaded | (fresh & sampled[:, None]),
+                               round=server.round + 1),
+        clients=clients)
+
+  return Algorithm(name="apple", init=init, broadcast=broadcast,
+                   client_update=client_update, aggregate=aggregate,
+                   personalized_params=lambda server, clients: clients.personal,
+                   artifacts=lambda server: {"directed_relationships": server.relations})

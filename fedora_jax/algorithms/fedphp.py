@@ -1,0 +1,217 @@
+"""FedPHP: each client keeps a historical personalised model (HPM) that inherits the
+models it trained, and distils it into its local training of the global model.
+
+Li, Zhan, Shao, Li, Song. "FedPHP: Federated Personalization with Inherited Private
+Models." ECML PKDD 2021. https://doi.org/10.1007/978-3-030-86486-6_36
+We follow the authors' code, github.com/lxcnju/FedRepo, algorithms/fedphp.py and
+tools.py (mmd_rbf_noaccelerate); differences from PFLlib (TsingZ0/PFLlib clientphp.py)
+are noted.
+
+Client k, when sampled in round t (FedRepo's update_local):
+  1. it trains the received global model w^t with the run's local SGD on
+       (1 - lambda) CE(w; x, y) + lambda R(w, v_k; x),
+     v_k its HPM (a constant here), R the knowledge transfer from v_k to w:
+       "mmd": MMD^2 between the penultimate features h_w(x) and h_v(x) of a batch, with
+              FedRepo's kernel: the sum of 5 Gaussians exp(-||a - b||^2 / s_j),
+              s_j = s 2^(j-2), s the mean squared distance between the 2B pooled
+              features (not differentiated), and the biased estimate
+              mean(K_ww + K_vv - K_wv - K_vw) over the batch;
+       "kd":  -sum_c softmax(z_v / T)_c log softmax(z_w)_c, the cross-entropy of the
+              student's logits to the HPM's softened by T = 4 (FedRepo scales the
+              teacher's logits only);
+  2. it updates its HPM by a moving average of the model it trained:
+       v_k <- mu_k v_k + (1 - mu_k) w_k,    mu_k = min(mu_max * c_k / Q, mu_max),
+     c_k the rounds it took part in before this one, Q (`mu_participations`) the
+     participations over which mu_k ramps up (FedRepo: mu_max 0.9, Q the expected
+     participations c_ratio * max_round, 100 in its runs). The first time, mu_k = 0 and
+     v_k is the model just trained. PFLlib ramps mu with the global round instead,
+     mu = mu_max t / T;
+  3. it uploads w_k; the server averages the uploads (FedAvg, weighted by training-set
+     size over the round's sampled clients).
+The personalised model is the HPM v_k (FedRepo tests the HPM); PFLlib evaluates the
+trained local model w_k, `personal_model="local"`. A client that sits a round out keeps
+its HPM. FedRepo also clips the gradient norm; here the run's optimizer is used as is.
+
+Defaults: mmd with lambda = 0.05, mu_max = 0.9, Q = 100: FedRepo's runs (train_lab.py
+tries KD at 0.05 and MMD at 0.1 and 0.05; PFLlib implements MMD only).
+"""
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fedora_jax import tree
+from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.layers import split_body_head
+from fedora_jax.engine.local_training import ClientTrainer
+from fedora_jax.errors import ConfigError
+
+Params = Any
+
+REGULARIZERS = ("mmd", "kd")
+PERSONAL_MODELS = ("hpm", "local")
+# FedRepo's guassian_kernel: kernel_mul 2, kernel_num 5.
+KERNEL_MUL, KERNEL_NUM = 2.0, 5
+
+
+class FedPhpConfig(NamedTuple):
+  lam: float = 0.05             # (1 - lambda) CE + lambda R
+  reg: str = "mmd"              # R: "mmd" on penultimate features, or "kd" on logits
+  mu_max: float = 0.9           # cap of the HPM's moving-average weight
+  mu_participations: int = 100  # Q: participations over which mu ramps from 0 to mu_max
+  temperature: float = 4.0      # kd: the HPM's logits are divided by T
+  personal_model: str = "hpm"   # evaluated: "hpm" (FedRepo) or "local" (PFLlib)
+
+
+FLAG_HELP = {
+    "lam": "FedPHP: local loss (1 - lambda) CE + lambda R(model, HPM)",
+    "reg": "FedPHP: knowledge transfer R, mmd (MMD of penultimate features) or kd"
+           " (distillation of the HPM's logits)",
+    "mu_max": "FedPHP: largest moving-average weight mu of the HPM update",
+    "mu_participations": "FedPHP: mu = mu_max * (own past participations) / this, capped",
+    "temperature": "FedPHP: kd temperature T of the HPM's logits",
+    "personal_model": "FedPHP: evaluated model, hpm (the authors') or local (the trained"
+                      " local model, PFLlib's)",
+}
+
+
+class FedPhpClient(NamedTuple):
+  hpm: Params            # [K, ...] v_k, the historical personalised model
+  local: Params          # [K, ...] w_k as last trained (personal_model="local"), else ()
+  participations: jax.Array  # [K] int32 rounds the client has taken part in
+
+
+def validate(config: FedPhpConfig) -> FedPhpConfig:
+  if not 0.0 <= config.lam <= 1.0:
+    raise ConfigError(f"fedphp_lam must be in [0, 1], got {config.lam}")
+  if config.reg not in REGULARIZERS:
+    raise ConfigError(f"fedphp_reg must be one of {', '.join(REGULARIZERS)},"
+                      f" got {config.reg!r}")
+  if not 0.0 <= config.mu_max < 1.0:
+    raise ConfigError(f"fedphp_mu_max must be in [0, 1), got {config.mu_max}")
+  if config.mu_participations < 1:
+    raise ConfigError(f"fedphp_mu_participations must be >= 1, got"
+                      f" {config.mu_participations}")
+  if not config.temperature > 0:
+    raise ConfigError(f"fedphp_temperature must be > 0, got {config.temperature}")
+  if config.personal_model not in PERSONAL_MODELS:
+    raise ConfigError(f"fedphp_personal_model must be one of {', '.join(PERSONAL_MODELS)},"
+                      f" got {config.personal_model!r}")
+  return config
+
+
+def head_inputs(apply_fn, head: str):
+  """features(params, x) -> (input of the top layer `head`, model outputs)."""
+  def features(params, x):
+    captured = []
+
+    def record(next_fun, args, kwargs, context):
+      if context.module.name == head and context.method_name == "__call__":
+        captured.append(args[0])
+      return next_fun(*args, **kwargs)
+    with nn.intercept_methods(record):
+      outputs = apply_fn(params, x)
+    return captured[0].reshape(x.shape[0], -1), outputs
+  return features
+
+
+def gaussian_kernels(a: jax.Array, b: jax.Array, bandwidth: jax.Array) -> jax.Array:
+  """[Na, Nb]: sum_j exp(-||a - b||^2 / (bandwidth 2^j)), j over FedRepo's 5 scales."""
+  distances = jnp.sum(jnp.square(a[:, None] - b[None]), axis=-1)
+  scales = bandwidth * KERNEL_MUL ** (jnp.arange(KERNEL_NUM) - KERNEL_NUM // 2)
+  return jnp.sum(jnp.exp(-distances[..., None] / scales), axis=-1)
+
+
+def mmd(source: jax.Array, target: jax.Array, weights: jax.Array) -> jax.Array:
+  """FedRepo's mmd_rbf_noaccelerate over the real samples (weights 1) of a batch."""
+  pooled = jnp.concatenate([source, target])
+  pooled_weights = jnp.concatenate([weights, weights])
+  pair_weights = pooled_weights[:, None] * pooled_weights[None]
+  distances = jnp.sum(jnp.square(pooled[:, None] - pooled[None]), axis=-1)
+  count = jnp.sum(pooled_weights)
+  # The mean squared distance of distinct pooled samples, a constant (torch's .data).
+  bandwidth = jax.lax.stop_gradient(
+      jnp.sum(distances * pair_weights) / jnp.maximum(count * count - count, 1.0))
+  bandwidth = bandwidth + 1e-8
+
+  def block(a, b):
+    pairs = weights[:, None] * weights[None]
+    return jnp.sum(gaussian_kernels(a, b, bandwidth) * pairs)
+  total = block(source, source) + block(target, target) - 2.0 * block(source, target)
+  return total / jnp.maximum(jnp.square(jnp.sum(weights)), 1.0)
+
+
+def distillation(student_logits: jax.Array, teacher_logits: jax.Array, weights: jax.Array,
+                 temperature: float) -> jax.Array:
+  """-sum_c softmax(teacher / T) log softmax(student), averaged over real samples."""
+  soft = jax.nn.softmax(teacher_logits / temperature, axis=-1)
+  per_sample = -jnp.sum(soft * jax.nn.log_softmax(student_logits, axis=-1), axis=-1)
+  return jnp.sum(per_sample * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def php_loss(trainer: ClientTrainer, features, config: FedPhpConfig, hpm: Params):
+  """loss_fn(w, x, y, weights) = (1 - lambda) CE(w) + lambda R(w, HPM)."""
+  def loss(params, x, y, weights):
+    data_loss = trainer.loss(params, x, y, weights)
+    student_features, student_logits = features(params, x)
+    teacher_features, teacher_logits = jax.lax.stop_gradient(features(hpm, x))
+    if config.reg == "mmd":
+      transfer = mmd(student_features, teacher_features, weights)
+    else:
+      transfer = distillation(student_logits, teacher_logits, weights, config.temperature)
+    return (1.0 - config.lam) * data_loss + config.lam * transfer
+  return loss
+
+
+def hpm_weight(participations: jax.Array, config: FedPhpConfig) -> jax.Array:
+  """mu_k = min(mu_max * c_k / Q, mu_max), c_k the client's earlier participations."""
+  return jnp.minimum(config.mu_max * participations / config.mu_participations,
+                     config.mu_max)
+
+
+def update_hpm(hpm: Params, trained: Params, mu: jax.Array) -> Params:
+  """v_k <- mu v_k + (1 - mu) w_k."""
+  return jax.tree.map(lambda v, w: mu * v + (1.0 - mu) * w, hpm, trained)
+
+
+def fedphp(config: FedPhpConfig, trainer: ClientTrainer) -> Algorithm:
+  config = validate(config)
+  if trainer.apply is None:
+    raise ConfigError("fedphp needs the model's forward pass (ClientTrainer.apply)")
+  if config.reg == "kd" and trainer.task != "classification":
+    raise ConfigError("fedphp_reg=kd distils class probabilities; use mmd for regression")
+  keep_local = config.personal_model == "local"
+
+  def init(context: InitContext) -> AlgorithmState:
+    num_clients = tree.leading_size(context.params)
+    split_body_head(tree.first(context.params), 1, "fedphp's head")  # a model with a head
+    return AlgorithmState(server=tree.first(context.params), clients=FedPhpClient(
+        hpm=context.params, local=context.params if keep_local else (),
+        participations=jnp.zeros((num_clients,), jnp.int32)))
+
+  def broadcast(global_params, clients: FedPhpClient):
+    return tree.broadcast_to_clients(global_params, clients.participations.shape[0])
+
+  def client_update(client: FedPhpClient, global_params, data, key):
+    head = split_body_head(global_params, 1, "fedphp's head")[1][0]
+    loss_fn = php_loss(trainer, head_inputs(trainer.apply, head), config, client.hpm)
+    trained, stats = trainer.train(global_params, data.train, key, loss_fn=loss_fn)
+    mu = hpm_weight(client.participations, config)
+    state = FedPhpClient(hpm=update_hpm(client.hpm, trained, mu),
+                         local=trained if keep_local else (),
+                         participations=client.participations + 1)
+    return ClientOutput(state=state, upload=trained, train=stats, metrics={"hpm_mu": mu})
+
+  def aggregate(server, clients, uploads, weights):
+    del server
+    return AlgorithmState(server=tree.weighted_mean(uploads, weights), clients=clients)
+
+  def personalized_params(server, clients: FedPhpClient):
+    del server
+    return clients.local if keep_local else clients.hpm
+
+  return Algorithm(name="fedphp", init=init, broadcast=broadcast,
+                   client_update=client_update, aggregate=aggregate,
+                   personalized_params=personalized_params)
