@@ -18,6 +18,7 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import coaching, confree, fedala, fedrep, fedrod
+from fedora_jax.algorithms import fedavg_c, fedprox_c
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -37,6 +38,8 @@ REGISTRY: dict[str, Registered] = {
     "fedavg_ft": Registered(fedavg_ft.FedAvgFTConfig, fedavg_ft.fedavg_ft),
     "fedprox_ft": Registered(fedprox_ft.FedProxFTConfig, fedprox_ft.fedprox_ft,
                              fedprox_ft.FLAG_HELP),
+    "fedavg_c": Registered(fedavg_c.FedAvgCConfig, fedavg_c.fedavg_c, fedavg_c.FLAG_HELP),
+    "fedprox_c": Registered(fedprox_c.FedProxCConfig, fedprox_c.fedprox_c, fedprox_c.FLAG_HELP),
     "ditto": Registered(ditto.DittoConfig, ditto.ditto, ditto.FLAG_HELP),
     "apfl": Registered(apfl.ApflConfig, apfl.apfl, apfl.FLAG_HELP),
     "lg_fedavg": Registered(lg_fedavg.LgFedAvgConfig, lg_fedavg.lg_fedavg, lg_fedavg.FLAG_HELP),
