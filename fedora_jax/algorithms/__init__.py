@@ -18,7 +18,7 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import coaching, confree, fedala, fedrep, fedrod
-from fedora_jax.algorithms import fedavg_c, fedprox_c
+from fedora_jax.algorithms import fedavg_c, fedprox_c, partialfed
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -79,6 +79,8 @@ REGISTRY: dict[str, Registered] = {
                            coaching.FLAG_NAMES),
     "fedrep": Registered(fedrep.FedRepConfig, fedrep.fedrep, fedrep.FLAG_HELP),
     "fedrod": Registered(fedrod.FedRodConfig, fedrod.fedrod, fedrod.FLAG_HELP),
+    "partialfed": Registered(partialfed.PartialFedConfig, partialfed.partialfed,
+                             partialfed.FLAG_HELP),
 }
 
 
