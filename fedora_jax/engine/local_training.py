@@ -67,6 +67,12 @@ def _masked_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
   return jnp.sum(values * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
+def masked_cross_entropy(logits: jax.Array, y: jax.Array, weights: jax.Array) -> jax.Array:
+  """Softmax cross-entropy averaged over the real samples (weights 1; padding 0): the
+  classification loss, for algorithms that compute their own logits."""
+  return _masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weights)
+
+
 def epoch_batches(key: jax.Array, mask: jax.Array, n: jax.Array, batch_size: int,
                   num_batches: int) -> tuple[jax.Array, jax.Array]:
   """One shuffled epoch: sample indices [num_batches, B] and their weights (1 real, 0 pad)."""
