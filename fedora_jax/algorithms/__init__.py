@@ -18,7 +18,7 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import coaching, confree, fedala, fedrep, fedrod
-from fedora_jax.algorithms import fedavg_c, fedpac, fedprox_c, partialfed
+from fedora_jax.algorithms import fedavg_c, fedcp, fedpac, fedprox_c, partialfed
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -82,6 +82,7 @@ REGISTRY: dict[str, Registered] = {
     "partialfed": Registered(partialfed.PartialFedConfig, partialfed.partialfed,
                              partialfed.FLAG_HELP),
     "fedpac": Registered(fedpac.FedPacConfig, fedpac.fedpac, fedpac.FLAG_HELP),
+    "fedcp": Registered(fedcp.FedCpConfig, fedcp.fedcp, fedcp.FLAG_HELP),
 }
 
 
