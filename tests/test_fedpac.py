@@ -96,7 +96,7 @@ def test_client_step_trains_the_head_then_the_body_towards_the_prototypes():
   protos = jnp.arange(15.0).reshape(3, 5) / 10.0
   has_proto = jnp.array([True, False, True])         # class 1: the local prototype
   server = fedpac.FedPacServer(body={"params": {"Dense_0": params["params"]["Dense_0"]}},
-                               protos=protos, has_proto=has_proto)
+                               protos=protos, has_proto=has_proto, combination=())
   splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
   head = {"params": {"Dense_1": params["params"]["Dense_1"]}}
   out = jax.jit(algorithm.client_update)(head, server, splits, jax.random.key(0))
@@ -149,6 +149,8 @@ def test_server_step_averages_sampled_clients_and_mixes_their_heads():
                              np.full((4, 5), 1.75))
   np.testing.assert_allclose(state.server.protos, [[8 / 3], [3.0]])
   np.testing.assert_array_equal(state.server.has_proto, [True, True])
+  np.testing.assert_allclose(state.server.combination,
+                             [[2 / 3, 1 / 3, 0], [1 / 3, 2 / 3, 0], [0, 0, 0]], atol=1e-5)
   # Heads: alpha = (2/3, 1/3) and (1/3, 2/3) (see the closed-form test); client 2 keeps its.
   np.testing.assert_allclose(state.clients["params"]["Dense_1"]["bias"][:, 0],
                              [2 / 3 + 1, 1 / 3 + 2, 30.0], atol=1e-4)

@@ -38,7 +38,8 @@ Server:
      clients at once: with G = [<h_j, h_l>], the objective is
      alpha^T (diag(V) + G) alpha - 2 G_i . alpha + G_ii on the simplex. Weights below
      `min_weight` are zeroed and the rest renormalised (the authors' eps = 1e-3).
-     Clients that sat the round out keep their heads.
+     Clients that sat the round out keep their heads. The last round's weights are
+     saved with the results (combination_weights.npy).
 Evaluation: the latest global body under the client's head (the authors' accuracy
 "before local training", after the server step).
 
@@ -89,6 +90,7 @@ class FedPacServer(NamedTuple):
   body: Params            # the global feature extractor {"params": {body layers}}
   protos: jax.Array       # [C, d] global class prototypes c_k
   has_proto: jax.Array    # [C] bool: some sampled client held class k last round
+  combination: jax.Array  # [K, K] the last round's alpha (rows of unsampled clients: 0)
 
 
 class FeatureSums(NamedTuple):
@@ -225,13 +227,16 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
     first = tree.first(context.params)
     body_names, head = parts(first)
     dim, num_classes = first["params"][head]["kernel"].shape
+    num_clients = tree.leading_size(context.params)
     server = FedPacServer(body=take_layers(first, body_names),
                           protos=jnp.zeros((num_classes, dim), jnp.float32),
-                          has_proto=jnp.zeros((num_classes,), bool))
+                          has_proto=jnp.zeros((num_classes,), bool),
+                          combination=jnp.zeros((num_clients, num_clients), jnp.float32))
     return AlgorithmState(server=server, clients=take_layers(context.params, [head]))
 
   def broadcast(server: FedPacServer, heads):
-    return tree.broadcast_to_clients(server, tree.leading_size(heads))
+    return tree.broadcast_to_clients(server._replace(combination=()),
+                                     tree.leading_size(heads))
 
   def client_update(head_params, server: FedPacServer, data, key):
     params = merge_layers(server.body, head_params)
@@ -271,7 +276,8 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
         lambda m, old: jnp.where(members.reshape((-1,) + (1,) * (old.ndim - 1)), m, old),
         mixed, heads)
     server = FedPacServer(body=tree.weighted_mean(uploads.body, weights), protos=protos,
-                          has_proto=has_proto)
+                          has_proto=has_proto,
+                          combination=jnp.where(members[:, None], alpha, 0.0))
     return AlgorithmState(server=server, clients=new_heads)
 
   def personalized_params(server: FedPacServer, heads):
@@ -280,4 +286,5 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="fedpac", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params)
+                   personalized_params=personalized_params,
+                   artifacts=lambda server: {"combination_weights": server.combination})
