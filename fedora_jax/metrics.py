@@ -37,10 +37,10 @@ def summarize(acc: np.ndarray, local_acc: np.ndarray | None) -> Summary:
                  ptr=float(np.mean(acc >= np.asarray(local_acc, np.float64))))
 
 
-def best_validation_round(val_acc: np.ndarray, lower_is_better: bool = False) -> int:
+def best_validation_round(val_score: np.ndarray, lower_is_better: bool = False) -> int:
   """Index of the round with the highest mean validation accuracy (the first, on ties);
   with `lower_is_better` (a regression's MAE), the lowest."""
-  means = np.asarray(val_acc).mean(axis=1)
+  means = np.asarray(val_score).mean(axis=1)
   return int(np.argmin(means) if lower_is_better else np.argmax(means))
 
 

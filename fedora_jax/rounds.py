@@ -40,10 +40,14 @@ def client_keys(round_key: jax.Array, num_clients: int) -> jax.Array:
 
 
 def evaluate_clients(trainer: ClientTrainer, params: Any, data: FederatedData,
-                     buckets: tuple[ClientSplits, ...], client_chunk: int | None = None):
-  """Validation and test (loss, score) of each client's model, all [K]."""
+                     buckets: tuple[ClientSplits, ...], client_chunk: int | None = None,
+                     evaluate=None):
+  """Validation and test (loss, score) of each client's model, all [K]; `evaluate`
+  (an Algorithm's own, if it has one) in place of trainer.evaluate."""
+  evaluate = trainer.evaluate if evaluate is None else evaluate
+
   def evaluate_one(params_k, splits: ClientSplits):
-    return trainer.evaluate(params_k, splits.val), trainer.evaluate(params_k, splits.test)
+    return evaluate(params_k, splits.val), evaluate(params_k, splits.test)
   return map_over_buckets(evaluate_one, (params,), buckets, data.client_ids,
                           data.num_clients, client_chunk)
 
@@ -124,7 +128,8 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
                              num_clients, client_chunk)
     new_state = algorithm.aggregate(server, out.state, out.upload, weights)
     evaluated = algorithm.personalized_params(new_state.server, new_state.clients)
-    val, test = evaluate_clients(trainer, evaluated, layout, data, client_chunk)
+    val, test = evaluate_clients(trainer, evaluated, layout, data, client_chunk,
+                                 algorithm.evaluate)
     metrics = RoundMetrics(
         train_loss=out.train.loss, local_steps=out.train.steps,
         val_loss=val.loss, val_score=val.score, test_loss=test.loss,

@@ -114,7 +114,7 @@ def test_unsampled_clients_keep_their_core_model():
 
 
 def test_bad_settings_are_refused():
-  with pytest.raises(ConfigError, match="apple_schedule"):
+  with pytest.raises(ConfigError, match="apple: schedule"):
     apple.apple(apple.AppleConfig(schedule="linear"), tiny_trainer(tiny_model()))
-  with pytest.raises(ConfigError, match="apple_num_models"):
+  with pytest.raises(ConfigError, match="apple: num_models"):
     apple.apple(apple.AppleConfig(num_models=-1), tiny_trainer(tiny_model()))

@@ -101,7 +101,7 @@ def test_lambda_zero_trains_plain_cross_entropy():
 
 
 def test_bad_settings_are_refused():
-  with pytest.raises(ConfigError, match="fedphp_reg"):
+  with pytest.raises(ConfigError, match="fedphp: reg"):
     fedphp.fedphp(fedphp.FedPhpConfig(reg="l2"), tiny_trainer(tiny_model()))
-  with pytest.raises(ConfigError, match="fedphp_mu_max"):
+  with pytest.raises(ConfigError, match="fedphp: mu_max"):
     fedphp.fedphp(fedphp.FedPhpConfig(mu_max=1.0), tiny_trainer(tiny_model()))

@@ -12,7 +12,7 @@ import pytest
 from conftest import SHARED_DATA
 from fedora_jax.data import datasets, sources
 from fedora_jax.data.partitions import PartitionConfig, make_partition
-from fedora_jax.errors import ConfigError, DataError
+from fedora_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FASHION = os.path.join(SHARED_DATA, "fashion-mnist")

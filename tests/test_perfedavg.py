@@ -114,5 +114,5 @@ def test_server_averages_only_the_sampled_uploads():
 
 
 def test_bad_variant_is_refused():
-  with pytest.raises(ConfigError, match="perfedavg_variant"):
+  with pytest.raises(ConfigError, match="perfedavg: variant"):
     perfedavg.perfedavg(perfedavg.PerFedAvgConfig(variant="so"), tiny_trainer(tiny_model()))

@@ -96,7 +96,7 @@ def test_server_mixes_the_sampled_mean_with_beta():
 
 
 def test_bad_settings_are_refused():
-  with pytest.raises(ConfigError, match="pfedme_k"):
+  with pytest.raises(ConfigError, match="pfedme: k"):
     pfedme.pfedme(pfedme.PfedmeConfig(k=0), tiny_trainer(tiny_model()))
-  with pytest.raises(ConfigError, match="pfedme_personal_model"):
+  with pytest.raises(ConfigError, match="pfedme: personal_model"):
     pfedme.pfedme(pfedme.PfedmeConfig(personal_model="w"), tiny_trainer(tiny_model()))

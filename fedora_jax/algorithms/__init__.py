@@ -20,6 +20,7 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import coaching, confree, fedala, fedrep, fedrod
 from fedora_jax.algorithms import apple, fedphp, perfedavg, pfedme
+from fedora_jax.algorithms import fedavg_c, fedcp, fedpac, fedprox_c, partialfed
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -47,6 +48,8 @@ REGISTRY: dict[str, Registered] = {
     "fedavg_ft": Registered(fedavg_ft.FedAvgFTConfig, fedavg_ft.fedavg_ft),
     "fedprox_ft": Registered(fedprox_ft.FedProxFTConfig, fedprox_ft.fedprox_ft,
                              fedprox_ft.FLAG_HELP),
+    "fedavg_c": Registered(fedavg_c.FedAvgCConfig, fedavg_c.fedavg_c, fedavg_c.FLAG_HELP),
+    "fedprox_c": Registered(fedprox_c.FedProxCConfig, fedprox_c.fedprox_c, fedprox_c.FLAG_HELP),
     "ditto": Registered(ditto.DittoConfig, ditto.ditto, ditto.FLAG_HELP),
     "apfl": Registered(apfl.ApflConfig, apfl.apfl, apfl.FLAG_HELP),
     "lg_fedavg": Registered(lg_fedavg.LgFedAvgConfig, lg_fedavg.lg_fedavg, lg_fedavg.FLAG_HELP),
@@ -91,6 +94,10 @@ REGISTRY: dict[str, Registered] = {
     "pfedme": Registered(pfedme.PfedmeConfig, pfedme.pfedme, pfedme.FLAG_HELP),
     "fedphp": Registered(fedphp.FedPhpConfig, fedphp.fedphp, fedphp.FLAG_HELP),
     "apple": Registered(apple.AppleConfig, apple.apple, apple.FLAG_HELP),
+    "partialfed": Registered(partialfed.PartialFedConfig, partialfed.partialfed,
+                             partialfed.FLAG_HELP),
+    "fedpac": Registered(fedpac.FedPacConfig, fedpac.fedpac, fedpac.FLAG_HELP),
+    "fedcp": Registered(fedcp.FedCpConfig, fedcp.fedcp, fedcp.FLAG_HELP),
 }
 
 

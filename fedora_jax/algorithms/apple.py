@@ -64,7 +64,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.fedfomo import raw_key
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 
@@ -138,18 +138,20 @@ class AppleTrained(NamedTuple):
 
 def validate(config: AppleConfig) -> AppleConfig:
   if config.mu < 0:
-    raise ConfigError(f"apple_mu must be >= 0, got {config.mu}")
+    raise FieldError("apple", "mu", f"must be >= 0, got {config.mu}")
   if config.reg_rounds < 1:
-    raise ConfigError(f"apple_reg_rounds must be >= 1, got {config.reg_rounds}")
-  if config.p_lr_scale < 0 or config.core_lr_scale < 0:
-    raise ConfigError("apple_p_lr_scale and apple_core_lr_scale must be >= 0")
+    raise FieldError("apple", "reg_rounds", f"must be >= 1, got {config.reg_rounds}")
+  if config.p_lr_scale < 0:
+    raise FieldError("apple", "p_lr_scale", f"must be >= 0, got {config.p_lr_scale}")
+  if config.core_lr_scale < 0:
+    raise FieldError("apple", "core_lr_scale", f"must be >= 0, got {config.core_lr_scale}")
   if config.num_models < 0:
-    raise ConfigError(f"apple_num_models must be >= 0, got {config.num_models}")
+    raise FieldError("apple", "num_models", f"must be >= 0, got {config.num_models}")
   for field, allowed in (("schedule", SCHEDULES), ("p0", P0S), ("download", DOWNLOADS),
                          ("core_init", CORE_INITS)):
     if getattr(config, field) not in allowed:
-      raise ConfigError(f"apple_{field} must be one of {', '.join(allowed)},"
-                        f" got {getattr(config, field)!r}")
+      raise FieldError("apple", field, f"must be one of {', '.join(allowed)},"
+                                       f" got {getattr(config, field)!r}")
   return config
 
 

@@ -8,6 +8,7 @@ carry a leading client axis [K, ...]. A round is
                                                                  # the engine vmaps it
   server, clients = aggregate(server, clients, uploads, weights)   # server side, stacked
   evaluated = personalized_params(server, clients)          # [K, ...] model each client uses
+                                                            # (scored by `evaluate` if set)
 
 Algorithm files never loop over clients and never call `jit`; the engine does both
 (vmapping `client_update` over each size bucket, jitting the whole round once).
@@ -17,8 +18,8 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
-from fedora_jax.data.client_data import ClientSplits, FederatedData
-from fedora_jax.engine.local_training import ClientTrainer, TrainStats
+from fedora_jax.data.client_data import ClientData, ClientSplits, FederatedData
+from fedora_jax.engine.local_training import ClientTrainer, EvalStats, TrainStats
 
 Params = Any
 PyTree = Any
@@ -54,6 +55,10 @@ class Algorithm(NamedTuple):
   personalized_params: Callable[[PyTree, PyTree], Params]
   # Extra arrays worth saving with the results (e.g. FEDORA's similarity matrix).
   artifacts: Callable[[PyTree], dict[str, jax.Array]] = lambda server: {}
+  # One client's evaluation of what personalized_params returns, where that is more than
+  # a model of the run (FedCP's gated heads; built with trainer.evaluate_with).
+  # None: trainer.evaluate.
+  evaluate: Callable[[PyTree, ClientData], EvalStats] | None = None
 
 
 def no_broadcast(server, clients):

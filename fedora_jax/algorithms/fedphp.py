@@ -46,7 +46,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import split_body_head
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 
@@ -85,20 +85,20 @@ class FedPhpClient(NamedTuple):
 
 def validate(config: FedPhpConfig) -> FedPhpConfig:
   if not 0.0 <= config.lam <= 1.0:
-    raise ConfigError(f"fedphp_lam must be in [0, 1], got {config.lam}")
+    raise FieldError("fedphp", "lam", f"must be in [0, 1], got {config.lam}")
   if config.reg not in REGULARIZERS:
-    raise ConfigError(f"fedphp_reg must be one of {', '.join(REGULARIZERS)},"
-                      f" got {config.reg!r}")
+    raise FieldError("fedphp", "reg", f"must be one of {', '.join(REGULARIZERS)},"
+                                      f" got {config.reg!r}")
   if not 0.0 <= config.mu_max < 1.0:
-    raise ConfigError(f"fedphp_mu_max must be in [0, 1), got {config.mu_max}")
+    raise FieldError("fedphp", "mu_max", f"must be in [0, 1), got {config.mu_max}")
   if config.mu_participations < 1:
-    raise ConfigError(f"fedphp_mu_participations must be >= 1, got"
-                      f" {config.mu_participations}")
+    raise FieldError("fedphp", "mu_participations", f"must be >= 1, got"
+                                                    f" {config.mu_participations}")
   if not config.temperature > 0:
-    raise ConfigError(f"fedphp_temperature must be > 0, got {config.temperature}")
+    raise FieldError("fedphp", "temperature", f"must be > 0, got {config.temperature}")
   if config.personal_model not in PERSONAL_MODELS:
-    raise ConfigError(f"fedphp_personal_model must be one of {', '.join(PERSONAL_MODELS)},"
-                      f" got {config.personal_model!r}")
+    raise FieldError("fedphp", "personal_model", f"must be one of {', '.join(PERSONAL_MODELS)},"
+                                                 f" got {config.personal_model!r}")
   return config
 
 

@@ -72,11 +72,14 @@ class PhasedParams(NamedTuple):
 
 
 def alternating_train(trainer: ClientTrainer, params: Params, first: list[str],
-                      first_steps: jax.Array, data, key: jax.Array):
-  """Trains only the layers `first` for `first_steps` steps, then only the others.
+                      first_steps: jax.Array, data, key: jax.Array, loss_fn=None):
+  """Trains only the layers `first` for `first_steps` steps, then only the others, on
+  `loss_fn(params, x, y, weights)` (default: the model's own loss).
 
   Returns (params, stats). One pass of the trainer's local SGD.
   """
+  model_loss = trainer.loss if loss_fn is None else loss_fn
+
   def trains_first(step):
     return step < first_steps
 
@@ -88,8 +91,8 @@ def alternating_train(trainer: ClientTrainer, params: Params, first: list[str],
       return jax.tree.map(lambda a: jnp.where(frozen, jax.lax.stop_gradient(a), a), layer)
     return {"params": {n: freeze(n, layer) for n, layer in p.params["params"].items()}}
 
-  def loss_fn(p: PhasedParams, x, y, weights):
-    return trainer.loss(phase_params(p), x, y, weights)
+  def phased_loss(p: PhasedParams, x, y, weights):
+    return model_loss(phase_params(p), x, y, weights)
 
   def post_step(new: PhasedParams, old: PhasedParams) -> PhasedParams:
     in_first = trains_first(old.step)
@@ -102,7 +105,7 @@ def alternating_train(trainer: ClientTrainer, params: Params, first: list[str],
     return PhasedParams(params=params, step=old.step + 1.0)
 
   start = PhasedParams(params=params, step=jnp.zeros((), jnp.float32))
-  trained, stats = trainer.train(start, data, key, post_step=post_step, loss_fn=loss_fn)
+  trained, stats = trainer.train(start, data, key, post_step=post_step, loss_fn=phased_loss)
   return trained.params, stats
 
 

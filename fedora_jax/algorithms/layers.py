@@ -14,11 +14,18 @@ In a partial-sharing method the server holds only the shared layers; each client
 its whole model in the stacked client state, trains it after overwriting its shared
 layers with the global ones, uploads its shared layers, and is evaluated with the
 latest global shared layers and its own personal ones.
+
+Methods that work on the features under the head (FedCP's policy, FedPAC's prototypes)
+read them with `forward_with_features`: the model's own forward, with the input of its
+head layer recorded on the way (flax method interception), and apply heads of their own
+to them with `affine_head`.
 """
 
 import re
 from typing import Any, Callable
 
+import flax.linen as nn
+import jax
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
@@ -86,6 +93,41 @@ def all_but_top_layers(count: int, role: str) -> SelectShared:
     _check_count(count, names, role)
     return names[:len(names) - count]
   return select
+
+
+def head_layer(params: Params, role: str) -> str:
+  """The model's top layer, which must be affine with a bias (a Dense classifier)."""
+  head = split_body_head(params, 1, role)[1][0]
+  if sorted(params["params"][head]) != ["bias", "kernel"]:
+    raise ConfigError(f"{role} needs an affine head layer (kernel and bias); {head} has"
+                      f" {sorted(params['params'][head])}")
+  return head
+
+
+def forward_with_features(apply_fn: Callable, params: Params, head: str,
+                          x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(outputs [B, C], features [B, d]): apply_fn(params, x) and the input its layer
+  `head` receives, i.e. the representation under the head. `apply_fn` is a flax module's
+  apply (every registered model's); XLA drops whichever of the two goes unused."""
+  seen = []
+
+  def record_head_input(next_fun, args, kwargs, context):
+    scope = context.module.scope
+    if (context.method_name == "__call__" and scope is not None
+        and tuple(scope.path) == (head,)):
+      seen.append(args[0])
+    return next_fun(*args, **kwargs)
+  with nn.intercept_methods(record_head_input):
+    outputs = apply_fn(params, x)
+  if len(seen) != 1:
+    raise ConfigError(f"the model's forward called its head layer {head} {len(seen)} times;"
+                      " reading its features needs a flax model that calls it once")
+  return outputs, seen[0]
+
+
+def affine_head(head_params: Params, features: jax.Array) -> jax.Array:
+  """[B, C] = features @ kernel + bias: a Dense head (its layer's parameters) on features."""
+  return features @ head_params["kernel"] + head_params["bias"]
 
 
 def take_layers(params: Params, names: list[str]) -> Params:

@@ -59,7 +59,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine.local_training import ClientTrainer, TrainStats, epoch_batches
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 Params = Any
 
@@ -81,11 +81,13 @@ FLAG_HELP = {
 
 
 def validate(config: PerFedAvgConfig) -> PerFedAvgConfig:
-  if config.alpha < 0 or config.beta < 0:
-    raise ConfigError("perfedavg_alpha and perfedavg_beta must be >= 0")
+  if config.alpha < 0:
+    raise FieldError("perfedavg", "alpha", f"must be >= 0, got {config.alpha}")
+  if config.beta < 0:
+    raise FieldError("perfedavg", "beta", f"must be >= 0, got {config.beta}")
   if config.variant not in VARIANTS:
-    raise ConfigError(f"perfedavg_variant must be one of {', '.join(VARIANTS)},"
-                      f" got {config.variant!r}")
+    raise FieldError("perfedavg", "variant", f"must be one of {', '.join(VARIANTS)},"
+                                             f" got {config.variant!r}")
   return config
 
 

@@ -54,7 +54,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine.local_training import ClientTrainer, TrainStats, epoch_batches
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 
@@ -93,12 +93,12 @@ def validate(config: PfedmeConfig) -> PfedmeConfig:
     raise ConfigError("pfedme_lam, pfedme_personal_lr, pfedme_eta and pfedme_theta_l2"
                       " must be >= 0")
   if config.k < 1:
-    raise ConfigError(f"pfedme_k must be >= 1, got {config.k}")
+    raise FieldError("pfedme", "k", f"must be >= 1, got {config.k}")
   if config.beta < 0:  # beta > 1 extrapolates (the paper runs beta = 2 and 4)
-    raise ConfigError(f"pfedme_beta must be >= 0, got {config.beta}")
+    raise FieldError("pfedme", "beta", f"must be >= 0, got {config.beta}")
   if config.personal_model not in PERSONAL_MODELS:
-    raise ConfigError(f"pfedme_personal_model must be one of {', '.join(PERSONAL_MODELS)},"
-                      f" got {config.personal_model!r}")
+    raise FieldError("pfedme", "personal_model", f"must be one of {', '.join(PERSONAL_MODELS)},"
+                                                 f" got {config.personal_model!r}")
   return config
 
 

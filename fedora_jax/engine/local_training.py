@@ -11,6 +11,7 @@ and scores accuracy (higher is better); regression (one model output, float targ
 trains on squared error and scores the mean absolute error (lower is better).
 """
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -53,13 +54,23 @@ class ClientTrainer(NamedTuple):
   steps_per_epoch: Callable[[int], int]
   task: str = "classification"
   epochs: int = 1  # local epochs per call of `train`
-  # apply(params, x) -> the model's outputs (logits): for losses on the outputs or on
-  # intermediate features (FedPHP's distillation towards another model).
+  # The model's forward `apply(params, x) -> outputs`, for algorithms that read inside it
+  # (the features under the head: layers.head_input).
   apply: Callable[[Params, jax.Array], jax.Array] | None = None
+  # evaluate_with(forward) -> `evaluate` for another forward(model, x) -> outputs, with the
+  # same batching and metrics (FedCP: a personalized model that is more than the run's model).
+  evaluate_with: Callable[[Callable[[Any, jax.Array], jax.Array]],
+                          Callable[[Any, ClientData], EvalStats]] | None = None
 
 
 def _masked_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
   return jnp.sum(values * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def masked_cross_entropy(logits: jax.Array, y: jax.Array, weights: jax.Array) -> jax.Array:
+  """Softmax cross-entropy averaged over the real samples (weights 1; padding 0): the
+  classification loss, for algorithms that compute their own logits."""
+  return _masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weights)
 
 
 def epoch_batches(key: jax.Array, mask: jax.Array, n: jax.Array, batch_size: int,
@@ -146,7 +157,11 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
                        steps=jnp.sum(active).astype(jnp.int32))
     return params, stats
 
-  def evaluate(params, data: ClientData) -> EvalStats:
+  def evaluate_with(forward):
+    """`evaluate` of the models that `forward(model, x) -> outputs` runs."""
+    return functools.partial(_evaluate, forward)
+
+  def _evaluate(forward, params, data: ClientData) -> EvalStats:
     data = jax.tree.map(jnp.asarray, data)
     size = data.mask.shape[0]
     chunk = min(size, eval_batch_size)
@@ -160,7 +175,7 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
 
     def chunk_sums(_, batch):
       xb, yb, mb = batch
-      logits = apply_fn(params, xb)
+      logits = forward(params, xb)
       ce = per_sample_loss(logits, yb)
       correct = per_sample_score(logits, yb)
       weight = mb.astype(jnp.float32)
@@ -173,9 +188,9 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     count = jnp.maximum(data.n.astype(jnp.float32), 1.0)
     return EvalStats(loss=jnp.sum(ce_sums) / count, score=jnp.sum(correct_sums) / count)
 
-  return ClientTrainer(loss=loss, train=train, evaluate=evaluate,
+  return ClientTrainer(loss=loss, train=train, evaluate=evaluate_with(apply_fn),
                        steps_per_epoch=steps_per_epoch, task=task, epochs=epochs,
-                       apply=apply_fn)
+                       apply=apply_fn, evaluate_with=evaluate_with)
 
 
 def make_optimizer(lr: float, momentum: float = 0.9,

@@ -1,0 +1,291 @@
+"""FedPAC: a shared feature extractor aligned to global class prototypes, and per-client
+classifier heads combined across clients with weights from a small quadratic program.
+
+Xu, Tong, Huang. "Personalized Federated Learning with Feature Alignment and Classifier
+Collaboration." ICLR 2023. https://arxiv.org/abs/2306.11867
+(code: github.com/JianXu95/FedPAC, methods/fedpac.py, running.py, tools.py; also
+TsingZ0/PFLlib clientpac.py / serverpac.py)
+
+Client i's model is the global body f (every layer below the head) under its own affine
+head g_i (the top layer), z = f(x) its features. A round, for the sampled clients:
+
+1. Statistics (before training, with the received body; authors' statistics_extraction):
+   with n_i training samples, n_ik of class k, p_ik = n_ik / n_i, mu_ik the class-k mean
+   of z,
+       h_i[k] = p_ik mu_ik                               [C, d]
+       V_i    = ( (1/n_i) sum_s ||z_s||^2 - sum_k ||h_i[k]||^2 ) / n_i
+   (the code's  sum_k p_k tr(F_k^T F_k / n_k) - p_k^2 ||mu_k||^2, divided by n_i).
+2. Local training (the paper's two-stage update, authors' local_training): the head
+   alone (body frozen) for `head_epochs` epochs on the cross-entropy, then the body
+   alone (head frozen) for the remaining epochs on
+       CE(g_i(f(x)), y) + lambda * MSE(f(x), c_y),
+   c_y the global prototype of class y (the local pre-training prototype mu_iy where no
+   sampled client held class y in the last round); no alignment before the first
+   global prototypes exist (the authors' round 0).
+3. Upload: the body, the head, the per-class feature sums and counts of the trained
+   model (its local prototypes), and (V_i, h_i) from step 1.
+Server:
+   * body: FedAvg of the sampled bodies (weights n_i);
+   * prototypes: c_k = sum_i n_ik mu_ik / sum_i n_ik over the sampled clients
+     (tools.protos_aggregation, weighted by class counts);
+   * classifier collaboration (the paper's bias-variance objective, tools.
+     get_head_agg_weight): for each sampled client i, over the sampled clients j,
+         alpha_i = argmin_{alpha in simplex}  sum_j alpha_j^2 V_j + || sum_j alpha_j (h_i - h_j) ||^2
+                 = argmin  alpha^T (diag(V) + D^i) alpha,  D^i_jl = <h_i - h_j, h_i - h_l>,
+     and g_i <- sum_j alpha_ij g_j (the trained heads). The authors solve it with cvxpy;
+     here by accelerated projected gradient (FISTA, `qp_steps` iterations, step 1 / L
+     with L from power iteration) on the simplex restricted to the sampled clients, all
+     clients at once: with G = [<h_j, h_l>], the objective is
+     alpha^T (diag(V) + G) alpha - 2 G_i . alpha + G_ii on the simplex. Weights below
+     `min_weight` are zeroed and the rest renormalised (the authors' eps = 1e-3).
+     Clients that sat the round out keep their heads. The last round's weights are
+     saved with the results (combination_weights.npy).
+Evaluation: the latest global body under the client's head (the authors' accuracy
+"before local training", after the server step).
+
+Departures: the authors train the head with lr 0.1 and the body with the run's lr
+(0.01), both SGD with momentum 0.5 and weight decay 5e-4; here both phases use the run's
+local optimizer. Their epochs are 1 (head) + E (body); here the head's `head_epochs`
+come out of the run's --local_epochs, as for FedRep. Equation numbers are not given: the
+paper's full text is not on disk; the equations above are the authors' code's.
+Defaults: lambda = 1 (authors' --lam), head_epochs = 1 (their epoch_classifier).
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedora_jax import tree
+from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.fedrep import alternating_train, batch_size_of
+from fedora_jax.algorithms.layers import (forward_with_features, head_layer, merge_layers,
+                                          split_body_head, take_layers)
+from fedora_jax.data.client_data import ClientData
+from fedora_jax.engine.local_training import ClientTrainer, masked_cross_entropy
+from fedora_jax.errors import ConfigError, FieldError
+
+Params = Any
+
+
+class FedPacConfig(NamedTuple):
+  lam: float = 1.0          # feature-alignment weight lambda (authors' --lam)
+  head_epochs: int = 1      # epochs of head training (body frozen) before the body's
+  qp_steps: int = 500       # FISTA iterations of the classifier-combination QP
+  min_weight: float = 1e-3  # combination weights below this are zeroed (authors' eps)
+
+
+FLAG_HELP = {
+    "lam": "FedPAC: weight lambda of the feature alignment MSE(f(x), c_y)",
+    "head_epochs": "FedPAC: local epochs training the head (body frozen) before the body"
+                   " trains with the alignment term for the remaining epochs",
+    "qp_steps": "FedPAC: projected-gradient (FISTA) iterations of each client's"
+                " classifier-combination quadratic program",
+    "min_weight": "FedPAC: combination weights below this are zeroed, the rest"
+                  " renormalised",
+}
+
+
+class FedPacServer(NamedTuple):
+  body: Params            # the global feature extractor {"params": {body layers}}
+  protos: jax.Array       # [C, d] global class prototypes c_k
+  has_proto: jax.Array    # [C] bool: some sampled client held class k last round
+  combination: jax.Array  # [K, K] the last round's alpha (rows of unsampled clients: 0)
+
+
+class FeatureSums(NamedTuple):
+  """One client's class-wise feature statistics over its training split."""
+  counts: jax.Array       # [C] n_k
+  sums: jax.Array         # [C, d] sum of z over class k
+  sq_norms: jax.Array     # [] sum_s ||z_s||^2
+
+
+class FedPacUpload(NamedTuple):
+  body: Params
+  head: Params            # {"params": {head: ...}}, the trained head
+  proto_sums: jax.Array   # [C, d] class feature sums of the trained model
+  counts: jax.Array       # [C] n_ik
+  variance: jax.Array     # [] V_i (before training)
+  bias: jax.Array         # [C, d] h_i (before training)
+
+
+def validate(config: FedPacConfig, trainer: ClientTrainer) -> FedPacConfig:
+  if config.lam < 0:
+    raise FieldError("fedpac", "lam", f"must be >= 0, got {config.lam}")
+  if not 1 <= config.head_epochs < trainer.epochs:
+    raise FieldError("fedpac", "head_epochs",
+                     f"must be >= 1 and smaller than the local epochs ({trainer.epochs})"
+                     f" so that the body trains, got {config.head_epochs}")
+  if config.qp_steps < 1:
+    raise FieldError("fedpac", "qp_steps", f"must be >= 1, got {config.qp_steps}")
+  if not 0 <= config.min_weight < 1:
+    raise FieldError("fedpac", "min_weight", f"must be in [0, 1), got {config.min_weight}")
+  if trainer.task != "classification":
+    raise ConfigError("fedpac needs a classification task (class prototypes)")
+  return config
+
+
+def feature_sums(features: jax.Array, y: jax.Array, weights: jax.Array,
+                 num_classes: int) -> FeatureSums:
+  """Class counts, class feature sums and the total squared norm of the weighted samples."""
+  one_hot = jax.nn.one_hot(y, num_classes) * weights[:, None]        # [B, C]
+  return FeatureSums(counts=jnp.sum(one_hot, axis=0), sums=one_hot.T @ features,
+                     sq_norms=jnp.sum(weights * jnp.sum(jnp.square(features), axis=-1)))
+
+
+def statistics(sums: FeatureSums) -> tuple[jax.Array, jax.Array]:
+  """(V_i, h_i) of step 1: h[k] = p_k mu_k = sums_k / n, V = (||z||^2 / n - ||h||^2) / n."""
+  n = jnp.maximum(jnp.sum(sums.counts), 1.0)
+  bias = sums.sums / n
+  return (sums.sq_norms / n - jnp.sum(jnp.square(bias))) / n, bias
+
+
+def class_means(sums: FeatureSums) -> jax.Array:
+  """[C, d] mu_k (zero for absent classes)."""
+  return sums.sums / jnp.maximum(sums.counts, 1.0)[:, None]
+
+
+def alignment_loss(features: jax.Array, y: jax.Array, weights: jax.Array,
+                   targets: jax.Array) -> jax.Array:
+  """MSE(f(x), c_y) over the real samples of the batch: mean over samples and feature dims
+  (PyTorch's nn.MSELoss on [B, d])."""
+  sq = jnp.sum(jnp.square(features - targets[y]), axis=-1)
+  return jnp.sum(sq * weights) / (jnp.maximum(jnp.sum(weights), 1.0) * features.shape[-1])
+
+
+def project_to_simplex(u: jax.Array, mask: jax.Array) -> jax.Array:
+  """argmin ||a - u|| over {a >= 0, sum a = 1, a_j = 0 off mask} (sort-based; Duchi,
+  Shalev-Shwartz, Singer, Chandra, ICML 2008)."""
+  order = jnp.argsort(-jnp.where(mask, u, -jnp.inf))
+  sorted_mask = mask[order]
+  sorted_u = jnp.where(sorted_mask, u[order], 0.0)
+  cumulative = jnp.cumsum(sorted_u) - 1.0
+  ranks = jnp.arange(1, u.shape[0] + 1)
+  support = sorted_mask & (sorted_u - cumulative / ranks > 0)
+  rho = jnp.maximum(jnp.max(jnp.where(support, ranks, 0)), 1)
+  threshold = cumulative[rho - 1] / rho
+  return jnp.where(mask, jnp.maximum(u - threshold, 0.0), 0.0)
+
+
+def largest_eigenvalue(matrix: jax.Array, iterations: int = 100) -> jax.Array:
+  """An upper estimate of the top eigenvalue of a symmetric PSD matrix with nonnegative
+  entries: power iteration from the all-ones vector (never orthogonal to the Perron
+  vector), its Rayleigh quotient times 1.1. Matmuls only: no LAPACK in the server step."""
+  def step(v, _):
+    w = matrix @ v
+    return w / jnp.maximum(jnp.linalg.norm(w), 1e-30), None
+  v, _ = jax.lax.scan(step, jnp.ones(matrix.shape[0]) / jnp.sqrt(matrix.shape[0]), None,
+                      length=iterations)
+  return 1.1 * jnp.maximum(v @ matrix @ v, 1e-12)
+
+
+def combination_weights(variance: jax.Array, bias: jax.Array, members: jax.Array,
+                        steps: int, min_weight: float = 0.0) -> jax.Array:
+  """[K, K]: row i = argmin_{alpha in simplex over members} sum_j alpha_j^2 V_j +
+  ||h_i - sum_j alpha_j h_j||^2, for every client i at once (FISTA).
+
+  variance [K] V_j, bias [K, ...] h_j, members [K] bool (the round's sampled clients).
+  """
+  num = variance.shape[0]
+  flat = bias.reshape(num, -1)
+  member = members.astype(flat.dtype)
+  gram = (flat @ flat.T) * member[:, None] * member[None, :]         # G on members
+  quad = jnp.diag(variance * member) + gram                          # diag(V) + G
+  lipschitz = 2.0 * largest_eigenvalue(quad)
+  project = jax.vmap(project_to_simplex, in_axes=(0, None))
+
+  def grad(alpha):                                   # rows: 2 (Q alpha_i - G_i)
+    return 2.0 * (alpha @ quad - gram)
+
+  def step(carry, _):
+    alpha, momentum_point, t = carry
+    new = project(momentum_point - grad(momentum_point) / lipschitz, members)
+    t_next = (1.0 + jnp.sqrt(1.0 + 4.0 * t * t)) / 2.0
+    return (new, new + ((t - 1.0) / t_next) * (new - alpha), t_next), None
+
+  start = project(jnp.zeros((num, num)), members)    # uniform over the members
+  (alpha, _, _), _ = jax.lax.scan(step, (start, start, jnp.ones(())), None, length=steps)
+  alpha = jnp.where(alpha < min_weight, 0.0, alpha)
+  return alpha / jnp.maximum(jnp.sum(alpha, axis=1, keepdims=True), 1e-12)
+
+
+def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
+  config = validate(config, trainer)
+  if trainer.apply is None:
+    raise ConfigError("fedpac needs the trainer's model forward (make_client_trainer)")
+  batch_size = batch_size_of(trainer)
+
+  def parts(params: Params) -> tuple[list[str], str]:
+    head = head_layer(params, "fedpac")
+    return split_body_head(params, 1, "fedpac")[0], head
+
+  def training_sums(params: Params, head: str, data: ClientData, num_classes: int):
+    """FeatureSums of the model's features over the client's whole training split."""
+    _, features = forward_with_features(trainer.apply, params, head, data.x)
+    return feature_sums(features, data.y, data.mask.astype(jnp.float32), num_classes)
+
+  def init(context: InitContext) -> AlgorithmState:
+    first = tree.first(context.params)
+    body_names, head = parts(first)
+    dim, num_classes = first["params"][head]["kernel"].shape
+    num_clients = tree.leading_size(context.params)
+    server = FedPacServer(body=take_layers(first, body_names),
+                          protos=jnp.zeros((num_classes, dim), jnp.float32),
+                          has_proto=jnp.zeros((num_classes,), bool),
+                          combination=jnp.zeros((num_clients, num_clients), jnp.float32))
+    return AlgorithmState(server=server, clients=take_layers(context.params, [head]))
+
+  def broadcast(server: FedPacServer, heads):
+    return tree.broadcast_to_clients(server._replace(combination=()),
+                                     tree.leading_size(heads))
+
+  def client_update(head_params, server: FedPacServer, data, key):
+    params = merge_layers(server.body, head_params)
+    body_names, head = parts(params)
+    num_classes = server.protos.shape[0]
+    before = training_sums(params, head, data.train, num_classes)
+    variance, bias = statistics(before)
+    targets = jnp.where(server.has_proto[:, None], server.protos, class_means(before))
+    align = config.lam * jnp.any(server.has_proto)  # no global prototypes yet: no alignment
+
+    def loss(p, x, y, weights):
+      logits, features = forward_with_features(trainer.apply, p, head, x)
+      return (masked_cross_entropy(logits, y, weights)
+              + align * alignment_loss(features, y, weights, targets))
+
+    steps_per_epoch = (data.train.n + batch_size - 1) // batch_size
+    head_steps = (config.head_epochs * steps_per_epoch).astype(jnp.float32)
+    params, stats = alternating_train(trainer, params, [head], head_steps, data.train, key,
+                                      loss_fn=loss)
+    after = training_sums(params, head, data.train, num_classes)
+    upload = FedPacUpload(body=take_layers(params, body_names),
+                          head=take_layers(params, [head]), proto_sums=after.sums,
+                          counts=after.counts, variance=variance, bias=bias)
+    return ClientOutput(state=upload.head, upload=upload, train=stats)
+
+  def aggregate(server: FedPacServer, heads, uploads: FedPacUpload, weights):
+    members = weights > 0
+    member = members.astype(jnp.float32)
+    counts = jnp.einsum("k,kc->c", member, uploads.counts)
+    sums = jnp.einsum("k,kcd->cd", member, uploads.proto_sums)
+    has_proto = counts > 0
+    protos = jnp.where(has_proto[:, None], sums / jnp.maximum(counts, 1.0)[:, None], 0.0)
+    alpha = combination_weights(uploads.variance, uploads.bias, members, config.qp_steps,
+                                config.min_weight)
+    mixed = tree.mix(alpha, uploads.head)
+    new_heads = jax.tree.map(
+        lambda m, old: jnp.where(members.reshape((-1,) + (1,) * (old.ndim - 1)), m, old),
+        mixed, heads)
+    server = FedPacServer(body=tree.weighted_mean(uploads.body, weights), protos=protos,
+                          has_proto=has_proto,
+                          combination=jnp.where(members[:, None], alpha, 0.0))
+    return AlgorithmState(server=server, clients=new_heads)
+
+  def personalized_params(server: FedPacServer, heads):
+    return merge_layers(tree.broadcast_to_clients(server.body, tree.leading_size(heads)),
+                        heads)
+
+  return Algorithm(name="fedpac", init=init, broadcast=broadcast,
+                   client_update=client_update, aggregate=aggregate,
+                   personalized_params=personalized_params,
+                   artifacts=lambda server: {"combination_weights": server.combination})

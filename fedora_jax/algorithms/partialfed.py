@@ -1,0 +1,195 @@
+"""PartialFed: each client starts its round from a layer-wise mix of the global model and its
+own last model, loading some layers from the server and keeping the others.
+
+Sun, Huo, Yang, Bai. "PartialFed: Cross-Domain Personalized Federated Learning via
+Partial Initialization." NeurIPS 2021.
+https://openreview.net/forum?id=lgDP84byd5
+(no public code by the authors; none in PFLlib, whose history we searched)
+
+The method (the paper's Section 3, as far as the sources we hold state it): the server
+runs FedAvg over whole models. In round t client c receives the global model theta^t and
+initialises its local training with a layer-wise loading strategy A_t^c, one binary
+choice per layer l:
+
+  theta_init^c[l] = theta^t[l]            if A_t^c[l] = 1   (load the global layer)
+                  = theta_{t-1}^c[l]      if A_t^c[l] = 0   (keep its own layer),
+
+trains all layers on its own data, and uploads the whole trained model, which becomes
+theta_t^c. Layers are this project's (layers.py: `layer_names`, input to output).
+
+Two strategies (`strategy`):
+  * "fix" (PartialFed-Fix, the default): a fixed, hand-chosen A for every client. The
+    paper's findings for classification: every partial loading beats loading everything
+    (FedAvg), loading the bottom layers and keeping the top ones beats the reverse, and
+    loading the classifier hurts (as does loading BatchNorm, which these models lack). So
+    A loads every layer but the top `local_layers` (default 1: the classifier stays
+    local). The server still averages the whole models, but the averaged top layers are
+    never loaded by anyone, so the run is FedPer's (fedper.py, same `local_layers`), step
+    for step; tests/test_partialfed.py checks that.
+  * "adaptive" (PartialFed-Adaptive): each client learns its own A. The paper's exact
+    learning rule (its estimator, schedule and learning rate) is not in any source we
+    hold, so this is our reconstruction of "a per-client, per-layer loading strategy
+    learned on the local objective": client c keeps logits pi^c [L] (0 at start: each
+    layer loaded with probability 1/2), and each round
+      1. draws A_l = 1[pi_l + g_l > 0], g_l ~ Logistic(0, 1) (a Bernoulli(sigmoid(pi_l))
+         sample, the binary Gumbel-max trick), and starts from theta_init as above;
+      2. trains theta and pi jointly with the run's local SGD. The model's value is
+         theta throughout; pi enters the loss through the straight-through term
+         (y - sg(y)) (theta^t - theta_{t-1}^c) on each layer, y_l =
+         sigmoid((pi_l + g_l) / temperature), which is zero in value and gives
+             dL/dpi_l = y_l' < grad_{theta[l]} L(theta), theta^t[l] - theta_{t-1}^c[l] >,
+         the first-order gain of loading more of the global layer (Gumbel-sigmoid
+         straight-through, Jang et al. 2017; Bengio et al. 2013), as ALA (FedALA, Eq. 3)
+         learns its element-wise weights from the same inner product;
+      3. keeps pi for the next round's draw.
+    A client's evaluated model uses its most likely strategy, A_l = 1[pi_l >= 0], with
+    the latest global model.
+
+Evaluation (both): theta_t^c with the layers its strategy loads replaced by the latest
+global model's, i.e. the model it would start its next round from (FedPer's and
+LG-FedAvg's evaluation here). A client that sits a round out keeps theta^c and pi^c.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedora_jax import tree
+from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.layers import layer_names
+from fedora_jax.engine.local_training import ClientTrainer
+from fedora_jax.errors import FieldError
+
+Params = Any
+STRATEGIES = ("fix", "adaptive")
+
+
+class PartialFedConfig(NamedTuple):
+  strategy: str = "fix"       # "fix" (PartialFed-Fix) or "adaptive" (learned per client)
+  local_layers: int = 1       # fix: top layers kept local (the classifier), the rest loaded
+  temperature: float = 1.0    # adaptive: temperature of the relaxed (Gumbel-sigmoid) choice
+
+
+FLAG_HELP = {
+    "strategy": "PartialFed loading strategy: fix (PartialFed-Fix: load all but the top"
+                " local_layers from the global model) or adaptive (each client learns a"
+                " per-layer loading probability; see partialfed.py)",
+    "local_layers": "PartialFed-Fix: number of top layers each client keeps instead of"
+                    " loading the global ones",
+    "temperature": "PartialFed-Adaptive: temperature of the relaxed loading choice in the"
+                   " straight-through gradient of the strategy",
+}
+
+
+class PartialFedClient(NamedTuple):
+  local: Params        # [K, ...] theta^c: the model each client ended its last round with
+  logits: jax.Array    # [K, L] pi^c: log-odds of loading each layer (adaptive only)
+
+
+class StrategyTrained(NamedTuple):
+  """What an adaptive client's local SGD updates jointly."""
+  params: Params       # theta
+  logits: jax.Array    # [L] pi
+
+
+def validate(config: PartialFedConfig) -> PartialFedConfig:
+  if config.strategy not in STRATEGIES:
+    raise FieldError("partialfed", "strategy", f"must be one of {', '.join(STRATEGIES)},"
+                                               f" got {config.strategy!r}")
+  if config.local_layers < 1:
+    raise FieldError("partialfed", "local_layers", f"must be >= 1, got {config.local_layers}")
+  if not config.temperature > 0:
+    raise FieldError("partialfed", "temperature", f"must be > 0, got {config.temperature}")
+  return config
+
+
+def fixed_loading(names: list[str], local_layers: int) -> jax.Array:
+  """[L] bool: PartialFed-Fix's A, every layer loaded but the top `local_layers`."""
+  if local_layers >= len(names):
+    raise FieldError("partialfed", "local_layers",
+                     f"must be between 1 and {len(names) - 1} for a model with"
+                     f" {len(names)} layers, got {local_layers}")
+  return jnp.arange(len(names)) < len(names) - local_layers
+
+
+def loading_noise(key: jax.Array, num_layers: int) -> jax.Array:
+  """[L] g ~ Logistic(0, 1): 1[pi + g > 0] is a Bernoulli(sigmoid(pi)) draw."""
+  return jax.random.logistic(key, (num_layers,))
+
+
+def load_layers(local: Params, global_params: Params, load: jax.Array) -> Params:
+  """theta_init: layer l of the global model where load[l], of the local model elsewhere."""
+  names = layer_names(global_params)
+  return {"params": {name: jax.tree.map(lambda g, l, a=load[i]: jnp.where(a, g, l),
+                                        global_params["params"][name], local["params"][name])
+                     for i, name in enumerate(names)}}
+
+
+def strategy_loss(trainer: ClientTrainer, local: Params, global_params: Params,
+                  noise: jax.Array, temperature: float):
+  """L(theta + (y - sg(y)) (theta^t - theta^c)): the model's loss at theta, and through the
+  zero-valued straight-through term, the strategy's first-order gradient."""
+  names = layer_names(global_params)
+
+  def loss(p: StrategyTrained, x, y, weights):
+    relaxed = jax.nn.sigmoid((p.logits + noise) / temperature)
+    straight_through = relaxed - jax.lax.stop_gradient(relaxed)
+    model = {"params": {name: jax.tree.map(
+        lambda theta, g, l, s=straight_through[i]: theta + s * (g - l),
+        p.params["params"][name], global_params["params"][name], local["params"][name])
+        for i, name in enumerate(names)}}
+    return trainer.loss(model, x, y, weights)
+  return loss
+
+
+def partialfed(config: PartialFedConfig, trainer: ClientTrainer) -> Algorithm:
+  config = validate(config)
+  adaptive = config.strategy == "adaptive"
+
+  def init(context: InitContext) -> AlgorithmState:
+    names = layer_names(tree.first(context.params))
+    fixed_loading(names, config.local_layers)  # one-line error before any work
+    num_clients = tree.leading_size(context.params)
+    return AlgorithmState(server=tree.first(context.params), clients=PartialFedClient(
+        local=context.params, logits=jnp.zeros((num_clients, len(names)), jnp.float32)))
+
+  def broadcast(global_params, clients: PartialFedClient):
+    return tree.broadcast_to_clients(global_params, clients.logits.shape[0])
+
+  def client_update(client: PartialFedClient, global_params, data, key):
+    names = layer_names(global_params)
+    if not adaptive:
+      load = fixed_loading(names, config.local_layers)
+      start = load_layers(client.local, global_params, load)
+      params, stats = trainer.train(start, data.train, key)
+      logits = client.logits
+    else:
+      noise_key, train_key = jax.random.split(key)
+      noise = loading_noise(noise_key, len(names))
+      load = client.logits + noise > 0
+      start = StrategyTrained(params=load_layers(client.local, global_params, load),
+                              logits=client.logits)
+      trained, stats = trainer.train(start, data.train, train_key, loss_fn=strategy_loss(
+          trainer, client.local, global_params, noise, config.temperature))
+      params, logits = trained.params, trained.logits
+    return ClientOutput(state=PartialFedClient(local=params, logits=logits), upload=params,
+                        train=stats,
+                        metrics={"loaded_layers": jnp.mean(load.astype(jnp.float32))})
+
+  def aggregate(server, clients, uploads, weights):
+    del server
+    return AlgorithmState(server=tree.weighted_mean(uploads, weights), clients=clients)
+
+  def personalized_params(global_params, clients: PartialFedClient):
+    names = layer_names(global_params)
+    if adaptive:
+      load = clients.logits >= 0                                     # [K, L] most likely A
+    else:
+      load = jnp.broadcast_to(fixed_loading(names, config.local_layers),
+                              clients.logits.shape)
+    return jax.vmap(load_layers, in_axes=(0, None, 0))(clients.local, global_params, load)
+
+  return Algorithm(name="partialfed", init=init, broadcast=broadcast,
+                   client_update=client_update, aggregate=aggregate,
+                   personalized_params=personalized_params)
