@@ -39,7 +39,8 @@ def test_layers_are_ordered_input_to_output():
 
 # A sample input of every registered model (a new model adds one here).
 SAMPLE_INPUTS = {"mlp": np.zeros((1, 4), np.float32),
-                 "cnn": np.zeros((1, 28, 28, 1), np.uint8)}
+                 "cnn": np.zeros((1, 28, 28, 1), np.uint8),
+                 "coaching_cnn": np.zeros((1, 28, 28, 1), np.uint8)}
 
 
 def _forward_order(model, params, x):
