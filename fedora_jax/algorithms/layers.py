@@ -10,15 +10,23 @@ body / head split from `split_body_head`: the head is the top `head_layers` laye
 classifier, Dense_2 of the CNN at 1), the body everything below; FedPer's personal
 layers and LG-FedAvg's local layers are counted on the same list.
 
+Representations (MOON, FedProto) are the body's output: the input of the head's layer,
+read off the model's own forward pass (`apply_with_representation`, a flax method
+interceptor), so every registered model has one without a method of its own.
+
 In a partial-sharing method the server holds only the shared layers; each client keeps
 its whole model in the stacked client state, trains it after overwriting its shared
 layers with the global ones, uploads its shared layers, and is evaluated with the
 latest global shared layers and its own personal ones.
 """
 
+import math
 import re
 from typing import Any, Callable
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
@@ -63,6 +71,48 @@ def split_body_head(params: Params, head_layers: int, role: str) -> tuple[list[s
     raise ConfigError(f"{role} must be between 1 and {len(names) - 1} for a model with"
                       f" {len(names)} layers, got {head_layers}")
   return names[:len(names) - head_layers], names[len(names) - head_layers:]
+
+
+def head_layer(params: Params) -> str:
+  """The top layer (the classifier): its input is the body's output, the representation."""
+  return split_body_head(params, 1, "head_layers")[1][0]
+
+
+def apply_with_representation(apply_fn: Callable[[Params, jax.Array], jax.Array],
+                              params: Params, x: jax.Array,
+                              head: str) -> tuple[jax.Array, jax.Array]:
+  """(outputs [B, ...], representation [B, d]): one forward pass of `apply_fn`, and the
+  input of the top-level layer `head` (flattened per sample), i.e. the body's output."""
+  captured = []
+
+  def record(next_fun, args, kwargs, context):
+    scope = context.module.scope
+    if (context.method_name == "__call__" and scope is not None
+        and tuple(scope.path) == (head,)):
+      captured.append(args[0])
+    return next_fun(*args, **kwargs)
+  with nn.intercept_methods(record):
+    outputs = apply_fn(params, x)
+  if len(captured) != 1:
+    raise ConfigError(f"the model called its layer {head!r} {len(captured)} times in one"
+                      " forward pass; a representation needs exactly one call")
+  return outputs, captured[0].reshape(captured[0].shape[0], -1)
+
+
+def representations(apply_fn: Callable[[Params, jax.Array], jax.Array], params: Params,
+                    x: jax.Array, head: str, chunk: int = 256) -> jax.Array:
+  """[N, d] body outputs of all N samples of `x`, `chunk` samples per forward pass."""
+  size = x.shape[0]
+  chunk = min(size, chunk)
+  num_chunks = math.ceil(size / chunk)
+  pad = num_chunks * chunk - size
+  if pad:
+    x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
+
+  def one_chunk(xb):
+    return apply_with_representation(apply_fn, params, xb, head)[1]
+  features = jax.lax.map(one_chunk, x.reshape((num_chunks, chunk) + x.shape[1:]))
+  return features.reshape(num_chunks * chunk, -1)[:size]
 
 
 def _check_count(count: int, names: list[str], role: str) -> None:

@@ -52,7 +52,10 @@ class ClientTrainer(NamedTuple):
   evaluate: Callable[[Params, ClientData], EvalStats]
   steps_per_epoch: Callable[[int], int]
   task: str = "classification"
-  epochs: int = 1  # local epochs per call of `train`
+  epochs: int = 1  # local epochs per call of `train` (unless it is given `epochs`)
+  # The model's apply_fn(params, x) -> outputs, for algorithms that read more of a forward
+  # pass than the loss (the body's output: layers.apply_with_representation).
+  apply: Callable[[Params, jax.Array], jax.Array] | None = None
 
 
 def _masked_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
@@ -105,10 +108,15 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
   def steps_per_epoch(num_samples: int) -> int:
     return max(1, math.ceil(num_samples / batch_size))
 
+  default_epochs = epochs
+
   def train(params, data: ClientData, key: jax.Array,
             regularizer: Regularizer | None = None,
             post_step: PostStep | None = None,
-            loss_fn: LossFn | None = None):
+            loss_fn: LossFn | None = None,
+            epochs: int | None = None):
+    """`epochs` (static): this call's epochs instead of the trainer's (fine-tuning)."""
+    epochs = default_epochs if epochs is None else epochs
     data = jax.tree.map(jnp.asarray, data)
     data_loss_fn = loss if loss_fn is None else loss_fn
     num_batches = steps_per_epoch(data.mask.shape[0])
@@ -171,7 +179,8 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     return EvalStats(loss=jnp.sum(ce_sums) / count, accuracy=jnp.sum(correct_sums) / count)
 
   return ClientTrainer(loss=loss, train=train, evaluate=evaluate,
-                       steps_per_epoch=steps_per_epoch, task=task, epochs=epochs)
+                       steps_per_epoch=steps_per_epoch, task=task, epochs=epochs,
+                       apply=apply_fn)
 
 
 def make_optimizer(lr: float, momentum: float = 0.9,
