@@ -17,7 +17,8 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    fedper, fedprox, fedprox_ft, fedu, fesem, ifca,
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
-from fedora_jax.algorithms import coaching, confree, fedala, fedproto, fedrep, fedrod, moon
+from fedora_jax.algorithms import (coaching, confree, fedala, fedbabu, fedproto, fedrep,
+                                   fedrod, moon)
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -78,6 +79,7 @@ REGISTRY: dict[str, Registered] = {
     "fedrod": Registered(fedrod.FedRodConfig, fedrod.fedrod, fedrod.FLAG_HELP),
     "moon": Registered(moon.MoonConfig, moon.moon, moon.FLAG_HELP),
     "fedproto": Registered(fedproto.FedProtoConfig, fedproto.fedproto, fedproto.FLAG_HELP),
+    "fedbabu": Registered(fedbabu.FedBabuConfig, fedbabu.fedbabu, fedbabu.FLAG_HELP),
 }
 
 
