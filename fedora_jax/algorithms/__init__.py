@@ -18,7 +18,7 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import (coaching, confree, fedala, fedbabu, fedproto, fedrep,
-                                   fedrod, moon)
+                                   fedrod, moon, pfedla)
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -80,6 +80,7 @@ REGISTRY: dict[str, Registered] = {
     "moon": Registered(moon.MoonConfig, moon.moon, moon.FLAG_HELP),
     "fedproto": Registered(fedproto.FedProtoConfig, fedproto.fedproto, fedproto.FLAG_HELP),
     "fedbabu": Registered(fedbabu.FedBabuConfig, fedbabu.fedbabu, fedbabu.FLAG_HELP),
+    "pfedla": Registered(pfedla.PfedlaConfig, pfedla.pfedla, pfedla.FLAG_HELP),
 }
 
 
