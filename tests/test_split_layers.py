@@ -39,7 +39,8 @@ def test_layers_are_ordered_input_to_output():
 
 # A sample input of every registered model (a new model adds one here).
 SAMPLE_INPUTS = {"mlp": np.zeros((1, 4), np.float32),
-                 "cnn": np.zeros((1, 28, 28, 1), np.uint8)}
+                 "cnn": np.zeros((1, 28, 28, 1), np.uint8),
+                 "coaching_cnn": np.zeros((1, 28, 28, 1), np.uint8)}
 
 
 def _forward_order(model, params, x):
@@ -70,6 +71,15 @@ def test_every_registered_model_has_its_layers_and_head_in_forward_order(name):
   assert head == [names[-1]] and params["params"][head[0]]["bias"].shape == (7,)  # logits
   with pytest.raises(ConfigError, match=f"between 1 and {len(names) - 1}"):
     layers.split_body_head(params, len(names), "head_layers")
+  # The representation (MOON, FedProto) is the body's output: the head maps it to the logits.
+  x = np.random.default_rng(0).integers(0, 256, (3,) + SAMPLE_INPUTS[name].shape[1:])
+  x = x.astype(SAMPLE_INPUTS[name].dtype)
+  assert layers.head_layer(params) == head[0]
+  logits, z = layers.apply_with_representation(model.apply, params, x, head[0])
+  chex.assert_trees_all_close(logits, model.apply(params, x))
+  dense = params["params"][head[0]]
+  chex.assert_trees_all_close(z @ dense["kernel"] + dense["bias"], logits, atol=1e-5)
+  assert (z >= 0).all()  # every registered body ends with a ReLU
 
 
 def _one_round(algorithm, trainer, data, params):

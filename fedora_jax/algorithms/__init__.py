@@ -18,9 +18,9 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    fedper, fedprox, fedprox_ft, fedu, fesem, ifca,
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
-from fedora_jax.algorithms import coaching, confree, fedala, fedrep, fedrod
-from fedora_jax.algorithms import apple, fedphp, perfedavg, pfedme
-from fedora_jax.algorithms import fedavg_c, fedcp, fedpac, fedprox_c, partialfed
+from fedora_jax.algorithms import (apple, coaching, confree, fedala, fedavg_c, fedbabu,
+                                   fedcp, fedpac, fedphp, fedprox_c, fedproto, fedrep,
+                                   fedrod, moon, partialfed, perfedavg, pfedla, pfedme)
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
 
@@ -98,6 +98,10 @@ REGISTRY: dict[str, Registered] = {
                              partialfed.FLAG_HELP),
     "fedpac": Registered(fedpac.FedPacConfig, fedpac.fedpac, fedpac.FLAG_HELP),
     "fedcp": Registered(fedcp.FedCpConfig, fedcp.fedcp, fedcp.FLAG_HELP),
+    "moon": Registered(moon.MoonConfig, moon.moon, moon.FLAG_HELP),
+    "fedproto": Registered(fedproto.FedProtoConfig, fedproto.fedproto, fedproto.FLAG_HELP),
+    "fedbabu": Registered(fedbabu.FedBabuConfig, fedbabu.fedbabu, fedbabu.FLAG_HELP),
+    "pfedla": Registered(pfedla.PfedlaConfig, pfedla.pfedla, pfedla.FLAG_HELP),
 }
 
 

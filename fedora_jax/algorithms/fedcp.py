@@ -55,7 +55,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.layers import (affine_head, forward_with_features, head_layer,
+from fedora_jax.algorithms.layers import (affine_head, apply_with_representation, head_layer,
                                           merge_layers, split_body_head, take_layers)
 from fedora_jax.engine.local_training import ClientTrainer, masked_cross_entropy
 from fedora_jax.errors import ConfigError, FieldError
@@ -177,7 +177,7 @@ def fedcp(config: FedCpConfig, trainer: ClientTrainer) -> Algorithm:
     return split_body_head(params, 1, "fedcp")[0], head
 
   def features_of(params: Params, head: str, x: jax.Array) -> jax.Array:
-    return forward_with_features(trainer.apply, params, head, x)[1]
+    return apply_with_representation(trainer.apply, params, x, head)[1]
 
   def init(context: InitContext) -> AlgorithmState:
     first = tree.first(context.params)

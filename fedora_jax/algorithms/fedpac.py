@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.fedrep import alternating_train, batch_size_of
-from fedora_jax.algorithms.layers import (forward_with_features, head_layer, merge_layers,
+from fedora_jax.algorithms.layers import (apply_with_representation, head_layer, merge_layers,
                                           split_body_head, take_layers)
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine.local_training import ClientTrainer, masked_cross_entropy
@@ -221,7 +221,7 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
 
   def training_sums(params: Params, head: str, data: ClientData, num_classes: int):
     """FeatureSums of the model's features over the client's whole training split."""
-    _, features = forward_with_features(trainer.apply, params, head, data.x)
+    _, features = apply_with_representation(trainer.apply, params, data.x, head)
     return feature_sums(features, data.y, data.mask.astype(jnp.float32), num_classes)
 
   def init(context: InitContext) -> AlgorithmState:
@@ -249,7 +249,7 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
     align = config.lam * jnp.any(server.has_proto)  # no global prototypes yet: no alignment
 
     def loss(p, x, y, weights):
-      logits, features = forward_with_features(trainer.apply, p, head, x)
+      logits, features = apply_with_representation(trainer.apply, p, x, head)
       return (masked_cross_entropy(logits, y, weights)
               + align * alignment_loss(features, y, weights, targets))
 

@@ -38,13 +38,12 @@ tries KD at 0.05 and MMD at 0.1 and 0.05; PFLlib implements MMD only).
 
 from typing import Any, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.layers import split_body_head
+from fedora_jax.algorithms.layers import apply_with_representation, split_body_head
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError, FieldError
 
@@ -105,15 +104,8 @@ def validate(config: FedPhpConfig) -> FedPhpConfig:
 def head_inputs(apply_fn, head: str):
   """features(params, x) -> (input of the top layer `head`, model outputs)."""
   def features(params, x):
-    captured = []
-
-    def record(next_fun, args, kwargs, context):
-      if context.module.name == head and context.method_name == "__call__":
-        captured.append(args[0])
-      return next_fun(*args, **kwargs)
-    with nn.intercept_methods(record):
-      outputs = apply_fn(params, x)
-    return captured[0].reshape(x.shape[0], -1), outputs
+    outputs, representation = apply_with_representation(apply_fn, params, x, head)
+    return representation, outputs
   return features
 
 

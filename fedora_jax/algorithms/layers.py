@@ -10,22 +10,26 @@ body / head split from `split_body_head`: the head is the top `head_layers` laye
 classifier, Dense_2 of the CNN at 1), the body everything below; FedPer's personal
 layers and LG-FedAvg's local layers are counted on the same list.
 
+Representations (MOON, FedProto) are the body's output: the input of the head's layer,
+read off the model's own forward pass (`apply_with_representation`, a flax method
+interceptor), so every registered model has one without a method of its own.
+
 In a partial-sharing method the server holds only the shared layers; each client keeps
 its whole model in the stacked client state, trains it after overwriting its shared
 layers with the global ones, uploads its shared layers, and is evaluated with the
 latest global shared layers and its own personal ones.
 
 Methods that work on the features under the head (FedCP's policy, FedPAC's prototypes)
-read them with `forward_with_features`: the model's own forward, with the input of its
-head layer recorded on the way (flax method interception), and apply heads of their own
-to them with `affine_head`.
+apply heads of their own to them with `affine_head`.
 """
 
+import math
 import re
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
@@ -72,6 +76,43 @@ def split_body_head(params: Params, head_layers: int, role: str) -> tuple[list[s
   return names[:len(names) - head_layers], names[len(names) - head_layers:]
 
 
+def apply_with_representation(apply_fn: Callable[[Params, jax.Array], jax.Array],
+                              params: Params, x: jax.Array,
+                              head: str) -> tuple[jax.Array, jax.Array]:
+  """(outputs [B, ...], representation [B, d]): one forward pass of `apply_fn`, and the
+  input of the top-level layer `head` (flattened per sample), i.e. the body's output."""
+  captured = []
+
+  def record(next_fun, args, kwargs, context):
+    scope = context.module.scope
+    if (context.method_name == "__call__" and scope is not None
+        and tuple(scope.path) == (head,)):
+      captured.append(args[0])
+    return next_fun(*args, **kwargs)
+  with nn.intercept_methods(record):
+    outputs = apply_fn(params, x)
+  if len(captured) != 1:
+    raise ConfigError(f"the model called its layer {head!r} {len(captured)} times in one"
+                      " forward pass; a representation needs exactly one call")
+  return outputs, captured[0].reshape(captured[0].shape[0], -1)
+
+
+def representations(apply_fn: Callable[[Params, jax.Array], jax.Array], params: Params,
+                    x: jax.Array, head: str, chunk: int = 256) -> jax.Array:
+  """[N, d] body outputs of all N samples of `x`, `chunk` samples per forward pass."""
+  size = x.shape[0]
+  chunk = min(size, chunk)
+  num_chunks = math.ceil(size / chunk)
+  pad = num_chunks * chunk - size
+  if pad:
+    x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
+
+  def one_chunk(xb):
+    return apply_with_representation(apply_fn, params, xb, head)[1]
+  features = jax.lax.map(one_chunk, x.reshape((num_chunks, chunk) + x.shape[1:]))
+  return features.reshape(num_chunks * chunk, -1)[:size]
+
+
 def _check_count(count: int, names: list[str], role: str) -> None:
   # Zero or all layers would make the method FedAvg or LOCAL under another name.
   if not 1 <= count < len(names):
@@ -95,34 +136,14 @@ def all_but_top_layers(count: int, role: str) -> SelectShared:
   return select
 
 
-def head_layer(params: Params, role: str) -> str:
-  """The model's top layer, which must be affine with a bias (a Dense classifier)."""
+def head_layer(params: Params, role: str = "head_layers") -> str:
+  """The model's top layer (the classifier), which must be affine with a bias (a Dense
+  layer): its input is the body's output, the representation."""
   head = split_body_head(params, 1, role)[1][0]
   if sorted(params["params"][head]) != ["bias", "kernel"]:
     raise ConfigError(f"{role} needs an affine head layer (kernel and bias); {head} has"
                       f" {sorted(params['params'][head])}")
   return head
-
-
-def forward_with_features(apply_fn: Callable, params: Params, head: str,
-                          x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(outputs [B, C], features [B, d]): apply_fn(params, x) and the input its layer
-  `head` receives, i.e. the representation under the head. `apply_fn` is a flax module's
-  apply (every registered model's); XLA drops whichever of the two goes unused."""
-  seen = []
-
-  def record_head_input(next_fun, args, kwargs, context):
-    scope = context.module.scope
-    if (context.method_name == "__call__" and scope is not None
-        and tuple(scope.path) == (head,)):
-      seen.append(args[0])
-    return next_fun(*args, **kwargs)
-  with nn.intercept_methods(record_head_input):
-    outputs = apply_fn(params, x)
-  if len(seen) != 1:
-    raise ConfigError(f"the model's forward called its head layer {head} {len(seen)} times;"
-                      " reading its features needs a flax model that calls it once")
-  return outputs, seen[0]
 
 
 def affine_head(head_params: Params, features: jax.Array) -> jax.Array:

@@ -84,7 +84,7 @@ def embedding_size(config: PfedhnConfig, num_clients: int) -> int:
   return config.embed_dim or int(1 + num_clients / 4)
 
 
-def _torch_linear(key: jax.Array, fan_in: int, fan_out: int) -> tuple[jax.Array, jax.Array]:
+def torch_linear(key: jax.Array, fan_in: int, fan_out: int) -> tuple[jax.Array, jax.Array]:
   bound = 1.0 / math.sqrt(fan_in)
   w_key, b_key = jax.random.split(key)
   return (jax.random.uniform(w_key, (fan_in, fan_out), jnp.float32, -bound, bound),
@@ -96,10 +96,10 @@ def init_hypernetwork(key: jax.Array, embed_dim: int, hidden_dim: int, n_hidden:
   """`target`: one model (no client axis), whose structure and shapes the heads produce."""
   layer_key, head_key = jax.random.split(key)
   widths = [embed_dim] + [hidden_dim] * (n_hidden + 1)
-  layers = tuple(_torch_linear(k, fan_in, fan_out) for k, fan_in, fan_out in
+  layers = tuple(torch_linear(k, fan_in, fan_out) for k, fan_in, fan_out in
                  zip(jax.random.split(layer_key, n_hidden + 1), widths[:-1], widths[1:]))
   leaves, treedef = jax.tree.flatten(target)
-  heads = [_torch_linear(k, hidden_dim, leaf.size)
+  heads = [torch_linear(k, hidden_dim, leaf.size)
            for k, leaf in zip(jax.random.split(head_key, len(leaves)), leaves)]
   head_w = [w.reshape((hidden_dim,) + leaf.shape) for (w, _), leaf in zip(heads, leaves)]
   head_b = [b.reshape(leaf.shape) for (_, b), leaf in zip(heads, leaves)]

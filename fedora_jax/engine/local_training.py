@@ -53,9 +53,9 @@ class ClientTrainer(NamedTuple):
   evaluate: Callable[[Params, ClientData], EvalStats]
   steps_per_epoch: Callable[[int], int]
   task: str = "classification"
-  epochs: int = 1  # local epochs per call of `train`
+  epochs: int = 1  # local epochs per call of `train` (unless it is given `epochs`)
   # The model's forward `apply(params, x) -> outputs`, for algorithms that read inside it
-  # (the features under the head: layers.head_input).
+  # (the features under the head: layers.forward_with_features).
   apply: Callable[[Params, jax.Array], jax.Array] | None = None
   # evaluate_with(forward) -> `evaluate` for another forward(model, x) -> outputs, with the
   # same batching and metrics (FedCP: a personalized model that is more than the run's model).
@@ -119,10 +119,15 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
   def steps_per_epoch(num_samples: int) -> int:
     return max(1, math.ceil(num_samples / batch_size))
 
+  default_epochs = epochs
+
   def train(params, data: ClientData, key: jax.Array,
             regularizer: Regularizer | None = None,
             post_step: PostStep | None = None,
-            loss_fn: LossFn | None = None):
+            loss_fn: LossFn | None = None,
+            epochs: int | None = None):
+    """`epochs` (static): this call's epochs instead of the trainer's (fine-tuning)."""
+    epochs = default_epochs if epochs is None else epochs
     data = jax.tree.map(jnp.asarray, data)
     data_loss_fn = loss if loss_fn is None else loss_fn
     num_batches = steps_per_epoch(data.mask.shape[0])

@@ -18,7 +18,22 @@ def _cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   return CNN(num_outputs=num_outputs)
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn}
+def _coaching_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
+  """The CNN of knowledge-aware parameter coaching (Zhi et al., AAAI 2024) for MNIST and
+  Fashion-MNIST: "2 convolutional layers with 5x5 filters followed by 3 fully connected
+  layers with 512 and 128 hidden neurons". The paper gives no channel counts or pooling;
+  those are the common FedAvg CNN's (McMahan et al. 2017, as PFLlib's FedAvgCNN writes
+  it: 32 and 64 kernels, VALID convolutions, ReLU and 2x2 max-pool after each), so on
+  28x28x1 images: 28 -> 24 -> 12 -> 8 -> 4, 4*4*64 = 1024 features into
+  Dense 512 -> Dense 128 -> Dense num_outputs (643,850 parameters for 10 classes).
+  Same layer names as the CNN (Conv_0, Conv_1, Dense_0, Dense_1, Dense_2): body = all
+  but Dense_2, whose input (the 128 features) is the representation."""
+  del hidden  # --hidden is the MLP's
+  return CNN(num_outputs=num_outputs, kernels=32, dense=(512, 128))
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
+                                               "coaching_cnn": _coaching_cnn}
 
 # The layers of a model, for the layer-wise methods (fedora_jax/algorithms/layers.py), are
 # its top-level flax modules, which flax names <Type>_<n>, numbering each type in creation
@@ -36,7 +51,7 @@ LAYER_TYPE_ORDER: tuple[str, ...] = ("Conv", "Dense")
 # (FEDORA rmnist round 183 / 172 / 178 / 195 / 224 ms; 313 ms vmapped) and
 # benchmarks/vmap_vs_map.py (the CNN ~1.5x faster one client at a time).
 # Accelerators vmap.
-CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "mlp": 2}
+CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "coaching_cnn": 1, "mlp": 2}
 
 
 def default_client_chunk(model: str, platform: str) -> int | None:

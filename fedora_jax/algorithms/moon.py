@@ -1,0 +1,154 @@
+"""MOON: FedAvg whose clients add a model-contrastive loss on representations.
+
+Li, He, Song. "Model-Contrastive Federated Learning." CVPR 2021.
+https://arxiv.org/abs/2103.16257  (code: github.com/QinbinLi/MOON)
+
+The server is FedAvg's: the weighted mean of the uploaded local models (weights: training-
+set sizes of the round's sampled clients). Client i, given the global model w^t and its
+own previous local model w_i^{t-1}, trains w (initialised at w^t) on (Section 3.3):
+
+  z = R_w(x),  z_glob = R_{w^t}(x),  z_prev = R_{w_i^{t-1}}(x)      (representations)
+  l_con = -log( exp(sim(z, z_glob) / tau) /
+                (exp(sim(z, z_glob) / tau) + exp(sim(z, z_prev) / tau)) )
+        = softplus( (sim(z, z_prev) - sim(z, z_glob)) / tau )
+  l     = l_sup(w; x, y) + mu * l_con,
+
+sim the cosine similarity (PyTorch's: <a, b> / max(|a| |b|, 1e-8)), l_sup the
+cross-entropy, both averaged over the minibatch. w^t and w_i^{t-1} are fixed.
+
+Representations: MOON's networks are a base encoder, a projection head (a 2-layer MLP) and
+an output layer, z being the projection head's output. Here z is the body's output, the
+input of the classifier (fedora_jax.algorithms.layers.apply_with_representation); on the
+project's MLP and CNNs the last hidden dense layers play the projection head's part (as in
+PFLlib's MOON, whose z is its model's `base` output).
+
+The previous local model (the authors' model_buffer_size = 1): in the first round there
+is none, the loss has no negative pair and l_con = -log(1) = 0, as in the authors' code,
+whose pool of previous models is empty in round 0 and holds every party's model from
+then on. So after the first round every client has one: the model it last trained, or,
+for a client not yet sampled, the shared initial model.
+
+Hyperparameters (Section 4.1): tau = 0.5; mu tuned from {0.1, 1, 5, 10}, best 5 on
+CIFAR-10 and 1 on CIFAR-100 and Tiny-ImageNet. The paper has no MNIST-like dataset; the
+default is CIFAR-10's mu = 5. The paper's local training (the run's flags): SGD lr 0.01,
+momentum 0.9, weight decay 1e-5, batch 64, 10 local epochs.
+
+Evaluation (`evaluate`): "global" (default), the global model on each client's data, as
+the paper and its code report MOON; "local", each client's latest local model (trained
+from the global model with the contrastive loss: the fine-tuned view a pFL comparison
+such as the parameter-coaching paper's Tables 1-2 implies, where MOON is far above FedAvg).
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedora_jax import tree
+from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.layers import apply_with_representation, head_layer
+from fedora_jax.engine.local_training import ClientTrainer
+from fedora_jax.errors import ConfigError
+
+Params = Any
+
+EVALUATIONS = ("global", "local")
+
+
+class MoonConfig(NamedTuple):
+  mu: float = 5.0          # weight of the model-contrastive loss (CIFAR-10's)
+  tau: float = 0.5         # temperature
+  evaluate: str = "global"  # "global": the global model (paper); "local": local models
+
+
+FLAG_HELP = {
+    "mu": "MOON: weight mu of the model-contrastive loss; 5 is the paper's on CIFAR-10,"
+          " 1 on CIFAR-100 and Tiny-ImageNet",
+    "tau": "MOON: temperature tau of the model-contrastive loss",
+    "evaluate": "MOON: evaluate the global model (global, the paper) or each client's"
+                " latest local model (local)",
+}
+
+
+class MoonClients(NamedTuple):
+  previous: Params           # [K, ...] each client's latest local model w_i^{t-1}
+  has_previous: jax.Array    # [K] bool: False before the first round (no negative pair)
+
+
+def cosine_similarity(a: jax.Array, b: jax.Array) -> jax.Array:
+  """[B] row-wise cosine of a, b [B, d], with PyTorch's eps on the norm product."""
+  norms = jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1)
+  return jnp.sum(a * b, axis=-1) / jnp.maximum(norms, 1e-8)
+
+
+def contrastive_loss(z: jax.Array, z_glob: jax.Array, z_prev: jax.Array, tau: float,
+                     has_previous: jax.Array) -> jax.Array:
+  """[B] l_con per sample: softplus((sim(z, z_prev) - sim(z, z_glob)) / tau); 0 without
+  a previous model (one positive logit and no negative)."""
+  gap = (cosine_similarity(z, z_prev) - cosine_similarity(z, z_glob)) / tau
+  return jnp.where(has_previous, jax.nn.softplus(gap), 0.0)
+
+
+def moon_loss(apply_fn, head: str, global_params: Params, previous: Params,
+              has_previous: jax.Array, config: MoonConfig):
+  """loss_fn(params, x, y, weights): cross-entropy + mu * l_con, means over the batch."""
+  def loss(params, x, y, weights):
+    logits, z = apply_with_representation(apply_fn, params, x, head)
+    z_glob = apply_with_representation(apply_fn, global_params, x, head)[1]
+    z_prev = apply_with_representation(apply_fn, previous, x, head)[1]
+    per_sample = (optax.softmax_cross_entropy_with_integer_labels(logits, y)
+                  + config.mu * contrastive_loss(z, jax.lax.stop_gradient(z_glob),
+                                                 jax.lax.stop_gradient(z_prev), config.tau,
+                                                 has_previous))
+    return jnp.sum(per_sample * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+  return loss
+
+
+def validate(config: MoonConfig, trainer: ClientTrainer) -> MoonConfig:
+  if config.mu < 0:
+    raise ConfigError(f"moon_mu must be >= 0, got {config.mu}")
+  if not config.tau > 0:
+    raise ConfigError(f"moon_tau must be > 0, got {config.tau}")
+  if config.evaluate not in EVALUATIONS:
+    raise ConfigError(f"moon_evaluate must be one of {', '.join(EVALUATIONS)}, got"
+                      f" {config.evaluate!r}")
+  if trainer.task != "classification":
+    raise ConfigError(f"moon needs a classification task, not {trainer.task}")
+  if trainer.apply is None:
+    raise ConfigError("moon needs the model's apply function in the client trainer")
+  return config
+
+
+def moon(config: MoonConfig, trainer: ClientTrainer) -> Algorithm:
+  config = validate(config, trainer)
+
+  def init(context: InitContext) -> AlgorithmState:
+    num_clients = tree.leading_size(context.params)
+    return AlgorithmState(server=tree.first(context.params),
+                          clients=MoonClients(previous=context.params,
+                                              has_previous=jnp.zeros((num_clients,), bool)))
+
+  def broadcast(global_params, clients: MoonClients):
+    return tree.broadcast_to_clients(global_params, tree.leading_size(clients.has_previous))
+
+  def client_update(client: MoonClients, global_params, data, key):
+    loss_fn = moon_loss(trainer.apply, head_layer(global_params), global_params,
+                        client.previous, client.has_previous, config)
+    params, stats = trainer.train(global_params, data.train, key, loss_fn=loss_fn)
+    return ClientOutput(state=client._replace(previous=params), upload=params, train=stats)
+
+  def aggregate(server, clients: MoonClients, uploads, weights):
+    del server
+    # From now on every client has a previous model (the authors' pool, see above).
+    clients = clients._replace(has_previous=jnp.ones_like(clients.has_previous))
+    return AlgorithmState(server=tree.weighted_mean(uploads, weights), clients=clients)
+
+  def personalized_params(global_params, clients: MoonClients):
+    if config.evaluate == "local":
+      return clients.previous
+    return broadcast(global_params, clients)
+
+  return Algorithm(name="moon", init=init, broadcast=broadcast,
+                   client_update=client_update, aggregate=aggregate,
+                   personalized_params=personalized_params)

@@ -1,0 +1,96 @@
+"""pFedLA: the layer-wise aggregation and the chain-rule step of each client's
+hypernetwork, in closed form on a two-client, two-layer model."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedora_jax import tree
+from fedora_jax.algorithms import pfedla
+from fedora_jax.algorithms.base import InitContext
+from fedora_jax.errors import ConfigError
+from tiny import init_params, tiny_data, tiny_model, tiny_trainer
+
+
+def test_layer_wise_aggregation_with_normalised_weights():
+  models = {"params": {"Dense_0": {"kernel": jnp.array([[1.0], [3.0]])},
+                       "Dense_1": {"kernel": jnp.array([[10.0], [20.0]])}}}
+  alpha = jnp.array([[[1.0, 3.0], [0.0, 0.0]],     # client 0: layer 0 1:3; layer 1 all 0
+                     [[2.0, 2.0], [0.0, 5.0]]])    # client 1
+  weights = jax.vmap(pfedla.normalized_weights)(alpha, jnp.arange(2))
+  np.testing.assert_allclose(weights, [[[0.25, 0.75], [1.0, 0.0]],   # all-0: its own layer
+                                       [[0.5, 0.5], [0.0, 1.0]]])
+  mixed = pfedla.aggregate_layers(weights, models)
+  np.testing.assert_allclose(mixed["params"]["Dense_0"]["kernel"], [[2.5], [2.0]])
+  np.testing.assert_allclose(mixed["params"]["Dense_1"]["kernel"], [[10.0], [20.0]])
+
+
+def _setup(config=pfedla.PfedlaConfig(embed_dim=3, hidden_dim=4, server_lr=0.5)):
+  data, _ = tiny_data([5, 6])
+  model = tiny_model(hidden=(5,))  # Dense_0, Dense_1: L = 2 layers
+  algorithm = pfedla.pfedla(config, tiny_trainer(model))
+  models = jax.vmap(lambda k: init_params(model, seed=k))(jnp.arange(2))  # two distinct models
+  state = algorithm.init(InitContext(params=models, data=data, trainer=None,
+                                     key=jax.random.key(0)))
+  return algorithm, state, models
+
+
+def test_hypernetwork_step_follows_the_chain_rule_through_the_normalised_weights():
+  """d theta_bar_i^l / d b_i[l, j] = (theta_j^l - theta_bar_i^l) / S_i^l where the ReLU is
+  active (S_i^l = sum_j alpha_ij^l); so with c_i = theta_bar_i - theta_i' the head bias
+  moves by -lr <c_i^l, theta_j^l - theta_bar_i^l> / S_i^l, and only for sampled clients."""
+  algorithm, state, models = _setup()
+  server = state.server
+  alpha = jax.vmap(pfedla.raw_layer_weights)(server.hypernetworks)      # [2, L, 2]
+  assert (alpha[0] > 0).all()  # U(0, 1) heads on ReLU features: client 0 all active
+  received = algorithm.broadcast(server, state.clients)
+  uploads = jax.tree.map(lambda a: a * 0.9 - 0.01, received)             # "trained" models
+  weights = jnp.array([3.0, 0.0])                                        # client 1 sat out
+  new = algorithm.aggregate(server, state.clients, uploads, weights).server
+  names = ["Dense_0", "Dense_1"]
+  expected_b = np.zeros((2, 2))
+  for l, name in enumerate(names):
+    flat = lambda t, k: np.concatenate([np.ravel(a[k]) for a in jax.tree.leaves(t["params"][name])])
+    c = flat(received, 0) - flat(uploads, 0)
+    for j in range(2):
+      expected_b[l, j] = -0.5 * c @ (flat(models, j) - flat(received, 0)) / float(
+          jnp.sum(alpha[0, l]))
+  np.testing.assert_allclose(new.hypernetworks.heads_b[0], expected_b, rtol=1e-4, atol=1e-7)
+  # Client 1 (weight 0): hypernetwork and stored model unchanged.
+  chex.assert_trees_all_close(tree.take(new.hypernetworks, 1),
+                              tree.take(server.hypernetworks, 1))
+  chex.assert_trees_all_close(tree.take(new.models, 1), tree.take(models, 1))
+  chex.assert_trees_all_close(tree.take(new.models, 0), tree.take(uploads, 0))
+  # The public code's sign: the same step, reversed.
+  flipped = pfedla.pfedla(pfedla.PfedlaConfig(embed_dim=3, hidden_dim=4, server_lr=0.5,
+                                              delta_sign="after_minus_before"),
+                          tiny_trainer(tiny_model(hidden=(5,))))
+  reverse = flipped.aggregate(server, state.clients, uploads, weights).server
+  np.testing.assert_allclose(reverse.hypernetworks.heads_b[0], -expected_b, rtol=1e-4,
+                             atol=1e-7)
+
+
+def test_personalised_model_is_each_clients_layer_wise_aggregate():
+  algorithm, state, models = _setup()
+  alpha = np.asarray(jax.vmap(pfedla.raw_layer_weights)(state.server.hypernetworks))
+  personalised = algorithm.personalized_params(state.server, state.clients)
+  for i in range(2):
+    for l, name in enumerate(["Dense_0", "Dense_1"]):
+      total = alpha[i, l].sum()
+      weights = alpha[i, l] / total if total > 0 else np.eye(2)[i]
+      for field in ("kernel", "bias"):
+        stacked = np.asarray(models["params"][name][field])
+        np.testing.assert_allclose(personalised["params"][name][field][i],
+                                   np.tensordot(weights, stacked, axes=1), rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(personalised, algorithm.broadcast(state.server, state.clients))
+
+
+def test_bad_hyperparameters_are_one_line_errors():
+  trainer = tiny_trainer(tiny_model())
+  for config, match in ((pfedla.PfedlaConfig(server_lr=0.0), "pfedla_server_lr"),
+                        (pfedla.PfedlaConfig(embed_dim=0), "pfedla_embed_dim"),
+                        (pfedla.PfedlaConfig(delta_sign="up"), "pfedla_delta_sign")):
+    with pytest.raises(ConfigError, match=match):
+      pfedla.pfedla(config, trainer)
