@@ -76,7 +76,7 @@ def test_server_averages_bodies_under_the_initial_head():
 
 def test_bad_hyperparameters_are_one_line_errors():
   trainer = tiny_trainer(tiny_model())
-  with pytest.raises(ConfigError, match="fedbabu_finetune_epochs"):
+  with pytest.raises(ConfigError, match="fedbabu: finetune_epochs"):
     fedbabu.fedbabu(fedbabu.FedBabuConfig(finetune_epochs=-1), trainer)
-  with pytest.raises(ConfigError, match="fedbabu_finetune_part"):
+  with pytest.raises(ConfigError, match="fedbabu: finetune_part"):
     fedbabu.fedbabu(fedbabu.FedBabuConfig(finetune_part="body"), trainer)

@@ -123,9 +123,9 @@ def test_nearest_prototype_inference_as_the_personalised_models_head():
 
 def test_bad_hyperparameters_are_one_line_errors():
   trainer = tiny_trainer(tiny_model())
-  for config, match in ((fedproto.FedProtoConfig(lam=-1.0), "fedproto_lam"),
-                        (fedproto.FedProtoConfig(distance="l1"), "fedproto_distance"),
-                        (fedproto.FedProtoConfig(aggregation="max"), "fedproto_aggregation"),
-                        (fedproto.FedProtoConfig(inference="vote"), "fedproto_inference")):
+  for config, match in ((fedproto.FedProtoConfig(lam=-1.0), "fedproto: lam"),
+                        (fedproto.FedProtoConfig(distance="l1"), "fedproto: distance"),
+                        (fedproto.FedProtoConfig(aggregation="max"), "fedproto: aggregation"),
+                        (fedproto.FedProtoConfig(inference="vote"), "fedproto: inference")):
     with pytest.raises(ConfigError, match=match):
       fedproto.fedproto(config, trainer)

@@ -98,8 +98,8 @@ def test_server_averages_the_sampled_clients_and_keeps_their_models_as_previous(
 
 def test_bad_hyperparameters_are_one_line_errors():
   trainer = tiny_trainer(tiny_model())
-  for config, match in ((moon.MoonConfig(tau=0.0), "moon_tau"),
-                        (moon.MoonConfig(mu=-1.0), "moon_mu"),
-                        (moon.MoonConfig(evaluate="best"), "moon_evaluate")):
+  for config, match in ((moon.MoonConfig(tau=0.0), "moon: tau"),
+                        (moon.MoonConfig(mu=-1.0), "moon: mu"),
+                        (moon.MoonConfig(evaluate="best"), "moon: evaluate")):
     with pytest.raises(ConfigError, match=match):
       moon.moon(config, trainer)

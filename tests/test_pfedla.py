@@ -89,8 +89,8 @@ def test_personalised_model_is_each_clients_layer_wise_aggregate():
 
 def test_bad_hyperparameters_are_one_line_errors():
   trainer = tiny_trainer(tiny_model())
-  for config, match in ((pfedla.PfedlaConfig(server_lr=0.0), "pfedla_server_lr"),
-                        (pfedla.PfedlaConfig(embed_dim=0), "pfedla_embed_dim"),
-                        (pfedla.PfedlaConfig(delta_sign="up"), "pfedla_delta_sign")):
+  for config, match in ((pfedla.PfedlaConfig(server_lr=0.0), "pfedla: server_lr"),
+                        (pfedla.PfedlaConfig(embed_dim=0), "pfedla: embed_dim"),
+                        (pfedla.PfedlaConfig(delta_sign="up"), "pfedla: delta_sign")):
     with pytest.raises(ConfigError, match=match):
       pfedla.pfedla(config, trainer)

@@ -66,7 +66,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.layers import (apply_with_representation, head_layer,
                                           representations)
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 
@@ -168,12 +168,12 @@ def _head_shapes(params: Params) -> tuple[str, int, int]:
 
 def validate(config: FedProtoConfig, trainer: ClientTrainer) -> FedProtoConfig:
   if config.lam < 0:
-    raise ConfigError(f"fedproto_lam must be >= 0, got {config.lam}")
+    raise FieldError("fedproto", "lam", f"must be >= 0, got {config.lam}")
   for field, allowed in (("distance", DISTANCES), ("aggregation", AGGREGATIONS),
                          ("inference", INFERENCES)):
     if getattr(config, field) not in allowed:
-      raise ConfigError(f"fedproto_{field} must be one of {', '.join(allowed)}, got"
-                        f" {getattr(config, field)!r}")
+      raise FieldError("fedproto", field, f"must be one of {', '.join(allowed)}, got"
+                                          f" {getattr(config, field)!r}")
   if trainer.task != "classification":
     raise ConfigError(f"fedproto needs a classification task, not {trainer.task}")
   if trainer.apply is None:

@@ -49,7 +49,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import apply_with_representation, head_layer
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 
@@ -107,12 +107,12 @@ def moon_loss(apply_fn, head: str, global_params: Params, previous: Params,
 
 def validate(config: MoonConfig, trainer: ClientTrainer) -> MoonConfig:
   if config.mu < 0:
-    raise ConfigError(f"moon_mu must be >= 0, got {config.mu}")
+    raise FieldError("moon", "mu", f"must be >= 0, got {config.mu}")
   if not config.tau > 0:
-    raise ConfigError(f"moon_tau must be > 0, got {config.tau}")
+    raise FieldError("moon", "tau", f"must be > 0, got {config.tau}")
   if config.evaluate not in EVALUATIONS:
-    raise ConfigError(f"moon_evaluate must be one of {', '.join(EVALUATIONS)}, got"
-                      f" {config.evaluate!r}")
+    raise FieldError("moon", "evaluate", f"must be one of {', '.join(EVALUATIONS)}, got"
+                                         f" {config.evaluate!r}")
   if trainer.task != "classification":
     raise ConfigError(f"moon needs a classification task, not {trainer.task}")
   if trainer.apply is None:

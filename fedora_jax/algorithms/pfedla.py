@@ -50,7 +50,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.layers import layer_names
 from fedora_jax.algorithms.pfedhn import torch_linear
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import FieldError
 
 Params = Any
 
@@ -89,12 +89,12 @@ class PfedlaServer(NamedTuple):
 def validate(config: PfedlaConfig) -> PfedlaConfig:
   for field in ("embed_dim", "hidden_dim"):
     if getattr(config, field) < 1:
-      raise ConfigError(f"pfedla_{field} must be >= 1, got {getattr(config, field)}")
+      raise FieldError("pfedla", field, f"must be >= 1, got {getattr(config, field)}")
   if not config.server_lr > 0:
-    raise ConfigError(f"pfedla_server_lr must be > 0, got {config.server_lr}")
+    raise FieldError("pfedla", "server_lr", f"must be > 0, got {config.server_lr}")
   if config.delta_sign not in DELTA_SIGNS:
-    raise ConfigError(f"pfedla_delta_sign must be one of {', '.join(DELTA_SIGNS)}, got"
-                      f" {config.delta_sign!r}")
+    raise FieldError("pfedla", "delta_sign", f"must be one of {', '.join(DELTA_SIGNS)}, got"
+                                             f" {config.delta_sign!r}")
   return config
 
 
