@@ -55,6 +55,7 @@ from fedora_jax import train as train_lib
 from fedora_jax.errors import ConfigError
 
 FLAGS = run_flags.FLAGS
+logger = logging.getLogger("experiments")
 PAPER_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper",
                             "fedora_tables.json")
 METRICS = ("acc", "r_acc", "ptr")
@@ -182,11 +183,18 @@ def row_workdir(workdir: str, seed: int, row: str) -> str:
   return os.path.join(workdir, f"seed{seed}", row)
 
 
-def run_row(row: str, seed: int, workdir: str, reference: str | None) -> dict:
-  """One row: experiments.main with this row's algorithm, its own workdir and LOCAL."""
+def row_label(row: str, seed: int, number: int, total: int) -> str:
+  """How a row's progress bar (or log lines) is named: "row 3/8 fedavg seed 0"."""
+  return f"row {number}/{total} {row} seed {seed}"
+
+
+def run_row(row: str, seed: int, workdir: str, reference: str | None,
+            label: str | None = None) -> dict:
+  """One row: experiments.main with this row's algorithm, its own workdir and LOCAL;
+  `label` names its progress (default: the algorithm)."""
   _use_row(row, seed, workdir, reference)
-  logging.info("table row %s, seed %d -> %s", row, seed, FLAGS.workdir)
-  results = main_lib.run()
+  logger.info("%s -> %s", label or f"{row} seed {seed}", FLAGS.workdir)
+  results = main_lib.run(cli.progress_reporter(label))
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
     timing = json.load(f)
   # Over every process that trained this row (a sweep extended from checkpoints); files
@@ -301,10 +309,12 @@ def reproduce() -> dict:
   first_seed = FLAGS.seed
   check_before_the_sweep(rows, workdir, first_seed)
   runs = {row: [] for row in rows}
+  total = len(rows) * FLAGS.seeds
   for seed in range(first_seed, first_seed + FLAGS.seeds):
     for row in rows:
       reference = None if row == "local" else runs["local"][-1]["results"]
-      runs[row].append(run_row(row, seed, workdir, reference))
+      label = row_label(row, seed, sum(map(len, runs.values())) + 1, total)
+      runs[row].append(run_row(row, seed, workdir, reference, label))
   summary = table_summary(FLAGS.table, runs, paper)
   column = paper_table["datasets"][FLAGS.dataset]["column"]
   title = f"FEDORA Table {paper_table['table']} ({column}): {paper_table['caption']}"
