@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from typing import Mapping, NamedTuple
 
 import numpy as np
@@ -227,7 +228,8 @@ def reproduced_table_figure(rows: list[Mapping], title: str = "",
       for offset, values, spread in ((-0.2, ours, errors), (0.2, paper, 0 * errors)):
         for xi, v, e in zip(x + offset, values, spread):
           if np.isfinite(v):
-            ax.annotate(f"{v:+.1f}" if metric == "r_acc" else f"{v:.3f}",
+            text = f"{round(v, 1) + 0.0:+.1f}" if metric == "r_acc" else f"{v:.3f}"
+            ax.annotate(text,
                         (xi, v + e if v >= 0 else v - e), xytext=(0, 2 if v >= 0 else -8),
                         textcoords="offset points", ha="center", fontsize=6.5)
     finite = np.concatenate([ours[np.isfinite(ours)] + errors[np.isfinite(ours)],
@@ -257,7 +259,10 @@ def reproduced_table_figure(rows: list[Mapping], title: str = "",
           if row in [r["algorithm"] for r in rows]]
   if note:
     axes[-1].set_xlabel("; ".join(note), fontsize=7)
-  fig.suptitle(title, fontsize=9)
+  # A paper caption is long: wrapped to the figure's width (about 13 characters an inch).
+  width = int(13 * fig.get_figwidth())
+  fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")),
+               fontsize=9)
   return fig
 
 
