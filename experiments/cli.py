@@ -1,14 +1,18 @@
-"""What every command shares: devices and processes set up before JAX starts, and errors
-as one line with a non-zero exit (experiments.main, reproduce and benchmark)."""
+"""What every command shares: devices and processes set up before JAX starts, clean
+output (our messages as plain lines, a progress bar on a terminal, the libraries' and
+XLA's logs at WARNING unless --verbose), and errors as one line with a non-zero exit
+(experiments.main, reproduce and benchmark)."""
 
 import logging
 import os
 import sys
 from typing import Callable
 
+from absl import logging as absl_logging
 import jax
 
 from experiments import flags as run_flags
+from fedora_jax import progress as progress_lib
 from fedora_jax.engine import sharding
 from fedora_jax.errors import ConfigError, FedoraError, FieldError
 
@@ -51,6 +55,46 @@ def shutdown_distributed() -> None:
     jax.distributed.shutdown()
 
 
+# Our loggers: their INFO records are the command's own messages.
+OWN_LOGGERS = ("fedora_jax", "experiments")
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+  """Our messages as plain lines on stderr, everything else at WARNING (absl, jax, orbax;
+  XLA's C++ logs through TF_CPP_MIN_LOG_LEVEL, which XLA reads when its backend starts,
+  so this runs before any device is touched). --verbose keeps absl's own format for
+  every logger at INFO, C++ logs included; an explicit --verbosity or
+  TF_CPP_MIN_LOG_LEVEL wins."""
+  for name in OWN_LOGGERS:
+    logging.getLogger(name).setLevel(level)
+  if FLAGS.verbose:
+    return
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # 1: warnings and errors
+  if not FLAGS["verbosity"].present:
+    absl_logging.set_verbosity(absl_logging.WARNING)
+  root = logging.getLogger()
+  for handler in list(root.handlers):
+    if isinstance(handler, absl_logging.ABSLHandler):
+      root.removeHandler(handler)  # its lines carry timestamps and thread ids
+  if not any(isinstance(h, progress_lib.LineHandler) for h in root.handlers):
+    root.addHandler(progress_lib.LineHandler())
+
+
+def use_progress_bar() -> bool:
+  """A live bar where a person watches: stderr is a terminal, progress is wanted
+  (--log_every > 0), this is process 0, and no --verbose C++ log lines would tear it."""
+  return (sys.stderr.isatty() and FLAGS.log_every > 0 and not FLAGS.verbose
+          and jax.process_index() == 0)
+
+
+def progress_reporter(label: str | None = None) -> progress_lib.Progress:
+  """A bar on a terminal, else a plain line every --log_every rounds; `label` names the
+  runs (default: each run's algorithm)."""
+  if use_progress_bar():
+    return progress_lib.ProgressBar(label)
+  return progress_lib.LogProgress(FLAGS.log_every, label)
+
+
 def run_command(argv, run_fn: Callable[[], object], interrupted: str = "interrupted",
                 log_level: int = logging.INFO) -> None:
   """Runs `run_fn` as a command: one-line errors and a non-zero exit, never a traceback
@@ -58,7 +102,7 @@ def run_command(argv, run_fn: Callable[[], object], interrupted: str = "interrup
   if len(argv) > 1:
     print(f"error: unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
     sys.exit(1)
-  logging.getLogger("fedora_jax").setLevel(log_level)
+  configure_logging(log_level)
   try:
     configure_cpu_devices()
     initialize_distributed()

@@ -72,9 +72,10 @@ flags.DEFINE_integer("new_clients", 0, "FEDORA's Algorithm 2: hold this many cli
                      " fine-tuned, against FedAvg's global model.", lower_bound=0)
 flags.DEFINE_integer("new_client_epochs", 5, "Epochs a new client with labels trains.",
                      lower_bound=1)
-flags.DEFINE_bool("verbose", False, "Show the Python traceback of an unexpected error.")
-flags.DEFINE_integer("log_every", 50, "Log progress every N rounds (0: never).",
-                     lower_bound=0)
+flags.DEFINE_bool("verbose", False, "Show the Python traceback of an unexpected error,"
+                  " and JAX's, XLA's and absl's own log lines.")
+flags.DEFINE_integer("log_every", 50, "Progress: on a terminal a live bar; otherwise a line"
+                     " every N rounds (0: neither).", lower_bound=0)
 flags.DEFINE_integer("checkpoint_every", 50, "Checkpoint every N rounds and after the last"
                      " one, into <workdir>/checkpoints; rerunning the same command resumes"
                      " from the latest (0: no checkpoints, always start afresh).",

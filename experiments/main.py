@@ -9,6 +9,7 @@ Writes results.json, clients.csv, rounds.csv, history.npz, flags.txt and the alg
 arrays (FEDORA: similarity.npy; coaching: relation_cube.npy) to --workdir with PNG plots
 and per-round TensorBoard events in <workdir>/tensorboard/<algorithm>, the LOCAL
 reference it trained to <workdir>/local/, and prints a per-client table with the summary.
+On a terminal each run shows a live progress bar; otherwise a line every --log_every rounds.
 """
 
 import os
@@ -19,18 +20,21 @@ import jax
 
 from experiments import cli
 from experiments import flags as run_flags
+from fedora_jax import progress as progress_lib
 from fedora_jax import results as results_lib
 from fedora_jax import train
 
 FLAGS = run_flags.FLAGS
 
 
-def run() -> dict:
-  """The run the flags describe; returns its results document."""
+def run(progress: progress_lib.Progress | None = None) -> dict:
+  """The run the flags describe; returns its results document. `progress` reports its
+  rounds (default: cli.progress_reporter(), a bar on a terminal)."""
   config = run_flags.experiment_config()
   workdir = FLAGS.workdir or train.default_workdir(config)
   results = train.train_and_evaluate(config, workdir, run_flags.run_identity,
-                                     run_flags.identity_defaults())
+                                     run_flags.identity_defaults(),
+                                     progress or cli.progress_reporter())
   own = workdir if jax.process_index() == 0 else os.path.join(
       workdir, f"process{jax.process_index()}")
   for directory in (own, os.path.join(own, "local")):

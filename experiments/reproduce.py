@@ -33,9 +33,12 @@ sweep rerun with the same command resumes where it stopped; a row directory hold
 run with other settings is refused before anything trains. All run flags (--rounds,
 --lr, --<algorithm>_<field>, ...) pass through to every row.
 
-Writes <workdir>/table.md, table.json and table.png.
+Writes <workdir>/table.md, table.json, table.csv (a line per row: ours, mean and std over
+seeds, the paper's, timing) and table.png (each metric ours beside the paper per row,
+error bars over seeds).
 """
 
+import csv
 import json
 import logging
 import os
@@ -55,6 +58,7 @@ from fedora_jax import train as train_lib
 from fedora_jax.errors import ConfigError
 
 FLAGS = run_flags.FLAGS
+logger = logging.getLogger("experiments")
 PAPER_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper",
                             "fedora_tables.json")
 METRICS = ("acc", "r_acc", "ptr")
@@ -182,11 +186,18 @@ def row_workdir(workdir: str, seed: int, row: str) -> str:
   return os.path.join(workdir, f"seed{seed}", row)
 
 
-def run_row(row: str, seed: int, workdir: str, reference: str | None) -> dict:
-  """One row: experiments.main with this row's algorithm, its own workdir and LOCAL."""
+def row_label(row: str, seed: int, number: int, total: int) -> str:
+  """How a row's progress bar (or log lines) is named: "row 3/8 fedavg seed 0"."""
+  return f"row {number}/{total} {row} seed {seed}"
+
+
+def run_row(row: str, seed: int, workdir: str, reference: str | None,
+            label: str | None = None) -> dict:
+  """One row: experiments.main with this row's algorithm, its own workdir and LOCAL;
+  `label` names its progress (default: the algorithm)."""
   _use_row(row, seed, workdir, reference)
-  logging.info("table row %s, seed %d -> %s", row, seed, FLAGS.workdir)
-  results = main_lib.run()
+  logger.info("%s -> %s", label or f"{row} seed {seed}", FLAGS.workdir)
+  results = main_lib.run(cli.progress_reporter(label))
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
     timing = json.load(f)
   # Over every process that trained this row (a sweep extended from checkpoints); files
@@ -208,6 +219,7 @@ def summarize(row: str, runs: list[dict], paper: dict) -> dict:
     values = np.array([np.nan if r[m] is None else r[m] for r in runs], float)
     entry[m] = None if np.isnan(values).all() else round(float(np.nanmean(values)), 4)
     entry[f"{m}_std"] = round(float(np.nanstd(values)), 4) if len(runs) > 1 else None
+    entry[f"{m}_seeds"] = [None if np.isnan(v) else round(float(v), 4) for v in values]
   entry.update(_paper_columns(row, paper))
   entry["round_seconds"] = round(float(np.median([r["round_seconds"] for r in runs])), 4)
   entry["wall_seconds"] = round(float(sum(r["wall_seconds"] for r in runs)), 1)
@@ -268,6 +280,22 @@ def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+# table.csv: one line per row, ours (mean, std over seeds) and the paper's, then timing.
+CSV_COLUMNS = ("algorithm", "seeds", *[f"{m}{s}" for m in METRICS for s in ("", "_std")],
+               *[f"paper_{m}" for m in METRICS], "round_seconds", "wall_seconds",
+               "paper_row", "paper_source")
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+  """table.csv: CSV_COLUMNS of every row, empty where there is no value (a single
+  seed's std, a number the paper does not print)."""
+  with open(path, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(CSV_COLUMNS)
+    for r in rows:
+      writer.writerow(["" if r.get(c) is None else r[c] for c in CSV_COLUMNS])
+
+
 def command_line() -> str:
   return " ".join(["python -m experiments.reproduce", *sys.argv[1:]])
 
@@ -301,10 +329,12 @@ def reproduce() -> dict:
   first_seed = FLAGS.seed
   check_before_the_sweep(rows, workdir, first_seed)
   runs = {row: [] for row in rows}
+  total = len(rows) * FLAGS.seeds
   for seed in range(first_seed, first_seed + FLAGS.seeds):
     for row in rows:
       reference = None if row == "local" else runs["local"][-1]["results"]
-      runs[row].append(run_row(row, seed, workdir, reference))
+      label = row_label(row, seed, sum(map(len, runs.values())) + 1, total)
+      runs[row].append(run_row(row, seed, workdir, reference, label))
   summary = table_summary(FLAGS.table, runs, paper)
   column = paper_table["datasets"][FLAGS.dataset]["column"]
   title = f"FEDORA Table {paper_table['table']} ({column}): {paper_table['caption']}"
@@ -321,7 +351,10 @@ def reproduce() -> dict:
   markdown = format_markdown(title, settings, summary)
   with open(os.path.join(workdir, "table.md"), "w") as f:
     f.write(markdown)
-  plots.plot_reproduced_table(summary, title, os.path.join(workdir, "table.png"))
+  write_csv(os.path.join(workdir, "table.csv"), summary)
+  plots.plot_reproduced_table(
+      summary, f"{title}\n{FLAGS.dataset}, {FLAGS.setting}, {len(document['seeds'])}"
+      f" seed(s), {FLAGS.rounds} rounds", os.path.join(workdir, "table.png"), EXTRA_ROWS)
   print(markdown)
   print(f"table in {workdir}")
   return document

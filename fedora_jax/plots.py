@@ -9,18 +9,24 @@ Figures are built on `matplotlib.figure.Figure` directly, never through pyplot: 
 then always uses the Agg renderer, so nothing needs a display and the global backend
 (e.g. a notebook's inline one) is left alone.
 
-  python -m fedora_jax.plots RUN_DIR     # (re)draws the plots of a saved run
+  python -m fedora_jax.plots RUN_DIR [RUN_DIR ...] [--out=PATH]  # runs overlaid: test
+      accuracy per round (LOCAL dashed) and per-client R-Acc, labelled by algorithm
+  python -m fedora_jax.plots --redraw RUN_DIR     # (re)draws the plots of a saved run
 """
 
+import argparse
 import json
 import os
 import sys
-from typing import Mapping
+import textwrap
+from typing import Mapping, NamedTuple
 
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+from fedora_jax.errors import ConfigError
 
 NEGATIVE_COLOR = "tab:red"    # R-Acc_k < 0: negative transfer
 POSITIVE_COLOR = "tab:blue"   # R-Acc_k >= 0: at least as good as LOCAL (counts in PTR)
@@ -171,34 +177,98 @@ def save_figure(fig: Figure, path: str) -> str:
   return path
 
 
-def reproduced_table_figure(rows: list[Mapping], title: str = "") -> Figure:
-  """Acc per algorithm (with its std over seeds), the paper's Acc beside it where known,
-  LOCAL's Acc as a dashed line: the picture of experiments/reproduce.py's table."""
-  names = [r["algorithm"] for r in rows]
-  ours = np.array([np.nan if r["acc"] is None else r["acc"] for r in rows], float)
-  errors = np.array([r.get("acc_std") or 0.0 for r in rows], float)
-  paper = np.array([np.nan if r.get("paper_acc") is None else r["paper_acc"] for r in rows],
-                   float)
+OURS_COLOR = "tab:blue"
+PAPER_COLOR = "tab:orange"
+# reproduce's table panels: metric, axis label, scale (R-Acc in %).
+TABLE_PANELS = (("acc", "Acc: mean client test accuracy", 1.0),
+                ("r_acc", "R-Acc vs LOCAL (%)", 100.0),
+                ("ptr", "PTR: share of clients >= LOCAL", 1.0))
+
+
+def _values(rows: list[Mapping], key: str, scale: float = 1.0) -> np.ndarray:
+  return np.array([np.nan if r.get(key) is None else scale * r[key] for r in rows], float)
+
+
+def reproduced_table_figure(rows: list[Mapping], title: str = "",
+                            extra_rows: Mapping[str, str] | None = None) -> Figure:
+  """experiments/reproduce.py's table as a picture: one panel per metric (Acc, R-Acc,
+  PTR), every row ours (mean over seeds, error bar: their std, dots: each seed) beside
+  the paper's number. LOCAL has no R-Acc or PTR bars (it is their reference; the paper
+  prints none); `extra_rows` (row -> the paper row it is compared with) are starred."""
+  extra_rows = extra_rows or {}
+  names = [r["algorithm"] + ("*" if r["algorithm"] in extra_rows else "") for r in rows]
   x = np.arange(len(rows))
-  fig = Figure(figsize=(max(6.0, 0.5 * len(rows) + 2.0), 4.0), layout="constrained")
-  ax = fig.add_subplot()
-  ax.bar(x - 0.2, ours, 0.4, yerr=errors, label="ours", color=POSITIVE_COLOR)
-  ax.bar(x + 0.2, paper, 0.4, label="paper", color="tab:orange")
-  if "local" in names:
-    ax.axhline(ours[names.index("local")], color="black", linestyle="--", linewidth=0.8,
-               label="ours, LOCAL")
-  finite = np.concatenate([ours[np.isfinite(ours)], paper[np.isfinite(paper)]])
-  if finite.size:
-    ax.set_ylim(max(0.0, finite.min() - 0.1), min(1.0, finite.max() + 0.05))
-  ax.set_xticks(x, names, rotation=45, ha="right")
-  ax.set_ylabel("mean client test accuracy")
-  ax.set_title(title, fontsize=9)
-  ax.legend(fontsize=8)
+  annotate = len(rows) <= 10  # values on the bars while they fit
+  fig = Figure(figsize=(max(7.0, 0.55 * len(rows) + 2.5), 9.0), layout="constrained")
+  axes = fig.subplots(len(TABLE_PANELS), 1, sharex=True)
+  for ax, (metric, label, scale) in zip(axes, TABLE_PANELS):
+    ours, paper = _values(rows, metric, scale), _values(rows, f"paper_{metric}", scale)
+    errors = np.nan_to_num(_values(rows, f"{metric}_std", scale))
+    if metric != "acc":  # LOCAL against itself: R-Acc 0, PTR 1 by definition
+      is_local = np.array([r["algorithm"] == "local" for r in rows])
+      ours[is_local] = np.nan
+      for xi in x[is_local]:
+        ax.text(xi, 0.5, "the reference", transform=ax.get_xaxis_transform(),
+                ha="center", va="center", fontsize=7, color="gray")
+    # One seed has no spread: no error bars (their caps would read as a value).
+    several = any(r.get(f"{metric}_std") is not None for r in rows)
+    ax.bar(x - 0.2, ours, 0.4, color=OURS_COLOR,
+           yerr=np.where(np.isfinite(ours), errors, 0.0) if several else None, capsize=3,
+           label="ours (mean ± std over seeds)" if several else "ours")
+    ax.bar(x + 0.2, paper, 0.4, color=PAPER_COLOR, label="paper")
+    seeds_x, seeds_y = [], []
+    for i, r in enumerate(rows):
+      values = [scale * v for v in r.get(f"{metric}_seeds") or [] if v is not None]
+      if len(values) > 1 and np.isfinite(ours[i]):
+        seeds_x += [x[i] - 0.2] * len(values)
+        seeds_y += values
+    if seeds_x:
+      ax.scatter(seeds_x, seeds_y, s=9, color="black", zorder=3, label="ours, one seed")
+    if annotate:  # each value just past its bar's end (and error bar)
+      for offset, values, spread in ((-0.2, ours, errors), (0.2, paper, 0 * errors)):
+        for xi, v, e in zip(x + offset, values, spread):
+          if np.isfinite(v):
+            text = f"{round(v, 1) + 0.0:+.1f}" if metric == "r_acc" else f"{v:.3f}"
+            ax.annotate(text,
+                        (xi, v + e if v >= 0 else v - e), xytext=(0, 2 if v >= 0 else -8),
+                        textcoords="offset points", ha="center", fontsize=6.5)
+    finite = np.concatenate([ours[np.isfinite(ours)] + errors[np.isfinite(ours)],
+                             ours[np.isfinite(ours)] - errors[np.isfinite(ours)],
+                             paper[np.isfinite(paper)], seeds_y])
+    if metric == "acc":
+      if "local" in [r["algorithm"] for r in rows]:
+        ax.axhline(ours[[r["algorithm"] for r in rows].index("local")], color="black",
+                   linestyle="--", linewidth=0.8, label="ours, LOCAL")
+      if finite.size:
+        ax.set_ylim(max(0.0, finite.min() - 0.1), min(1.0, finite.max() + 0.06))
+    elif metric == "r_acc":
+      ax.axhline(0.0, color="black", linewidth=0.8)
+      if finite.size:
+        pad = 0.15 * max(np.abs(finite).max(), 1.0)
+        ax.set_ylim(min(0.0, finite.min()) - pad, max(0.0, finite.max()) + pad)
+    else:
+      ax.set_ylim(0.0, 1.1)
+    ax.set_ylabel(label, fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=7)
+  axes[-1].set_xticks(x, names, rotation=45 if len(rows) > 4 else 0,
+                      ha="right" if len(rows) > 4 else "center")
+  note = [f"{row}*: compared with the paper's {paper_row} row"
+          for row, paper_row in extra_rows.items()
+          if row in [r["algorithm"] for r in rows]]
+  if note:
+    axes[-1].set_xlabel("; ".join(note), fontsize=7)
+  # A paper caption is long: wrapped to the figure's width (about 13 characters an inch).
+  width = int(13 * fig.get_figwidth())
+  fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")),
+               fontsize=9)
   return fig
 
 
-def plot_reproduced_table(rows: list[Mapping], title: str, path: str) -> str:
-  return save_figure(reproduced_table_figure(rows, title), path)
+def plot_reproduced_table(rows: list[Mapping], title: str, path: str,
+                          extra_rows: Mapping[str, str] | None = None) -> str:
+  return save_figure(reproduced_table_figure(rows, title, extra_rows), path)
 
 
 def write_run_plots(workdir: str, results: Mapping, history: Mapping[str, np.ndarray],
@@ -253,7 +323,218 @@ def write_plots_for_run_dir(workdir: str) -> list[str]:
                          artifacts, _load_npz(os.path.join(workdir, "local", "history.npz")))
 
 
+class SavedRun(NamedTuple):
+  """A finished run as its directory holds it."""
+  directory: str
+  results: dict                                   # results.json
+  history: dict[str, np.ndarray]                  # history.npz: [R, K] per key
+  local_history: dict[str, np.ndarray] | None     # <dir>/local/history.npz, if kept there
+
+
+def score_key(results: Mapping) -> str:
+  """The per-client score's name: acc, or mae for a regression (fedora_jax/results.py)."""
+  return "mae" if results.get("task") == "regression" else "acc"
+
+
+def load_saved_run(directory: str) -> SavedRun:
+  """The run in `directory`; a one-line ConfigError when it is not a finished run's."""
+  if not os.path.isdir(directory):
+    raise ConfigError(f"{directory}: no such directory")
+  path = os.path.join(directory, "results.json")
+  try:
+    with open(path) as f:
+      results = json.load(f)
+  except FileNotFoundError:
+    raise ConfigError(f"{directory}: no results.json (not a finished run's directory)"
+                      ) from None
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{path}: not a results.json ({e})") from None
+  missing = [k for k in ("algorithm", "clients", "rounds") if k not in results]
+  if not isinstance(results, dict) or missing:
+    raise ConfigError(f"{path}: not a results.json (no {', '.join(missing) or 'object'})")
+  test = f"test_{score_key(results)}"
+  try:
+    history = _load_npz(os.path.join(directory, "history.npz"))
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{directory}/history.npz: unreadable ({e})") from None
+  if history is None or test not in history:
+    raise ConfigError(f"{directory}: no {test} in a history.npz (a run's per-round history)")
+  local = None
+  try:
+    local = _load_npz(os.path.join(directory, "local", "history.npz"))
+  except (OSError, ValueError):
+    pass  # LOCAL's curve is an extra: the comparison goes on without it
+  if local is not None and test not in local:
+    local = None
+  return SavedRun(directory, results, history, local)
+
+
+def _fedora_variant(block: Mapping) -> str:
+  """"authors" or "paper" (fedora_jax/algorithms/fedora.py's presets), with the fields a
+  run changed on top of the nearer one."""
+  from fedora_jax.algorithms import fedora  # pylint: disable=g-import-not-at-top
+  changes = {}
+  for variant in fedora.PRESETS:
+    preset = fedora.FedoraConfig(**{**fedora.PRESETS[variant], "lr": block.get("lr", 0.0)})
+    changes[variant] = [f"{k}={block[k]}" for k, v in preset._asdict().items()
+                        if k in block and block[k] != v]
+  variant = min(changes, key=lambda v: len(changes[v]))
+  return "; ".join([variant, *changes[variant]])
+
+
+def saved_run_label(results: Mapping) -> str:
+  """The algorithm, FEDORA's variant and the plug-ins: "fedora (authors)", "fedavg + ala"."""
+  label = results["algorithm"]
+  if isinstance(results.get("fedora"), Mapping):
+    label += f" ({_fedora_variant(results['fedora'])})"
+  plugins = results.get("plugins") or {}
+  if plugins.get("ala"):
+    label += " + ala"
+  if plugins.get("aggregation"):
+    label += " + confree"
+  return label
+
+
+def _unique_labels(runs: list[SavedRun]) -> list[str]:
+  """Each run's label, with its seed, then its data, then its directory where the
+  labels so far are shared."""
+  labels = [saved_run_label(run.results) for run in runs]
+  for extra in (lambda r: f"seed {r.results.get('seed')}",
+                lambda r: f"{r.results.get('dataset')} {r.results.get('setting')}",
+                lambda r: os.path.basename(os.path.normpath(r.directory))):
+    shared = {label for label in labels if labels.count(label) > 1}
+    labels = [f"{label}, {extra(run)}" if label in shared else label
+              for label, run in zip(labels, runs)]
+  return labels
+
+
+def comparison_figure(runs: list[SavedRun], title: str = "") -> Figure:
+  """Several runs in one figure: mean test score per round (each run's LOCAL reference
+  dashed in its colour, where its directory keeps one), and per-client R-Acc (R-MAE)
+  against each run's own LOCAL."""
+  tasks = {score_key(run.results) for run in runs}
+  if len(tasks) > 1:
+    raise ConfigError("cannot overlay classification and regression runs (accuracy"
+                      " against MAE); pass runs of one kind")
+  score = tasks.pop()
+  labels = _unique_labels(runs)
+  colors = [f"C{i % 10}" for i in range(len(runs))]
+  fig = Figure(figsize=(13.0, 4.8), layout="constrained")
+  curves, clients = fig.subplots(1, 2, width_ratios=(1.0, 1.3))
+  rounds = max(len(run.history[f"test_{score}"]) for run in runs)
+  marker = "o" if rounds <= 30 else None
+  drawn_locals = []
+  for run, label, color in zip(runs, labels, colors):
+    curve = np.asarray(run.history[f"test_{score}"]).mean(axis=1)
+    final = run.results.get(score)
+    ours = f"{label}: {score} {final:.4f}" if isinstance(final, (int, float)) else label
+    curves.plot(np.arange(1, len(curve) + 1), curve, color=color, marker=marker,
+                markersize=3, label=ours)
+    if run.local_history is not None:
+      local = np.asarray(run.local_history[f"test_{score}"]).mean(axis=1)
+      if not any(np.array_equal(local, seen) for seen in drawn_locals):  # shared LOCAL once
+        drawn_locals.append(local)
+        curves.plot(np.arange(1, len(local) + 1), local, color=color, linestyle="--",
+                    linewidth=1.0)
+  if drawn_locals:
+    curves.plot([], [], color="gray", linestyle="--", linewidth=1.0,
+                label="LOCAL reference (dashed, the run's colour)")
+  curves.set_xlabel("round")
+  curves.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+  curves.set_ylabel("mean test MAE over clients" if score == "mae"
+                    else "mean test accuracy over clients")
+  curves.grid(alpha=0.3)
+  curves.legend(fontsize=7, loc="best")
+  curves.set_title("mean test MAE per round" if score == "mae"
+                   else "mean test accuracy per round", fontsize=9)
+
+  # A LOCAL run is its own reference (R-Acc 0 everywhere): nothing to show on the right.
+  relative = [(run, label, color) for run, label, color in zip(runs, labels, colors)
+              if run.results["algorithm"] != "local"]
+  width = 0.8 / max(len(relative), 1)
+  all_ids = sorted({c["id"] for run, _, _ in relative for c in run.results["clients"]})
+  position = {client: i for i, client in enumerate(all_ids)}
+  for i, (run, label, color) in enumerate(relative):
+    ids = [c["id"] for c in run.results["clients"]]
+    values = np.array([np.nan if c.get(f"r_{score}") is None else 100.0 * c[f"r_{score}"]
+                       for c in run.results["clients"]])
+    x = np.array([position[k] for k in ids]) - 0.4 + width * (i + 0.5)
+    mean = run.results.get(f"r_{score}")
+    text = f"{label}: R-{score.capitalize()} {100 * mean:+.2f}%" if isinstance(
+        mean, (int, float)) else label
+    if len(all_ids) * len(relative) <= 240:
+      clients.bar(x, np.nan_to_num(values), width, color=color, label=text)
+    else:  # too many bars to tell apart: a point per client
+      clients.plot(x, values, "o", markersize=3, color=color, label=text)
+  clients.axhline(0.0, color="black", linewidth=0.8)
+  if relative:
+    clients.set_xlim(-0.6, len(all_ids) - 0.4)
+    _label_clients(clients.xaxis, np.array(all_ids), max_ticks=40)
+    clients.tick_params(axis="x", labelsize=7)
+    clients.legend(fontsize=7, loc="best")
+  else:
+    clients.text(0.5, 0.5, "only LOCAL runs: R-Acc is 0 by definition",
+                 transform=clients.transAxes, ha="center", fontsize=8)
+  clients.set_xlabel("client")
+  clients.set_ylabel(f"R-{score.capitalize()} vs LOCAL (%)")
+  clients.grid(axis="y", alpha=0.3)
+  clients.set_title("per-client relative score against each run's LOCAL (below 0:"
+                    " negative transfer)", fontsize=9)
+  fig.suptitle(title or _shared_setting(runs), fontsize=10)
+  return fig
+
+
+def _shared_setting(runs: list[SavedRun]) -> str:
+  """What the runs have in common, for the figure's title."""
+  parts = []
+  for key, fmt in (("dataset", "{}"), ("setting", "{}"), ("num_clients", "{} clients"),
+                   ("rounds", "{} rounds"), ("seed", "seed {}")):
+    values = {json.dumps(run.results.get(key)) for run in runs}
+    if len(values) == 1 and runs[0].results.get(key) is not None:
+      parts.append(fmt.format(runs[0].results[key]))
+  return ", ".join(parts)
+
+
+def compare_runs(directories: list[str], out: str) -> str:
+  """Draws comparison_figure of the runs in `directories` to `out`; returns its path."""
+  runs = [load_saved_run(directory) for directory in directories]
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  return save_figure(comparison_figure(runs), out)
+
+
+USAGE = """\
+python -m fedora_jax.plots RUN_DIR [RUN_DIR ...] [--out=PATH]
+    overlays the runs' accuracy curves and per-client R-Acc in one figure
+    (default --out=comparison.png)
+python -m fedora_jax.plots --redraw RUN_DIR [RUN_DIR ...]
+    (re)draws each run's own plots into its directory"""
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(prog="python -m fedora_jax.plots", usage=USAGE,
+                                   description=__doc__.split("\n")[0])
+  parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+  parser.add_argument("--out", default="comparison.png",
+                      help="where the comparison figure goes (a .png path)")
+  parser.add_argument("--redraw", action="store_true",
+                      help="redraw each run's own plots instead of comparing them")
+  args = parser.parse_args(argv)
+  try:
+    if args.redraw:
+      for run_dir in args.run_dirs:
+        load_saved_run(run_dir)  # the same one-line errors
+        for path in write_plots_for_run_dir(run_dir):
+          print(path)
+    else:
+      print(compare_runs(args.run_dirs, args.out))
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except OSError as e:  # e.g. --out in a folder we cannot write
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
 if __name__ == "__main__":
-  for run_dir in sys.argv[1:] or ["."]:
-    for path in write_plots_for_run_dir(run_dir):
-      print(path)
+  sys.exit(main(sys.argv[1:]))

@@ -15,6 +15,7 @@ from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.engine import sharding
+from fedora_jax.progress import LogProgress, Progress
 from fedora_jax.rounds import RoundMetrics, RoundState, build_train_round
 from fedora_jax.errors import TrainingDivergedError
 
@@ -32,7 +33,7 @@ class TrainConfig:
   weight_decay: float = 5e-5
   seed: int = 0
   eval_batch_size: int = 1024
-  log_every: int = 50
+  log_every: int = 50              # the default progress: a log line every N rounds
   # None: every client's update at once (vmap); n: lax.map over chunks of n clients,
   # faster on CPUs (engine/buckets.py over_clients, models.default_client_chunk).
   client_chunk: int | None = None
@@ -130,12 +131,27 @@ def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
 def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
                   train: TrainConfig,
                   on_round: Callable[[int, RoundMetrics], None] | None = None,
-                  checkpointer: Checkpointer | None = None, mesh=None) -> RunResult:
+                  checkpointer: Checkpointer | None = None, mesh=None,
+                  progress: Progress | None = None) -> RunResult:
   """Trains `name` for train.rounds rounds; returns per-round per-client metrics.
 
   With a checkpointer, starts from its latest checkpoint (state and the history of the
   rounds before it; `on_round` is not called for those) and saves as it goes.
+  `progress` hears of the compile and every round (fedora_jax/progress.py; default: a
+  log line every train.log_every rounds).
   """
+  if progress is None:
+    progress = LogProgress(train.log_every)
+  progress.start(name, train.rounds, data.task)
+  try:
+    return _train(name, algorithm_config, model, data, train, on_round, checkpointer, mesh,
+                  progress)
+  finally:
+    progress.close()
+
+
+def _train(name, algorithm_config, model, data, train, on_round, checkpointer, mesh,
+           progress: Progress) -> RunResult:
   prepared = prepare_run(name, algorithm_config, model, data, train, mesh)
   algorithm, keys, buckets = prepared.algorithm, prepared.keys, prepared.buckets
   state, compiled, compile_seconds = (prepared.state, prepared.compiled,
@@ -149,6 +165,7 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
     logger.info("%s: resuming after round %d of %d from %s", name, len(history),
                 train.rounds, checkpointer.directory)
   resumed_from_round = len(history)
+  progress.compiled(compile_seconds, resumed_from_round)
   run_start = time.perf_counter()
   for r in range(resumed_from_round, train.rounds):
     tic = time.perf_counter()
@@ -161,12 +178,7 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
       on_round(r + 1, metrics)
     if checkpointer is not None and checkpointer.due(r + 1, train.rounds):
       checkpointer.save(state, history)
-    if train.log_every and ((r + 1) % train.log_every == 0 or r + 1 == train.rounds):
-      eta = np.median(durations) * (train.rounds - r - 1)
-      score = "mae" if data.task == "regression" else "acc"
-      logger.info("%s round %d/%d: %.3f s/round, val %s %.4f, test %s %.4f, ETA %.0f s",
-                  name, r + 1, train.rounds, np.median(durations), score,
-                  metrics.val_score.mean(), score, metrics.test_score.mean(), eta)
+    progress.round_done(r + 1, metrics, float(np.median(durations)))
   total_seconds = time.perf_counter() - run_start
 
   stacked = jax.tree.map(lambda *rounds: np.stack(rounds), *history)

@@ -28,6 +28,7 @@ from fedora_jax.data import datasets, partitions
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import FieldError
 from fedora_jax.models import build_model
+from fedora_jax.progress import Progress
 from fedora_jax.simulation import TrainConfig, root_keys, run_algorithm
 
 logger = logging.getLogger("fedora_jax")
@@ -155,9 +156,13 @@ def _client_info(federated) -> dict:
 
 def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
                        identity: Callable[[str], dict] | None = None,
-                       identity_defaults: dict | None = None) -> dict:
+                       identity_defaults: dict | None = None,
+                       progress: Progress | None = None) -> dict:
   """Runs the experiment `config` into `workdir` (default `default_workdir`); returns the
   results document (results.json) and prints nothing.
+
+  `progress` reports every run it trains, the LOCAL reference included (default: a log
+  line every config.train.log_every rounds; fedora_jax/progress.py).
 
   `identity(algorithm)` is what run_config.json records for the run of `algorithm` (the
   config's, or "local" for its reference) and a rerun must match to resume from the
@@ -217,7 +222,8 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
 
   with metric_writer.RoundWriter(workdir, config.algorithm, spec.task) as log_round:
     result = run_algorithm(config.algorithm, algorithm_config, model, data, train,
-                           on_round=log_round, checkpointer=checkpointer)
+                           on_round=log_round, checkpointer=checkpointer,
+                           progress=progress)
   ours = results_lib.client_scores(result, spec.task)
   if config.algorithm == "local":
     local = ours
@@ -228,7 +234,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
     with metric_writer.RoundWriter(workdir, "local", spec.task) as log_round:
       local_result = run_algorithm("local", algorithms.default_config("local", train), model,
                                    data, train, on_round=log_round,
-                                   checkpointer=local_checkpointer)
+                                   checkpointer=local_checkpointer, progress=progress)
     local = results_lib.client_scores(local_result, spec.task)
     # Kept as a LOCAL run of its own, so later runs can pass it as `reference`.
     save(os.path.join(workdir, "local"), {**run_info, "algorithm": "local"}, local_result,
@@ -243,16 +249,16 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
         "aggregation": algorithm_config.aggregation and algorithm_config.aggregation._asdict()}
   if federated.new_data is not None:
     info["new_clients"] = serve_new_clients(federated, algorithm_config, model, train,
-                                            result, config.new_client_epochs)
+                                            result, config.new_client_epochs, progress)
   return save(workdir, info, result, ours, local)
 
 
 def serve_new_clients(federated, config, model, train: TrainConfig, fedora_result,
-                      epochs: int) -> dict:
+                      epochs: int, progress: Progress | None = None) -> dict:
   """Trains FedAvg on the same clients, then serves the held-out ones (Algorithm 2)."""
   logger.info("training FedAvg on the same clients as the new-client baseline")
   fedavg_result = run_algorithm("fedavg", algorithms.default_config("fedavg", train), model,
-                                federated.data, train)
+                                federated.data, train, progress=progress)
   finetune_trainer = make_client_trainer(
       model.apply, make_optimizer(train.lr, train.momentum, train.weight_decay),
       epochs, train.batch_size, train.eval_batch_size)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,6 +44,17 @@ def test_fedora_end_to_end_writes_results(tmp_path):
   assert np.load(workdir / "similarity.npy").shape == (4, 4)
   assert (workdir / "clients.csv").exists() and (workdir / "rounds.csv").exists()
   assert "best-validation round" in proc.stdout and "final round 2" in proc.stdout
+  # Not a terminal: plain progress lines (--log_every=1), no bar, no absl/XLA log lines.
+  lines = proc.stderr.splitlines()
+  assert ("rmnist: 4 clients in 1 size bucket(s); train samples per client: min 128,"
+          " median 128, max 128") in lines
+  for name in ("fedora", "local"):
+    for r in (1, 2):
+      assert any(line.startswith(f"{name} round {r}/2: ") and "s/round, val acc" in line
+                 for line in lines), proc.stderr
+  assert "training the LOCAL reference on the same split and seed" in lines
+  assert "\r" not in proc.stderr and "libtpu" not in proc.stderr
+  assert not [line for line in lines if re.match(r"[IWEF]\d{4} ", line)], proc.stderr
 
   # The LOCAL reference the run trained is saved as a LOCAL run; FedAvg reuses it.
   reference = workdir / "local" / "results.json"

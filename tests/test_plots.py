@@ -180,3 +180,132 @@ def test_coaching_run_draws_its_relation_matrix(tmp_path):
   cube = np.load(workdir / "relation_cube.npy")
   assert cube.shape == (4, 2, 4) and np.all(np.isfinite(cube))  # --hidden=16: two layers
   assert_png(workdir / plots.RELATION_PNG)
+
+
+def table_rows():
+  """Two rows of reproduce's summary (experiments/reproduce.py summarize), two seeds."""
+  return [{"algorithm": "local", "seeds": 2, "acc": 0.70, "acc_std": 0.01,
+           "acc_seeds": [0.69, 0.71], "r_acc": 0.0, "r_acc_std": 0.0, "r_acc_seeds": [0.0, 0.0],
+           "ptr": 1.0, "ptr_std": 0.0, "ptr_seeds": [1.0, 1.0], "paper_acc": 0.7642,
+           "paper_r_acc": None, "paper_ptr": None},
+          {"algorithm": "fedora_paper", "seeds": 2, "acc": 0.75, "acc_std": 0.05,
+           "acc_seeds": [0.70, 0.80], "r_acc": 0.02, "r_acc_std": 0.01,
+           "r_acc_seeds": [0.01, 0.03], "ptr": 0.5, "ptr_std": None, "ptr_seeds": [0.5, None],
+           "paper_acc": 0.8251, "paper_r_acc": 0.0806, "paper_ptr": 1.0}]
+
+
+def test_reproduced_table_shows_ours_beside_the_paper_with_seed_error_bars(tmp_path):
+  fig = plots.reproduced_table_figure(table_rows(), "Table 1", {"fedora_paper": "fedora"})
+  panels = [ax for ax in fig.axes if ax.patches]
+  assert len(panels) == 3  # Acc, R-Acc, PTR
+  for ax, ours, paper in zip(panels, ([0.70, 0.75], [np.nan, 2.0], [np.nan, 0.5]),
+                             ([0.7642, 0.8251], [np.nan, 8.06], [np.nan, 1.0])):
+    bars = [b for b in ax.patches]
+    heights = [b.get_height() for b in bars]
+    np.testing.assert_allclose(heights, ours + paper)  # ours (left) then the paper's
+    assert [b.get_facecolor() for b in bars[2:] if np.isfinite(b.get_height())] == [
+        to_rgba(plots.PAPER_COLOR)] * int(np.isfinite(paper).sum())
+  # Error bars: ours +- std over seeds; one dot per seed; LOCAL marked as the reference.
+  acc = panels[0]
+  caps = np.sort(np.concatenate([np.asarray(line.get_ydata(), float) for line in acc.lines
+                                 if line.get_marker() == "_"]))
+  np.testing.assert_allclose(caps, [0.69, 0.70, 0.71, 0.80])
+  np.testing.assert_allclose(np.sort(np.asarray(acc.collections[-1].get_offsets(), float)[:, 1]),
+                             [0.69, 0.70, 0.71, 0.80])
+  assert "the reference" in [t.get_text() for t in panels[1].texts]
+  assert [t.get_text() for t in panels[2].get_xticklabels()] == ["local", "fedora_paper*"]
+  assert "fedora_paper*: compared with the paper's fedora row" in panels[2].get_xlabel()
+  assert_png(plots.save_figure(fig, str(tmp_path / "table.png")))
+
+
+def write_run(directory, algorithm, test_acc, local_acc, extra_info=None):
+  """A run directory as fedora_jax/results.py writes it: [R, K] test accuracies."""
+  from fedora_jax import results as results_lib  # pylint: disable=g-import-not-at-top
+  from fedora_jax.simulation import RunResult  # pylint: disable=g-import-not-at-top
+  test_acc, local_acc = np.asarray(test_acc, float), np.asarray(local_acc, float)
+  rounds, k = test_acc.shape
+  history = round_metrics(test_acc[0], np.zeros(k))._replace(extra={})
+  history = type(history)(*[np.stack([getattr(history, f)] * rounds)
+                            for f in history._fields[:-1]], extra={})
+  history = history._replace(test_score=test_acc, val_score=test_acc)
+  result = RunResult(algorithm=algorithm, history=history, artifacts={},
+                     compile_seconds=1.0, round_seconds=0.1, total_seconds=1.0,
+                     final_state=None)
+  ours = results_lib.ClientScores(test_acc[-1], test_acc[-1], rounds)
+  local = results_lib.ClientScores(local_acc[-1], local_acc[-1], rounds)
+  info = {"dataset": "rmnist", "algorithm": algorithm, "setting": "balanced",
+          "num_clients": k, "seed": 0, "rounds": rounds, **(extra_info or {})}
+  document = results_lib.build_results(info, result, ours, local,
+                                       {"n_train": np.full(k, 128)})
+  results_lib.write_run_files(str(directory), document, result)
+  return document
+
+
+def two_runs(tmp_path):
+  from fedora_jax.algorithms import fedora  # pylint: disable=g-import-not-at-top
+  local_acc = [[0.5, 0.5, 0.5], [0.6, 0.6, 0.6]]
+  fedora_dir, fedavg_dir = tmp_path / "fedora", tmp_path / "fedavg"
+  write_run(fedora_dir, "fedora", [[0.5, 0.6, 0.7], [0.7, 0.5, 0.9]], local_acc,
+            {"fedora": fedora.config_for_variant("authors")._asdict()})
+  write_run(fedora_dir / "local", "local", local_acc, local_acc)  # the LOCAL it trained
+  write_run(fedavg_dir, "fedavg", [[0.4, 0.4, 0.4], [0.5, 0.6, 0.6]], local_acc,
+            {"plugins": {"ala": {"eta": 1.0}, "aggregation": None}})
+  return fedora_dir, fedavg_dir
+
+
+def test_comparison_overlays_curves_and_per_client_r_acc(tmp_path):
+  runs = [plots.load_saved_run(str(d)) for d in two_runs(tmp_path)]
+  fig = plots.comparison_figure(runs)
+  curves, clients = fig.axes
+  lines = {line.get_label(): line for line in curves.get_lines()}
+  fedora_line = lines["fedora (authors): acc 0.7000"]
+  np.testing.assert_allclose(fedora_line.get_ydata(), [0.6, 0.7])
+  np.testing.assert_allclose(lines["fedavg + ala: acc 0.5667"].get_ydata(), [0.4, 0.5667],
+                             atol=1e-4)
+  dashed = [line for line in curves.get_lines() if line.get_linestyle() == "--"
+            and len(line.get_ydata())]
+  assert len(dashed) == 1 and dashed[0].get_color() == fedora_line.get_color()
+  np.testing.assert_allclose(dashed[0].get_ydata(), [0.5, 0.6])
+  # Per-client R-Acc in %, a bar per client per run: (acc - local) / local.
+  heights = [b.get_height() for b in clients.patches]
+  np.testing.assert_allclose(heights, [100 * (0.7 / 0.6 - 1), 100 * (0.5 / 0.6 - 1), 50.0,
+                                       100 * (0.5 / 0.6 - 1), 0.0, 0.0], atol=1e-3)
+  assert fig.texts[0].get_text() == "rmnist, balanced, 3 clients, 2 rounds, seed 0"
+  # The same algorithm twice: the seed (then the data, the directory) tells them apart.
+  twice = [runs[0], runs[0]._replace(results={**runs[0].results, "seed": 1})]
+  labels = [line.get_label() for line in plots.comparison_figure(twice).axes[0].get_lines()]
+  assert [label for label in labels if label.startswith("fedora")] == [
+      "fedora (authors), seed 0: acc 0.7000",
+                    "fedora (authors), seed 1: acc 0.7000"]
+  fedora_block = {**runs[0].results["fedora"], "similarity": "random"}
+  assert plots.saved_run_label({"algorithm": "fedora", "fedora": fedora_block}) == (
+      "fedora (authors; similarity=random)")
+
+
+def run_plots(*args):
+  return subprocess.run([sys.executable, "-m", "fedora_jax.plots", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_plots_command_writes_the_comparison_or_says_what_is_wrong(tmp_path):
+  fedora_dir, fedavg_dir = two_runs(tmp_path)
+  out = tmp_path / "figures" / "both.png"
+  proc = run_plots(str(fedora_dir), str(fedavg_dir), f"--out={out}")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == str(out)
+  assert_png(out)
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "garbled").mkdir()
+  (tmp_path / "garbled" / "results.json").write_text("{not json")
+  for bad, message in [(tmp_path / "nope", "no such directory"),
+                       (tmp_path / "empty", "no results.json"),
+                       (tmp_path / "garbled", "not a results.json")]:
+    proc = run_plots(str(fedora_dir), str(bad), f"--out={tmp_path / 'x.png'}")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
+    assert proc.stderr.startswith(f"error: {bad}") and message in proc.stderr
+  assert not (tmp_path / "x.png").exists()
+  # --redraw: each run's own plots, into its directory.
+  proc = run_plots("--redraw", str(fedavg_dir))
+  assert proc.returncode == 0, proc.stderr
+  assert_png(fedavg_dir / plots.ACCURACY_CURVES_PNG)

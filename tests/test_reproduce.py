@@ -1,5 +1,6 @@
 """`python -m experiments.reproduce`: a tiny table end to end, extended, and its errors."""
 
+import csv
 import json
 import os
 import subprocess
@@ -56,6 +57,16 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   assert "| 0.6889 | -0.0976 | 0.0000 |" in _line(markdown, "fedavg")
   assert "| 0.8251 | +0.0806 | 1.0000 |" in _line(markdown, "fedora")
   assert (tmp_path / "table.png").stat().st_size > 0
+  with open(tmp_path / "table.csv", newline="") as f:
+    csv_rows = list(csv.DictReader(f))
+  assert [r["algorithm"] for r in csv_rows] == list(rows)
+  assert list(csv_rows[0]) == list(reproduce.CSV_COLUMNS)
+  for line in csv_rows:
+    row = rows[line["algorithm"]]
+    for column in ("acc", "r_acc", "ptr", "paper_acc", "round_seconds", "wall_seconds"):
+      assert float(line[column]) == pytest.approx(row[column])
+    assert line["seeds"] == "1" and line["acc_std"] == ""  # one seed: no spread
+    assert line["paper_source"] == row["paper_source"]
   np.testing.assert_equal(table["rounds"], 2)
 
 
@@ -185,8 +196,28 @@ def test_seeds_give_mean_and_population_std_beside_the_paper():
   assert row["ptr"] == pytest.approx(0.5)  # a missing value is left out, not taken as 0
   assert row["paper_acc"] == 0.8251 and row["paper_source"] == "Table 1"
   assert row["round_seconds"] == pytest.approx(0.3) and row["wall_seconds"] == 40.0
+  assert row["acc_seeds"] == [0.70, 0.80] and row["ptr_seeds"] == [0.5, None]
   markdown = reproduce.format_markdown("T", "settings", [row])
   assert "| fedora | 0.7500 ± 0.0500 | +0.0200 ± 0.0100 |" in markdown
+
+
+def test_table_csv_has_a_line_per_row_with_ours_the_papers_and_timing(tmp_path):
+  runs = [{"acc": 0.70, "r_acc": 0.01, "ptr": 0.5, "round_seconds": 0.2,
+           "wall_seconds": 10.0, "results": "a"},
+          {"acc": 0.80, "r_acc": 0.03, "ptr": 1.0, "round_seconds": 0.4,
+           "wall_seconds": 30.0, "results": "b"}]
+  paper = reproduce.load_paper_rows("fedora1", "rmnist")
+  rows = reproduce.table_summary("fedora1", {"local": runs, "fedora_paper": runs}, paper)
+  reproduce.write_csv(str(tmp_path / "table.csv"), rows)
+  lines = (tmp_path / "table.csv").read_text().splitlines()
+  assert lines[0] == ("algorithm,seeds,acc,acc_std,r_acc,r_acc_std,ptr,ptr_std,paper_acc,"
+                      "paper_r_acc,paper_ptr,round_seconds,wall_seconds,paper_row,"
+                      "paper_source")
+  assert lines[1] == ("local,2,0.75,0.05,0.02,0.01,0.75,0.25,0.7642,,,0.3,40.0,LOCAL,"
+                      '"Table 1, LOCAL row, Rotated MNIST"')
+  assert lines[2] == ("fedora_paper,2,0.75,0.05,0.02,0.01,0.75,0.25,0.8251,0.0806,1.0,0.3,"
+                      '40.0,FEDORA,"Table 1, FEDORA row, Rotated MNIST (ours: not a paper'
+                      ' row)"')
 
 
 def test_cells_round_to_four_places_without_negative_zero():

@@ -1,0 +1,157 @@
+"""How a run reports its rounds as they finish: plain log lines, or a live terminal bar.
+
+`simulation.run_algorithm` tells a Progress when a run starts (before it compiles), when
+it has compiled, after every round and when it stops (finished or not):
+
+  LogProgress  the library's default: a line every `log_every` rounds to the "fedora_jax"
+               logger, so it reads the same in CI logs, pipes and notebooks;
+  ProgressBar  a tqdm bar (round, s/round, ETA, mean validation and test score), for a
+               terminal; experiments/cli.py picks it when stderr is one.
+
+LineHandler writes log records through tqdm, so a line logged while a bar is open lands
+above it instead of tearing it.
+"""
+
+import logging
+import os
+import sys
+from typing import Protocol, TextIO
+
+import numpy as np
+
+from fedora_jax.rounds import RoundMetrics
+
+logger = logging.getLogger("fedora_jax")
+
+
+class Progress(Protocol):
+  """What run_algorithm reports to; one object may report several runs in turn."""
+
+  def start(self, run: str, rounds: int, task: str) -> None:
+    """A run of algorithm `run` for `rounds` rounds begins (it compiles next)."""
+
+  def compiled(self, seconds: float, first_round: int) -> None:
+    """Compiled in `seconds`; rounds 1..first_round were restored from a checkpoint."""
+
+  def round_done(self, round_number: int, metrics: RoundMetrics,
+                 seconds_per_round: float) -> None:
+    """Round `round_number` (1-based) finished; seconds_per_round: median so far."""
+
+  def close(self) -> None:
+    """The run stopped: after its last round, or on an error or Ctrl-C."""
+
+
+def score_name(task: str) -> str:
+  return "mae" if task == "regression" else "acc"
+
+
+def format_seconds(seconds: float) -> str:
+  """12 s, 3:07, 1:02:03: the ETA the way a clock shows it."""
+  seconds = int(round(seconds))
+  if seconds < 60:
+    return f"{seconds} s"
+  hours, rest = divmod(seconds, 3600)
+  return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class LogProgress:
+  """A log line every `log_every` rounds and after the last one (0: none), named by
+  `label` (default: the run's algorithm)."""
+
+  def __init__(self, log_every: int, label: str | None = None,
+               log: logging.Logger = logger):
+    self.log_every, self.label, self._log = log_every, label, log
+    self._run, self._rounds, self._task = "", 0, "classification"
+
+  def start(self, run: str, rounds: int, task: str) -> None:
+    self._run, self._rounds, self._task = self.label or run, rounds, task
+
+  def compiled(self, seconds: float, first_round: int) -> None:
+    del seconds, first_round  # the plain log stays as short as it was
+
+  def round_done(self, round_number: int, metrics: RoundMetrics,
+                 seconds_per_round: float) -> None:
+    if not self.log_every or (round_number % self.log_every and round_number != self._rounds):
+      return
+    score = score_name(self._task)
+    self._log.info("%s round %d/%d: %.3f s/round, val %s %.4f, test %s %.4f, ETA %.0f s",
+                   self._run, round_number, self._rounds, seconds_per_round, score,
+                   np.mean(metrics.val_score), score, np.mean(metrics.test_score),
+                   seconds_per_round * (self._rounds - round_number))
+
+  def close(self) -> None:
+    pass
+
+
+# "fedora: 40%|####      | 12/30 rounds [00:09, 0.21 s/round, ETA 4 s, val acc ...]"
+_BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rounds [{elapsed}{postfix}]"
+
+
+class ProgressBar:
+  """A tqdm bar per run on `file` (default stderr), described by `label` (default: the
+  run's algorithm), left on screen when the run ends."""
+
+  def __init__(self, label: str | None = None, file: TextIO | None = None):
+    self.label = label
+    self._file = file
+    self._bar = None
+    self._rounds, self._task = 0, "classification"
+
+  def start(self, run: str, rounds: int, task: str) -> None:
+    import tqdm  # pylint: disable=g-import-not-at-top
+    self.close()
+    self._rounds, self._task = rounds, task
+    file = self._file or sys.stderr
+    # Follow the window's width. A pty that reports no size (`script`, some CI runners)
+    # gets 120 columns and 40 lines: tqdm would draw nothing in a 0 x 0 window.
+    sized = _has_size(file)
+    self._bar = tqdm.tqdm(total=rounds, desc=self.label or run, bar_format=_BAR_FORMAT,
+                          file=file, dynamic_ncols=sized, ncols=None if sized else 120,
+                          nrows=None if sized else 40, leave=True, postfix="compiling")
+
+  def compiled(self, seconds: float, first_round: int) -> None:
+    note = f"compiled in {seconds:.1f} s"
+    if first_round:  # restored rounds count as done, not as fast ones
+      self._bar.n = self._bar.last_print_n = first_round
+      note += f", resumed after round {first_round}"
+    self._bar.set_postfix_str(note)
+
+  def round_done(self, round_number: int, metrics: RoundMetrics,
+                 seconds_per_round: float) -> None:
+    score = score_name(self._task)
+    eta = format_seconds(seconds_per_round * (self._rounds - round_number))
+    self._bar.set_postfix_str(
+        f"{seconds_per_round:.3f} s/round, ETA {eta}, val {score}"
+        f" {np.mean(metrics.val_score):.4f}, test {score} {np.mean(metrics.test_score):.4f}",
+        refresh=False)
+    self._bar.update(round_number - self._bar.n)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+
+
+def _has_size(file: TextIO) -> bool:
+  try:
+    return min(os.get_terminal_size(file.fileno())) > 0
+  except (AttributeError, OSError, ValueError):  # not a file, or not a terminal
+    return False
+
+
+class LineHandler(logging.Handler):
+  """Log records as plain lines on stderr: an INFO record is its message, others say
+  their level and logger ("warning (jax._src.xla_bridge): ..."). Written through
+  tqdm.write, which moves an open bar below the line."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    import tqdm  # pylint: disable=g-import-not-at-top
+    try:
+      message = record.getMessage()
+      if record.levelno != logging.INFO:
+        message = f"{record.levelname.lower()} ({record.name}): {message}"
+      if record.exc_info:
+        message += "\n" + logging.Formatter().formatException(record.exc_info)
+      tqdm.tqdm.write(message, file=sys.stderr)
+    except Exception:  # pylint: disable=broad-except
+      self.handleError(record)
