@@ -4,10 +4,12 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedora_jax import tree
 from fedora_jax.algorithms import fesem, ifca
 from fedora_jax.algorithms.base import InitContext
+from fedora_jax.errors import ConfigError
 from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
 
@@ -74,8 +76,8 @@ def test_fesem_assigns_each_client_to_the_nearest_center_and_averages():
   # Squared distances to centers 0 / 1: 1 / 25, 18 / 2, 5 / 13, 41 / 1.
   np.testing.assert_array_equal(fesem.e_step(models, centers), [0, 1, 0, 1])
   clients = fesem.FesemClients(params=models, cluster=jnp.array([2, 2, 2, 2], jnp.int32))
-  state = algorithm.aggregate(fesem.FesemServer(centers=centers), clients, (),
-                              jnp.ones(4))
+  state = algorithm.aggregate(fesem.FesemServer(centers=centers, clustered=jnp.asarray(True)),
+                              clients, (), jnp.ones(4))
   np.testing.assert_array_equal(state.clients.cluster, [0, 1, 0, 1])
   np.testing.assert_allclose(state.server.centers["w"],
                              [[1.0, 1.0], [4.0, 3.5], [-9.0, 9.0]])  # center 2 kept
@@ -102,3 +104,37 @@ def test_fesem_clients_train_from_their_center():
   chex.assert_trees_all_close(out.state.params,
                               jax.tree.map(lambda p, g: p - lr * g, center, grads), atol=1e-6)
   assert int(out.state.cluster) == int(state.clients.cluster[0])
+
+
+def test_fesem_kmeans_start_clusters_the_first_round_models_by_hand():
+  # Two groups on a line: {0, 1, 2} and {10, 12}. Farthest-first: row sums of the squared
+  # distances are 249, 204, 169, 249, 369, so the first seed is model 4 (12) and the
+  # second the model farthest from it, model 0 (0). Lloyd then gives the group means.
+  models = {"w": jnp.array([[0.0], [1.0], [2.0], [10.0], [12.0]])}
+  pairwise = tree.pairwise_squared_distances(models)
+  np.testing.assert_array_equal(fesem.farthest_first_seeds(pairwise, 2), [4, 0])
+  algorithm = fesem.fesem(fesem.FesemConfig(num_clusters=2), tiny_trainer(tiny_model()))
+  # init="kmeans": round 1 sends every client the shared initial model.
+  start = {"w": jnp.full((5, 1), 7.0)}
+  state = algorithm.init(InitContext(params=start, data=None, trainer=None,
+                                     key=jax.random.key(0)))
+  assert not bool(state.server.clustered)
+  np.testing.assert_allclose(algorithm.broadcast(state.server, state.clients)["w"], start["w"])
+  # After round 1 (models trained to `models`), aggregate runs k-means, not one E/M step
+  # against the (all equal) starting centers, which would put everyone in cluster 0.
+  after = algorithm.aggregate(state.server, state.clients._replace(params=models), (),
+                              jnp.ones(5))
+  np.testing.assert_allclose(after.server.centers["w"], [[11.0], [1.0]])
+  np.testing.assert_array_equal(after.clients.cluster, [1, 1, 1, 0, 0])
+  assert bool(after.server.clustered)
+  # From round 2 on, ordinary E/M steps: model 2 moved to 8 is now nearer center 0 (11).
+  moved = {"w": jnp.array([[0.0], [1.0], [8.0], [10.0], [12.0]])}
+  again = algorithm.aggregate(after.server, after.clients._replace(params=moved), (),
+                              jnp.ones(5))
+  np.testing.assert_array_equal(again.clients.cluster, [1, 1, 0, 0, 0])
+  np.testing.assert_allclose(again.server.centers["w"], [[10.0], [0.5]])
+
+
+def test_fesem_rejects_an_unknown_init():
+  with pytest.raises(ConfigError, match="fesem: init"):
+    fesem.fesem(fesem.FesemConfig(init="spectral"), tiny_trainer(tiny_model()))

@@ -57,7 +57,10 @@ REGISTRY: dict[str, Registered] = {
     "ifca": Registered(ifca.IfcaConfig, ifca.ifca, {
         "num_clusters": "Number of cluster models C"}),
     "fesem": Registered(fesem.FesemConfig, fesem.fesem, {
-        "num_clusters": "Number of centers C"}),
+        "num_clusters": "Number of centers C",
+        "init": "kmeans: k-means on the first round's local models; random: the paper's"
+                " random centers and assignment",
+        "kmeans_iterations": "Lloyd steps of the first round's k-means (init=kmeans)"}),
     "fedfomo": Registered(fedfomo.FedFomoConfig, fedfomo.fedfomo, {
         "num_models": "Models M each client downloads per round",
         "epsilon": "Initial probability of downloading M random models instead of the"
