@@ -58,9 +58,11 @@ REGISTRY: dict[str, Registered] = {
         "num_clusters": "Number of cluster models C"}),
     "fesem": Registered(fesem.FesemConfig, fesem.fesem, {
         "num_clusters": "Number of centers C",
-        "init": "kmeans: k-means on the first round's local models; random: the paper's"
+        "init": "kmeans: k-means on the local models of the first rounds; random: the paper's"
                 " random centers and assignment",
-        "kmeans_iterations": "Lloyd steps of the first round's k-means (init=kmeans)"}),
+        "warmup_rounds": "Rounds of local training whose models k-means clusters"
+                         " (init=kmeans)",
+        "kmeans_iterations": "Lloyd steps of that k-means (init=kmeans)"}),
     "fedfomo": Registered(fedfomo.FedFomoConfig, fedfomo.fedfomo, {
         "num_models": "Models M each client downloads per round",
         "epsilon": "Initial probability of downloading M random models instead of the"

@@ -26,10 +26,11 @@ the client's random cluster, the assignment never moves, and each center is FedA
 a random quarter of the rotations (Acc 0.625 at 500 rounds against the FEDORA paper's
 0.772, docs/results.md).
 `init="kmeans"` (the default) starts the clusters from the data instead, as k-means
-based clustered FL does: in the first round every client trains from the shared initial
-model, and the server then runs k-means on those local models (farthest-first
-seeds, Gonzalez 1985, the deterministic form of k-means++; then `kmeans_iterations`
-Lloyd steps, which are FeSEM's own E/M steps) to set the centers and the assignment.
+based clustered FL does: for `warmup_rounds` rounds every client trains its own model
+(from the shared initial model, no communication; its personalized model is that local
+model), and the server then runs k-means on those local models (farthest-first seeds,
+Gonzalez 1985, the deterministic form of k-means++; then `kmeans_iterations` Lloyd
+steps, which are FeSEM's own E/M steps) to set the centers and the assignment.
 From the second round on FeSEM's E/M steps run as above; the E-step re-clusters every
 round. The FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code,
 so which start the FEDORA paper's row used is not known; k-means is the default because
@@ -54,12 +55,13 @@ class FesemConfig(NamedTuple):
   # MNIST (4 rotations) so the two clustering baselines compare at the same C.
   num_clusters: int = 4
   init: str = "kmeans"         # "kmeans": k-means on round 1's local models; "random": the paper's
-  kmeans_iterations: int = 10  # Lloyd steps of the first round's k-means (init="kmeans")
+  warmup_rounds: int = 1       # rounds of local training before the k-means (init="kmeans")
+  kmeans_iterations: int = 10  # Lloyd steps of that k-means (init="kmeans")
 
 
 class FesemServer(NamedTuple):
   centers: object        # leaves [C, ...]: the cluster centers theta~
-  clustered: jax.Array   # [] bool: False until the first round's k-means has run
+  warmup_left: jax.Array  # [] int32: local-training rounds left before k-means; 0 after
 
 
 class FesemClients(NamedTuple):
@@ -72,6 +74,8 @@ def validate(config: FesemConfig) -> FesemConfig:
     raise FieldError("fesem", "num_clusters", f"must be >= 1, got {config.num_clusters}")
   if config.init not in INITS:
     raise FieldError("fesem", "init", f"must be kmeans or random, got {config.init!r}")
+  if config.warmup_rounds < 1:
+    raise FieldError("fesem", "warmup_rounds", f"must be >= 1, got {config.warmup_rounds}")
   if config.kmeans_iterations < 0:
     raise FieldError("fesem", "kmeans_iterations",
                      f"must be >= 0, got {config.kmeans_iterations}")
@@ -117,21 +121,25 @@ def fesem(config: FesemConfig, trainer: ClientTrainer) -> Algorithm:
   def init(context: InitContext) -> AlgorithmState:
     num_clients = tree.leading_size(context.params)
     if config.init == "kmeans":
-      # Every client trains the shared initial model in round 1; k-means follows.
+      # Every client trains its own model from the shared one first; k-means follows.
       centers = tree.take(context.params, jnp.zeros((config.num_clusters,), jnp.int32))
-      server = FesemServer(centers=centers, clustered=jnp.asarray(False))
+      server = FesemServer(centers=centers,
+                           warmup_left=jnp.asarray(config.warmup_rounds, jnp.int32))
       assignment = jnp.zeros((num_clients,), jnp.int32)
     else:
       center_key, assign_key = jax.random.split(context.key)
       centers = tree.initial_centers(context.params, center_key, config.num_clusters)
-      server = FesemServer(centers=centers, clustered=jnp.asarray(True))
+      server = FesemServer(centers=centers, warmup_left=jnp.asarray(0, jnp.int32))
       assignment = jax.random.randint(assign_key, (num_clients,), 0, config.num_clusters,
                                       jnp.int32)
     return AlgorithmState(server=server,
                           clients=FesemClients(params=context.params, cluster=assignment))
 
-  def broadcast(server: FesemServer, clients: FesemClients):
-    return tree.take(server.centers, clients.cluster)
+  def own_or_center(server: FesemServer, clients: FesemClients):
+    """The client's own model while warming up, its center afterwards."""
+    centers = tree.take(server.centers, clients.cluster)
+    return jax.tree.map(lambda own, center: jnp.where(server.warmup_left > 0, own, center),
+                        clients.params, centers)
 
   def client_update(client_state: FesemClients, center, data, key):
     params, stats = trainer.train(center, data.train, key)
@@ -143,16 +151,20 @@ def fesem(config: FesemConfig, trainer: ClientTrainer) -> Algorithm:
       assignment = e_step(params, server.centers)
       return m_step(params, assignment, server.centers), assignment
 
-    centers, assignment = jax.lax.cond(
-        server.clustered, em,
-        lambda params: kmeans(params, config.num_clusters, config.kmeans_iterations),
-        clients.params)
-    return AlgorithmState(server=FesemServer(centers=centers, clustered=jnp.asarray(True)),
+    def cluster(params):
+      return kmeans(params, config.num_clusters, config.kmeans_iterations)
+
+    def keep(params):
+      del params
+      return server.centers, clients.cluster
+
+    # warmup_left 0: E/M; 1: this round's models are the last local ones, k-means; >1: wait.
+    centers, assignment = jax.lax.switch(jnp.minimum(server.warmup_left, 2),
+                                         [em, cluster, keep], clients.params)
+    warmup_left = jnp.maximum(server.warmup_left - 1, 0)
+    return AlgorithmState(server=FesemServer(centers=centers, warmup_left=warmup_left),
                           clients=clients._replace(cluster=assignment))
 
-  def personalized_params(server: FesemServer, clients: FesemClients):
-    return tree.take(server.centers, clients.cluster)
-
-  return Algorithm(name="fesem", init=init, broadcast=broadcast,
+  return Algorithm(name="fesem", init=init, broadcast=own_or_center,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params)
+                   personalized_params=own_or_center)
