@@ -101,7 +101,7 @@ def test_fedamp_warns_when_the_first_cloud_models_extrapolate(caplog):
 
 def test_fedamp_clips_the_step_to_the_papers_bound_by_hand():
   # K = 3, sigma = 1: the bound is alpha_k <= sigma / (K - 1) = 0.5, so alpha_k = 1 is
-  # clipped to 0.5 in xi and in the proximal weight lambda / (2 alpha_k) = 0.3 / 1.
+  # clipped to 0.5 in xi; the proximal weight keeps lambda / (2 alpha_k) = 0.3 / 2.
   params = {"w": jnp.array([[0.0], [1.0], [3.0]])}
   config = fedamp.FedAmpConfig(alpha_k=1.0, lam=0.3, sigma=1.0)
   algorithm = fedamp.fedamp(config, tiny_trainer(tiny_model()))
@@ -114,11 +114,11 @@ def test_fedamp_clips_the_step_to_the_papers_bound_by_hand():
   np.testing.assert_allclose(state.server.attention, xi, rtol=1e-6)
   assert np.all(np.diag(xi) >= 0)
   message = algorithm.broadcast(state.server, params)
-  np.testing.assert_allclose(message.prox_weight, [0.3, 0.3, 0.3], rtol=1e-6)
+  np.testing.assert_allclose(message.prox_weight, [0.15, 0.15, 0.15], rtol=1e-6)
   # Equal models (the first round): xi_ii = 1 - 2 * 0.5 = 0, never negative.
   same = {"w": jnp.zeros((3, 1))}
   np.testing.assert_allclose(np.diag(fedamp.attention_matrix(same, config)), 0.0, atol=1e-7)
-  # clip_step=False keeps alpha_k = 1 (PFLlib): xi_ii = 1 - 2 = -1, weight 0.3 / 2.
+  # clip_step=False keeps alpha_k = 1 in xi (PFLlib): xi_ii = 1 - 2 = -1.
   raw = config._replace(clip_step=False)
   np.testing.assert_allclose(np.diag(fedamp.attention_matrix(same, raw)), -1.0, atol=1e-7)
   raw_message = fedamp.fedamp(raw, tiny_trainer(tiny_model())).broadcast(state.server, params)

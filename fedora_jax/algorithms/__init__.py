@@ -80,7 +80,7 @@ REGISTRY: dict[str, Registered] = {
         "sigma": "Scale sigma of A(x) = 1 - exp(-x / sigma)",
         "self_weight": "HeurFedAMP's self-attention xi_ii (cosine attention only)",
         "cosine_scale": "HeurFedAMP's scale of the cosines in the softmax (cosine only)",
-        "clip_step": "Use min(alpha_k, sigma / (K - 1)) so every self weight xi_ii >= 0"
+        "clip_step": "Attention step min(alpha_k, sigma / (K - 1)) so every xi_ii >= 0"
                      " (the paper's bound); false: alpha_k as given (PFLlib)"}),
     "pfedhn": Registered(pfedhn.PfedhnConfig, pfedhn.pfedhn, {
         "embed_dim": "Client embedding size; 0: 1 + K / 4",

@@ -27,10 +27,14 @@ any distances when alpha_k <= sigma / (K - 1). PFLlib's alpha_k = 1 breaks it fo
 K > 1 + sigma: at K = 36 the first round's xi_ii is 1 - 35 = -34, every cloud model
 extrapolates far past the others, and the proximal term drags each client there
 (Acc 0.491 at 500 rounds against the FEDORA paper's 0.787; docs/results.md). With
-`clip_step=True` (the default) the step used, in xi and in the proximal weight
-lambda / (2 alpha_k) alike, is min(alpha_k, sigma / (K - 1)); `clip_step=False` uses
-alpha_k as given (PFLlib's behaviour; `init` then warns when the first round
-extrapolates, and the per-client metric `self_weight` shows xi_ii). PFLlib's numbers do
+`clip_step=True` (the default) the message-passing step in xi is
+min(alpha_k, sigma / (K - 1)); `clip_step=False` uses alpha_k as given (PFLlib's
+behaviour; `init` then warns when the first round extrapolates, and the per-client
+metric `self_weight` shows xi_ii). The proximal weight stays lambda / (2 alpha_k) of the
+configured values, i.e. lambda is scaled with the clipped step: clipping it too (the
+paper's coupling, 1 / (2 / 35) = 17.5 at the defaults) holds every client so close to
+its cloud model that it barely trains (Acc 0.210 after 100 rounds against LOCAL's
+0.752, docs/results.md). PFLlib's numbers do
 not show the extrapolation because its client builds the regulariser from `p.data`
 (detached), so the term has no gradient and its FedAMP trains like LOCAL.
 The FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so the
@@ -58,7 +62,7 @@ class FedAmpConfig(NamedTuple):
   sigma: float = 1.0           # scale of A(x) = 1 - exp(-x / sigma)
   self_weight: float = 0.5     # HeurFedAMP's xi_ii (cosine attention only)
   cosine_scale: float = 1.0    # HeurFedAMP's sigma in softmax(sigma * cos) (cosine only)
-  clip_step: bool = True       # use min(alpha_k, sigma / (K - 1)): xi_ii >= 0 (the paper's bound)
+  clip_step: bool = True       # xi with min(alpha_k, sigma / (K - 1)): xi_ii >= 0 (paper's bound)
 
 
 class FedAmpServer(NamedTuple):
@@ -68,7 +72,7 @@ class FedAmpServer(NamedTuple):
 class FedAmpMessage(NamedTuple):
   cloud_model: object     # leaves [K, ...]: u_i = sum_j xi_ij w_j
   self_weight: jax.Array  # [K]: xi_ii
-  prox_weight: jax.Array  # [K]: lambda / (2 alpha_k), alpha_k the step used
+  prox_weight: jax.Array  # [K]: lambda / (2 alpha_k) of the configured values
 
 
 def validate(config: FedAmpConfig) -> FedAmpConfig:
@@ -143,7 +147,7 @@ def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
 
   def broadcast(server: FedAmpServer, client_params):
     num_clients = tree.leading_size(client_params)
-    prox_weight = config.lam / (2.0 * step_size(config, num_clients))
+    prox_weight = config.lam / (2.0 * config.alpha_k)
     return FedAmpMessage(cloud_model=tree.mix(server.attention, client_params),
                          self_weight=jnp.diag(server.attention),
                          prox_weight=jnp.full((num_clients,), prox_weight, jnp.float32))

@@ -55,7 +55,7 @@ class FesemConfig(NamedTuple):
   # MNIST (4 rotations) so the two clustering baselines compare at the same C.
   num_clusters: int = 4
   init: str = "kmeans"         # "kmeans": k-means on round 1's local models; "random": the paper's
-  warmup_rounds: int = 1       # rounds of local training before the k-means (init="kmeans")
+  warmup_rounds: int = 10      # rounds of local training before the k-means (init="kmeans")
   kmeans_iterations: int = 10  # Lloyd steps of that k-means (init="kmeans")
 
 
