@@ -66,7 +66,8 @@ def test_apfl_one_step_updates_w_v_and_alpha_as_the_paper():
   trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=1)  # one full-batch step
   global_params, local = init_params(model, seed=0), init_params(model, seed=1)
   alpha = 0.3
-  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha, mixing="parameters"), trainer)
+  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha, mixing="parameters",
+                                        alpha_update="step"), trainer)
   state = apfl.ApflClient(local=local, alpha=jnp.asarray(alpha), own_global=global_params)
   out = algorithm.client_update(state, global_params, splits, jax.random.key(0))
 
@@ -94,7 +95,7 @@ def test_apfl_alpha_stays_in_the_unit_interval_or_fixed():
   trainer = tiny_trainer(model, lr=1e3, batch_size=8)  # a huge step must be projected
   global_params, local = init_params(model, seed=0), init_params(model, seed=1)
   state = apfl.ApflClient(local=local, alpha=jnp.asarray(0.5), own_global=global_params)
-  adaptive = apfl.apfl(apfl.ApflConfig(), trainer)
+  adaptive = apfl.apfl(apfl.ApflConfig(alpha_update="step"), trainer)
   alpha = adaptive.client_update(state, global_params, splits, jax.random.key(0)).state.alpha
   assert float(alpha) in (0.0, 1.0)
   fixed = apfl.apfl(apfl.ApflConfig(adapt_alpha=False), trainer)
@@ -126,7 +127,7 @@ def test_apfl_output_mixing_step_and_evaluation_as_the_authors_code():
   trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=1)  # one full-batch step
   global_params, local = init_params(model, seed=0), init_params(model, seed=1)
   alpha = 0.3
-  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha), trainer)
+  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha, alpha_update="step"), trainer)
   state = apfl.ApflClient(local=local, alpha=jnp.asarray(alpha), own_global=local)
   out = algorithm.client_update(state, global_params, splits, jax.random.key(0))
 
@@ -161,3 +162,32 @@ def test_apfl_output_mixing_step_and_evaluation_as_the_authors_code():
   np.testing.assert_allclose(stats.score, jnp.mean(jnp.argmax(mixed, -1) == y), rtol=1e-6)
   with pytest.raises(ConfigError, match="apfl: mixing"):
     apfl.apfl(apfl.ApflConfig(mixing="logits"), trainer)
+
+
+def test_apfl_round_alpha_step_as_the_authors_code():
+  # alpha_update="round": alpha <- clip(alpha - lr (dCE(mixture)/dalpha + 0.02 alpha)) once,
+  # at the round's start, on the whole training split; the local steps keep it fixed.
+  _, model, splits, client = _one_client_case()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=1)  # one full-batch step
+  global_params, local = init_params(model, seed=0), init_params(model, seed=1)
+  alpha, alpha_lr = 0.3, 5.0
+  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha, lr=alpha_lr), trainer)
+  state = apfl.ApflClient(local=local, alpha=jnp.asarray(alpha), own_global=local)
+  out = algorithm.client_update(state, global_params, splits, jax.random.key(0))
+
+  x, y = jnp.asarray(client.x_train), jnp.asarray(client.y_train)
+  v_out, w_out = model.apply(local, x), model.apply(global_params, x)
+  probs = jax.nn.softmax(alpha * v_out + (1 - alpha) * w_out)
+  grad_alpha = jnp.mean(jnp.sum((v_out - w_out) * (probs - jax.nn.one_hot(y, 3)), -1))
+  new_alpha = np.clip(alpha - alpha_lr * (grad_alpha + 0.02 * alpha), 0, 1)
+  assert abs(new_alpha - alpha) > 1e-3  # the case really moves alpha
+  np.testing.assert_allclose(out.state.alpha, new_alpha, rtol=1e-5)
+  # The round's step on v uses the new alpha, which the step itself leaves alone.
+  def ce(v):
+    logits = new_alpha * model.apply(v, x) + (1 - new_alpha) * w_out
+    return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+  chex.assert_trees_all_close(
+      out.state.local, jax.tree.map(lambda v, g: v - LR * g, local, jax.grad(ce)(local)),
+      atol=1e-6)
+  with pytest.raises(ConfigError, match="apfl: alpha_update"):
+    apfl.apfl(apfl.ApflConfig(alpha_update="epoch"), trainer)

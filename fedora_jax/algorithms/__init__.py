@@ -51,7 +51,7 @@ REGISTRY: dict[str, Registered] = {
     "fedavg_c": Registered(fedavg_c.FedAvgCConfig, fedavg_c.fedavg_c, fedavg_c.FLAG_HELP),
     "fedprox_c": Registered(fedprox_c.FedProxCConfig, fedprox_c.fedprox_c, fedprox_c.FLAG_HELP),
     "ditto": Registered(ditto.DittoConfig, ditto.ditto, ditto.FLAG_HELP),
-    "apfl": Registered(apfl.ApflConfig, apfl.apfl, apfl.FLAG_HELP),
+    "apfl": Registered(apfl.ApflConfig, apfl.apfl, apfl.FLAG_HELP, train_fields=("lr",)),
     "lg_fedavg": Registered(lg_fedavg.LgFedAvgConfig, lg_fedavg.lg_fedavg, lg_fedavg.FLAG_HELP),
     "fedper": Registered(fedper.FedPerConfig, fedper.fedper, fedper.FLAG_HELP),
     "ifca": Registered(ifca.IfcaConfig, ifca.ifca, {
