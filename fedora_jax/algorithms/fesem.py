@@ -14,13 +14,13 @@ client models theta_k and C centers theta~_c by alternating, every round:
 In this engine's round the local step comes first and E/M close the round (the same
 cycle): broadcast sends theta~_{r_k}, the client trains from it, and aggregate runs
 the E-step on the freshly trained models and the M-step. A client's personalized model
-is its center.
+is its center (its own local model while warming up, below).
 
 Initialisation (`init`). The paper draws the centers at random (`init="random"`: cluster
 0 is the run's shared initial model, the others random re-draws of it by
 tree.random_models, and the first assignment is uniformly random, since every client
 starts from the same model and an E-step on it would put all clients in one cluster).
-Measured on rotated MNIST that start never recovers: independently drawn centers lie
+On rotated MNIST that start never recovers (issue 14): independently drawn centers lie
 ~178 apart in squared L2 while a client moves < 1 in a round, so every E-step returns
 the client's random cluster, the assignment never moves, and each center is FedAvg over
 a random quarter of the rotations (Acc 0.625 at 500 rounds against the FEDORA paper's
@@ -31,10 +31,12 @@ based clustered FL does: for `warmup_rounds` rounds every client trains its own 
 model), and the server then runs k-means on those local models (farthest-first seeds,
 Gonzalez 1985, the deterministic form of k-means++; then `kmeans_iterations` Lloyd
 steps, which are FeSEM's own E/M steps) to set the centers and the assignment.
-From the second round on FeSEM's E/M steps run as above; the E-step re-clusters every
-round. The FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code,
-so which start the FEDORA paper's row used is not known; k-means is the default because
-the random start cannot separate the rotations at all.
+After it FeSEM's E/M steps run as above; the E-step re-clusters every round. On rotated
+MNIST at 100 rounds (LOCAL 0.752): random start 0.537, k-means after 1 local round
+0.630, after 10 (the default) 0.668 (docs/results.md, "Five low baselines"). The
+FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so which
+start the FEDORA paper's row used is not known; k-means is the default because the
+random start cannot separate the rotations at all.
 """
 
 from typing import NamedTuple
