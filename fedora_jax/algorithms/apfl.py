@@ -77,7 +77,7 @@ MIXINGS = ("output", "parameters")
 
 class ApflConfig(NamedTuple):
   alpha: float = 0.5        # initial mixing weight of the local model (authors' code)
-  adapt_alpha: bool = True  # learn alpha by its gradient (the paper's adaptive APFL)
+  adapt_alpha: bool = True  # learn alpha by its gradient (adaptive APFL; when: alpha_update)
   mixing: str = "output"    # "output": authors' code (mixed logits); "parameters": paper
   alpha_update: str = "round"  # "round": authors' code, once a round; "step": the paper's
   alpha_penalty: float = 0.02  # authors' code: alpha's gradient + penalty * alpha (round)
@@ -86,7 +86,7 @@ class ApflConfig(NamedTuple):
 
 FLAG_HELP = {
     "alpha": "APFL initial mixing weight: personalised model = alpha v + (1 - alpha) w",
-    "adapt_alpha": "APFL: update alpha by its gradient each local step (else keep it fixed)",
+    "adapt_alpha": "APFL: learn alpha by its gradient (when: alpha_update; else keep it fixed)",
     "alpha_update": "APFL: round (authors' code: one plain SGD step on alpha a round) or"
                     " step (the paper: every local step, with the client optimizer)",
     "alpha_penalty": "APFL: alpha's round step uses grad + alpha_penalty * alpha",
