@@ -4,10 +4,12 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedora_jax import tree
 from fedora_jax.algorithms import fesem, ifca
 from fedora_jax.algorithms.base import InitContext
+from fedora_jax.errors import ConfigError
 from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
 
@@ -74,8 +76,9 @@ def test_fesem_assigns_each_client_to_the_nearest_center_and_averages():
   # Squared distances to centers 0 / 1: 1 / 25, 18 / 2, 5 / 13, 41 / 1.
   np.testing.assert_array_equal(fesem.e_step(models, centers), [0, 1, 0, 1])
   clients = fesem.FesemClients(params=models, cluster=jnp.array([2, 2, 2, 2], jnp.int32))
-  state = algorithm.aggregate(fesem.FesemServer(centers=centers), clients, (),
-                              jnp.ones(4))
+  state = algorithm.aggregate(fesem.FesemServer(centers=centers,
+                                                 warmup_left=jnp.asarray(0, jnp.int32)),
+                              clients, (), jnp.ones(4))
   np.testing.assert_array_equal(state.clients.cluster, [0, 1, 0, 1])
   np.testing.assert_allclose(state.server.centers["w"],
                              [[1.0, 1.0], [4.0, 3.5], [-9.0, 9.0]])  # center 2 kept
@@ -88,7 +91,7 @@ def test_fesem_clients_train_from_their_center():
   model = tiny_model()
   lr = 0.1
   trainer = tiny_trainer(model, lr=lr, batch_size=8)
-  algorithm = fesem.fesem(fesem.FesemConfig(num_clusters=2), trainer)
+  algorithm = fesem.fesem(fesem.FesemConfig(num_clusters=2, init="random"), trainer)
   stacked = _stack([init_params(model, seed=s) for s in range(3)])
   state = algorithm.init(InitContext(params=stacked, data=data, trainer=trainer,
                                      key=jax.random.key(0)))
@@ -102,3 +105,62 @@ def test_fesem_clients_train_from_their_center():
   chex.assert_trees_all_close(out.state.params,
                               jax.tree.map(lambda p, g: p - lr * g, center, grads), atol=1e-6)
   assert int(out.state.cluster) == int(state.clients.cluster[0])
+
+
+def test_fesem_kmeans_start_clusters_the_first_round_models_by_hand():
+  # Two groups on a line: {0, 1, 2} and {10, 12}. Farthest-first: row sums of the squared
+  # distances are 249, 204, 169, 249, 369, so the first seed is model 4 (12) and the
+  # second the model farthest from it, model 0 (0). Lloyd then gives the group means.
+  models = {"w": jnp.array([[0.0], [1.0], [2.0], [10.0], [12.0]])}
+  pairwise = tree.pairwise_squared_distances(models)
+  np.testing.assert_array_equal(fesem.farthest_first_seeds(pairwise, 2), [4, 0])
+  algorithm = fesem.fesem(fesem.FesemConfig(num_clusters=2), tiny_trainer(tiny_model()))
+  # init="kmeans": round 1 sends every client its own model, the shared initial one.
+  start = {"w": jnp.full((5, 1), 7.0)}
+  state = algorithm.init(InitContext(params=start, data=None, trainer=None,
+                                     key=jax.random.key(0)))
+  assert int(state.server.warmup_left) == 1
+  np.testing.assert_allclose(algorithm.broadcast(state.server, state.clients)["w"], start["w"])
+  # After round 1 (models trained to `models`), aggregate runs k-means, not one E/M step
+  # against the (all equal) starting centers, which would put everyone in cluster 0.
+  after = algorithm.aggregate(state.server, state.clients._replace(params=models), (),
+                              jnp.ones(5))
+  np.testing.assert_allclose(after.server.centers["w"], [[11.0], [1.0]])
+  np.testing.assert_array_equal(after.clients.cluster, [1, 1, 1, 0, 0])
+  assert int(after.server.warmup_left) == 0
+  np.testing.assert_allclose(algorithm.broadcast(after.server, after.clients)["w"],
+                             [[1.0], [1.0], [1.0], [11.0], [11.0]])
+  # From round 2 on, ordinary E/M steps: model 2 moved to 8 is now nearer center 0 (11).
+  moved = {"w": jnp.array([[0.0], [1.0], [8.0], [10.0], [12.0]])}
+  again = algorithm.aggregate(after.server, after.clients._replace(params=moved), (),
+                              jnp.ones(5))
+  np.testing.assert_array_equal(again.clients.cluster, [1, 1, 0, 0, 0])
+  np.testing.assert_allclose(again.server.centers["w"], [[10.0], [0.5]])
+
+
+def test_fesem_warms_up_on_local_models_before_its_kmeans():
+  algorithm = fesem.fesem(fesem.FesemConfig(num_clusters=2, warmup_rounds=2),
+                          tiny_trainer(tiny_model()))
+  start = {"w": jnp.full((5, 1), 7.0)}
+  state = algorithm.init(InitContext(params=start, data=None, trainer=None,
+                                     key=jax.random.key(0)))
+  round1 = {"w": jnp.array([[6.0], [7.0], [8.0], [9.0], [5.0]])}
+  state = algorithm.aggregate(state.server, state.clients._replace(params=round1), (),
+                              jnp.ones(5))
+  # Still warming up: centers untouched, each client keeps training (and is scored on)
+  # its own local model.
+  assert int(state.server.warmup_left) == 1
+  np.testing.assert_allclose(state.server.centers["w"], [[7.0], [7.0]])
+  np.testing.assert_allclose(algorithm.broadcast(state.server, state.clients)["w"], round1["w"])
+  np.testing.assert_allclose(
+      algorithm.personalized_params(state.server, state.clients)["w"], round1["w"])
+  models = {"w": jnp.array([[0.0], [1.0], [2.0], [10.0], [12.0]])}
+  state = algorithm.aggregate(state.server, state.clients._replace(params=models), (),
+                              jnp.ones(5))
+  np.testing.assert_allclose(state.server.centers["w"], [[11.0], [1.0]])
+  assert int(state.server.warmup_left) == 0
+
+
+def test_fesem_rejects_an_unknown_init():
+  with pytest.raises(ConfigError, match="fesem: init"):
+    fesem.fesem(fesem.FesemConfig(init="spectral"), tiny_trainer(tiny_model()))

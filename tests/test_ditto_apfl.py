@@ -66,8 +66,9 @@ def test_apfl_one_step_updates_w_v_and_alpha_as_the_paper():
   trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=1)  # one full-batch step
   global_params, local = init_params(model, seed=0), init_params(model, seed=1)
   alpha = 0.3
-  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha), trainer)
-  state = apfl.ApflClient(local=local, alpha=jnp.asarray(alpha))
+  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha, mixing="parameters",
+                                        alpha_update="step"), trainer)
+  state = apfl.ApflClient(local=local, alpha=jnp.asarray(alpha), own_global=global_params)
   out = algorithm.client_update(state, global_params, splits, jax.random.key(0))
 
   mixed = jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w, local, global_params)
@@ -93,8 +94,8 @@ def test_apfl_alpha_stays_in_the_unit_interval_or_fixed():
   _, model, splits, _ = _one_client_case()
   trainer = tiny_trainer(model, lr=1e3, batch_size=8)  # a huge step must be projected
   global_params, local = init_params(model, seed=0), init_params(model, seed=1)
-  state = apfl.ApflClient(local=local, alpha=jnp.asarray(0.5))
-  adaptive = apfl.apfl(apfl.ApflConfig(), trainer)
+  state = apfl.ApflClient(local=local, alpha=jnp.asarray(0.5), own_global=global_params)
+  adaptive = apfl.apfl(apfl.ApflConfig(alpha_update="step"), trainer)
   alpha = adaptive.client_update(state, global_params, splits, jax.random.key(0)).state.alpha
   assert float(alpha) in (0.0, 1.0)
   fixed = apfl.apfl(apfl.ApflConfig(adapt_alpha=False), trainer)
@@ -107,7 +108,7 @@ def test_apfl_alpha_stays_in_the_unit_interval_or_fixed():
 def test_apfl_evaluates_each_clients_mixture_with_the_new_global_model():
   data, model, _, _ = _one_client_case()
   trainer = tiny_trainer(model)
-  algorithm = apfl.apfl(apfl.ApflConfig(alpha=0.25), trainer)
+  algorithm = apfl.apfl(apfl.ApflConfig(alpha=0.25, mixing="parameters"), trainer)
   stacked = jax.vmap(lambda s: init_params(model, seed=s))(jnp.arange(2))
   state = algorithm.init(InitContext(params=stacked, data=data, trainer=trainer,
                                      key=jax.random.key(0)))
@@ -118,3 +119,75 @@ def test_apfl_evaluates_each_clients_mixture_with_the_new_global_model():
   for k, a in enumerate([0.25, 1.0]):
     expected = jax.tree.map(lambda v, w: a * v[k] + (1 - a) * w, clients.local, server)
     chex.assert_trees_all_close(jax.tree.map(lambda m: m[k], mixed), expected, atol=1e-6)
+
+
+def test_apfl_output_mixing_step_and_evaluation_as_the_authors_code():
+  # mixing="output": the personal loss is CE(alpha v(x) + (1 - alpha) w(x)), w frozen in it.
+  _, model, splits, client = _one_client_case()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=1)  # one full-batch step
+  global_params, local = init_params(model, seed=0), init_params(model, seed=1)
+  alpha = 0.3
+  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha, alpha_update="step"), trainer)
+  state = apfl.ApflClient(local=local, alpha=jnp.asarray(alpha), own_global=local)
+  out = algorithm.client_update(state, global_params, splits, jax.random.key(0))
+
+  x, y = jnp.asarray(client.x_train), jnp.asarray(client.y_train)
+  def ce(logits):
+    return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+  def personal_loss(v, a):
+    return ce(a * model.apply(v, x) + (1 - a) * model.apply(global_params, x))
+  grad_v, grad_alpha = jax.grad(personal_loss, argnums=(0, 1))(local, alpha)
+  # d CE / d alpha = mean over samples of <v(x) - w(x), softmax - onehot>, by hand:
+  probs = jax.nn.softmax(alpha * model.apply(local, x) + (1 - alpha) * model.apply(global_params, x))
+  by_hand = jnp.mean(jnp.sum((model.apply(local, x) - model.apply(global_params, x))
+                             * (probs - jax.nn.one_hot(y, probs.shape[-1])), -1))
+  np.testing.assert_allclose(grad_alpha, by_hand, rtol=1e-5)
+  expected_w = jax.tree.map(lambda w, g: w - LR * g, global_params,
+                            _grad(model, global_params, client))
+  chex.assert_trees_all_close(out.upload, expected_w, atol=1e-6)
+  chex.assert_trees_all_close(out.state.own_global, expected_w, atol=1e-6)
+  chex.assert_trees_all_close(out.state.local,
+                              jax.tree.map(lambda v, g: v - LR * g, local, grad_v), atol=1e-6)
+  np.testing.assert_allclose(out.state.alpha, np.clip(alpha - LR * by_hand, 0, 1), atol=1e-6)
+  assert abs(float(by_hand)) > 1e-3  # the case really moves alpha
+
+  # Evaluation: the mixture of outputs with the client's own w_k, not the new global model.
+  personal = algorithm.personalized_params(init_params(model, seed=7), jax.tree.map(
+      lambda a: a[None], out.state))
+  one = jax.tree.map(lambda a: a[0], personal)
+  mixed = (out.state.alpha * model.apply(out.state.local, x)
+           + (1 - out.state.alpha) * model.apply(expected_w, x))
+  stats = algorithm.evaluate(one, splits.train)
+  np.testing.assert_allclose(stats.loss, ce(mixed), rtol=1e-5)
+  np.testing.assert_allclose(stats.score, jnp.mean(jnp.argmax(mixed, -1) == y), rtol=1e-6)
+  with pytest.raises(ConfigError, match="apfl: mixing"):
+    apfl.apfl(apfl.ApflConfig(mixing="logits"), trainer)
+
+
+def test_apfl_round_alpha_step_as_the_authors_code():
+  # alpha_update="round": alpha <- clip(alpha - lr (dCE(mixture)/dalpha + 0.02 alpha)) once,
+  # at the round's start, on the whole training split; the local steps keep it fixed.
+  _, model, splits, client = _one_client_case()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=1)  # one full-batch step
+  global_params, local = init_params(model, seed=0), init_params(model, seed=1)
+  alpha, alpha_lr = 0.3, 5.0
+  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha, lr=alpha_lr), trainer)
+  state = apfl.ApflClient(local=local, alpha=jnp.asarray(alpha), own_global=local)
+  out = algorithm.client_update(state, global_params, splits, jax.random.key(0))
+
+  x, y = jnp.asarray(client.x_train), jnp.asarray(client.y_train)
+  v_out, w_out = model.apply(local, x), model.apply(global_params, x)
+  probs = jax.nn.softmax(alpha * v_out + (1 - alpha) * w_out)
+  grad_alpha = jnp.mean(jnp.sum((v_out - w_out) * (probs - jax.nn.one_hot(y, 3)), -1))
+  new_alpha = np.clip(alpha - alpha_lr * (grad_alpha + 0.02 * alpha), 0, 1)
+  assert abs(new_alpha - alpha) > 1e-3  # the case really moves alpha
+  np.testing.assert_allclose(out.state.alpha, new_alpha, rtol=1e-5)
+  # The round's step on v uses the new alpha, which the step itself leaves alone.
+  def ce(v):
+    logits = new_alpha * model.apply(v, x) + (1 - new_alpha) * w_out
+    return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+  chex.assert_trees_all_close(
+      out.state.local, jax.tree.map(lambda v, g: v - LR * g, local, jax.grad(ce)(local)),
+      atol=1e-6)
+  with pytest.raises(ConfigError, match="apfl: alpha_update"):
+    apfl.apfl(apfl.ApflConfig(alpha_update="epoch"), trainer)

@@ -72,7 +72,8 @@ def test_fedamp_client_takes_the_proximal_step_towards_its_cloud_model():
   algorithm = fedamp.fedamp(config, trainer)
   params, cloud = init_params(model, seed=0), init_params(model, seed=1)
   splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
-  message = fedamp.FedAmpMessage(cloud_model=cloud, self_weight=jnp.float32(0.3))
+  message = fedamp.FedAmpMessage(cloud_model=cloud, self_weight=jnp.float32(0.3),
+                                 prox_weight=jnp.float32(2.0))
   out = algorithm.client_update(params, message, splits, jax.random.key(0))
   grads = jax.grad(lambda p: mean_ce(model, p, clients[0].x_train, clients[0].y_train))(params)
   expected = jax.tree.map(lambda p, g, u: p - lr * (g + 2.0 * 2.0 * (p - u)),
@@ -88,10 +89,37 @@ def test_fedamp_warns_when_the_first_cloud_models_extrapolate(caplog):
   trainer = tiny_trainer(tiny_model())
   context = InitContext(params=params, data=None, trainer=trainer, key=jax.random.key(0))
   with caplog.at_level("WARNING"):
-    state = fedamp.fedamp(fedamp.FedAmpConfig(), trainer).init(context)
+    state = fedamp.fedamp(fedamp.FedAmpConfig(clip_step=False), trainer).init(context)
   np.testing.assert_allclose(np.diag(state.server.attention), -2.0)
   assert "xi_ii = -2 < 0" in caplog.text and "sigma / (K - 1) = 0.333" in caplog.text
   caplog.clear()
   with caplog.at_level("WARNING"):
-    fedamp.fedamp(fedamp.FedAmpConfig(alpha_k=0.3), trainer).init(context)
+    fedamp.fedamp(fedamp.FedAmpConfig(alpha_k=0.3, clip_step=False), trainer).init(context)
+    fedamp.fedamp(fedamp.FedAmpConfig(), trainer).init(context)  # clipped to 1/3
   assert "extrapolate" not in caplog.text
+
+
+def test_fedamp_clips_the_step_to_the_papers_bound_by_hand():
+  # K = 3, sigma = 1: the bound is alpha_k <= sigma / (K - 1) = 0.5, so alpha_k = 1 is
+  # clipped to 0.5 in xi; the proximal weight keeps lambda / (2 alpha_k) = 0.3 / 2.
+  params = {"w": jnp.array([[0.0], [1.0], [3.0]])}
+  config = fedamp.FedAmpConfig(alpha_k=1.0, lam=0.3, sigma=1.0)
+  algorithm = fedamp.fedamp(config, tiny_trainer(tiny_model()))
+  state = algorithm.init(InitContext(params=params, data=None, trainer=None,
+                                     key=jax.random.key(0)))
+  squared = np.array([[0.0, 1.0, 9.0], [1.0, 0.0, 4.0], [9.0, 4.0, 0.0]])
+  xi = 0.5 * np.exp(-squared)
+  np.fill_diagonal(xi, 0.0)
+  np.fill_diagonal(xi, 1.0 - xi.sum(axis=1))
+  np.testing.assert_allclose(state.server.attention, xi, rtol=1e-6)
+  assert np.all(np.diag(xi) >= 0)
+  message = algorithm.broadcast(state.server, params)
+  np.testing.assert_allclose(message.prox_weight, [0.15, 0.15, 0.15], rtol=1e-6)
+  # Equal models (the first round): xi_ii = 1 - 2 * 0.5 = 0, never negative.
+  same = {"w": jnp.zeros((3, 1))}
+  np.testing.assert_allclose(np.diag(fedamp.attention_matrix(same, config)), 0.0, atol=1e-7)
+  # clip_step=False keeps alpha_k = 1 in xi (PFLlib): xi_ii = 1 - 2 = -1.
+  raw = config._replace(clip_step=False)
+  np.testing.assert_allclose(np.diag(fedamp.attention_matrix(same, raw)), -1.0, atol=1e-7)
+  raw_message = fedamp.fedamp(raw, tiny_trainer(tiny_model())).broadcast(state.server, params)
+  np.testing.assert_allclose(raw_message.prox_weight, [0.15, 0.15, 0.15], rtol=1e-6)

@@ -51,13 +51,18 @@ REGISTRY: dict[str, Registered] = {
     "fedavg_c": Registered(fedavg_c.FedAvgCConfig, fedavg_c.fedavg_c, fedavg_c.FLAG_HELP),
     "fedprox_c": Registered(fedprox_c.FedProxCConfig, fedprox_c.fedprox_c, fedprox_c.FLAG_HELP),
     "ditto": Registered(ditto.DittoConfig, ditto.ditto, ditto.FLAG_HELP),
-    "apfl": Registered(apfl.ApflConfig, apfl.apfl, apfl.FLAG_HELP),
+    "apfl": Registered(apfl.ApflConfig, apfl.apfl, apfl.FLAG_HELP, train_fields=("lr",)),
     "lg_fedavg": Registered(lg_fedavg.LgFedAvgConfig, lg_fedavg.lg_fedavg, lg_fedavg.FLAG_HELP),
     "fedper": Registered(fedper.FedPerConfig, fedper.fedper, fedper.FLAG_HELP),
     "ifca": Registered(ifca.IfcaConfig, ifca.ifca, {
         "num_clusters": "Number of cluster models C"}),
     "fesem": Registered(fesem.FesemConfig, fesem.fesem, {
-        "num_clusters": "Number of centers C"}),
+        "num_clusters": "Number of centers C",
+        "init": "kmeans: k-means on the local models of the first rounds; random: the paper's"
+                " random centers and assignment",
+        "warmup_rounds": "Rounds of local training whose models k-means clusters"
+                         " (init=kmeans)",
+        "kmeans_iterations": "Lloyd steps of that k-means (init=kmeans)"}),
     "fedfomo": Registered(fedfomo.FedFomoConfig, fedfomo.fedfomo, {
         "num_models": "Models M each client downloads per round",
         "epsilon": "Initial probability of downloading M random models instead of the"
@@ -74,7 +79,9 @@ REGISTRY: dict[str, Registered] = {
                " lambda / (2 alpha_k)",
         "sigma": "Scale sigma of A(x) = 1 - exp(-x / sigma)",
         "self_weight": "HeurFedAMP's self-attention xi_ii (cosine attention only)",
-        "cosine_scale": "HeurFedAMP's scale of the cosines in the softmax (cosine only)"}),
+        "cosine_scale": "HeurFedAMP's scale of the cosines in the softmax (cosine only)",
+        "clip_step": "Attention step min(alpha_k, sigma / (K - 1)) so every xi_ii >= 0"
+                     " (the paper's bound); false: alpha_k as given (PFLlib)"}),
     "pfedhn": Registered(pfedhn.PfedhnConfig, pfedhn.pfedhn, {
         "embed_dim": "Client embedding size; 0: 1 + K / 4",
         "hidden_dim": "Hypernetwork hidden width",

@@ -252,7 +252,10 @@ def with_ala(host: Algorithm, hooks: AlaHooks, config: AlaConfig, trainer: Clien
 
   return Algorithm(name=name or f"{host.name}+ala", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params, artifacts=host.artifacts)
+                   personalized_params=personalized_params, artifacts=host.artifacts,
+                   # The host's own evaluation of its personalized model (APFL's output
+                   # mixture), unless ALA evaluates theta_i, a model of the run.
+                   evaluate=None if hooks.personal_is_local else host.evaluate)
 
 
 def _model_message(personal_is_local: bool) -> AlaHooks:

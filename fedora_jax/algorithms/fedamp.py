@@ -20,11 +20,27 @@ saved as an artifact; distances are taken row by row (memory O(K d), never [K, K
 Defaults (alpha_k = lambda = sigma = 1) are those of PFLlib's FedAMP
 (github.com/TsingZ0/PFLlib), which also starts local SGD from the client's own model;
 the paper minimises the proximal objective, whose minimiser does not depend on the start.
-The paper's convergence analysis needs alpha_k small enough that xi_ii >= 0; with many
-close models and these defaults xi_ii can be negative (u_i then extrapolates), which the
-per-client metric `self_weight` shows; `init` warns when the first round already does.
-docs/results.md ("FedAMP's hyperparameters") has a sweep of alpha_k, lambda and sigma on
-rotated MNIST.
+
+Step bound (`clip_step`). The paper's analysis needs xi_ii >= 0, i.e. a cloud model that
+is a convex combination of the clients' models; since A'(d) <= 1 / sigma this holds for
+any distances when alpha_k <= sigma / (K - 1). PFLlib's alpha_k = 1 breaks it for any
+K > 1 + sigma: at K = 36 the first round's xi_ii is 1 - 35 = -34, every cloud model
+extrapolates far past the others, and the proximal term drags each client there
+(Acc 0.491 at 500 rounds against the FEDORA paper's 0.787; docs/results.md). With
+`clip_step=True` (the default) the message-passing step in xi is
+min(alpha_k, sigma / (K - 1)); `clip_step=False` uses alpha_k as given (PFLlib's
+behaviour; `init` then warns when the first round extrapolates, and the per-client
+metric `self_weight` shows xi_ii). The proximal weight stays lambda / (2 alpha_k) of the
+configured values, i.e. lambda is scaled with the clipped step: clipping it too (the
+paper's coupling, 1 / (2 / 35) = 17.5 at the defaults) holds every client so close to
+its cloud model that it barely trains (Acc 0.210 after 100 rounds against LOCAL's
+0.752, docs/results.md). PFLlib's numbers do
+not show the extrapolation because its client builds the regulariser from `p.data`
+(detached), so the term has no gradient and its FedAMP trains like LOCAL.
+The FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so the
+settings behind the FEDORA paper's row are not known. docs/results.md ("FedAMP's
+hyperparameters") has a sweep of alpha_k, lambda and sigma and of HeurFedAMP on rotated
+MNIST.
 """
 
 import logging
@@ -46,6 +62,7 @@ class FedAmpConfig(NamedTuple):
   sigma: float = 1.0           # scale of A(x) = 1 - exp(-x / sigma)
   self_weight: float = 0.5     # HeurFedAMP's xi_ii (cosine attention only)
   cosine_scale: float = 1.0    # HeurFedAMP's sigma in softmax(sigma * cos) (cosine only)
+  clip_step: bool = True       # xi with min(alpha_k, sigma / (K - 1)): xi_ii >= 0 (paper's bound)
 
 
 class FedAmpServer(NamedTuple):
@@ -55,6 +72,7 @@ class FedAmpServer(NamedTuple):
 class FedAmpMessage(NamedTuple):
   cloud_model: object     # leaves [K, ...]: u_i = sum_j xi_ij w_j
   self_weight: jax.Array  # [K]: xi_ii
+  prox_weight: jax.Array  # [K]: lambda / (2 alpha_k) of the configured values
 
 
 def validate(config: FedAmpConfig) -> FedAmpConfig:
@@ -88,22 +106,29 @@ def cosine_attention(gram: jax.Array, self_weight: float, scale: float) -> jax.A
   return (1.0 - self_weight) * others + self_weight * jnp.eye(gram.shape[0])
 
 
+def step_size(config: FedAmpConfig, num_clients: int) -> float:
+  """alpha_k used: as given, or clipped to sigma / (K - 1) so that every xi_ii >= 0."""
+  if config.clip_step and num_clients > 1:
+    return min(config.alpha_k, config.sigma / (num_clients - 1))
+  return config.alpha_k
+
+
 def first_round_self_weight(num_clients: int, config: FedAmpConfig) -> float:
   """xi_ii of the first broadcast, when every client starts from the same model (d = 0)."""
-  return 1.0 - (num_clients - 1) * config.alpha_k / config.sigma
+  return 1.0 - (num_clients - 1) * step_size(config, num_clients) / config.sigma
 
 
 def attention_matrix(client_params, config: FedAmpConfig) -> jax.Array:
   if config.attention == "distance":
+    alpha_k = step_size(config, tree.leading_size(client_params))
     return distance_attention(tree.pairwise_squared_distances(client_params),
-                              config.alpha_k, config.sigma)
+                              alpha_k, config.sigma)
   return cosine_attention(tree.gram(client_params), config.self_weight,
                           config.cosine_scale)
 
 
 def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config)
-  prox_weight = config.lam / (2.0 * config.alpha_k)
 
   def init(context: InitContext) -> AlgorithmState:
     num_clients = tree.leading_size(context.params)
@@ -115,20 +140,23 @@ def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
       logging.getLogger("fedora_jax").warning(
           "fedamp: with %d clients, alpha_k=%g and sigma=%g the first cloud models "
           "extrapolate (self weight xi_ii = %.3g < 0); the paper's analysis needs "
-          "alpha_k <= sigma / (K - 1) = %.3g", num_clients, config.alpha_k, config.sigma,
+          "alpha_k <= sigma / (K - 1) = %.3g (clip_step=True)", num_clients, config.alpha_k, config.sigma,
           self_weight, config.sigma / (num_clients - 1))
     server = FedAmpServer(attention=attention_matrix(context.params, config))
     return AlgorithmState(server=server, clients=context.params)
 
   def broadcast(server: FedAmpServer, client_params):
+    num_clients = tree.leading_size(client_params)
+    prox_weight = config.lam / (2.0 * config.alpha_k)
     return FedAmpMessage(cloud_model=tree.mix(server.attention, client_params),
-                         self_weight=jnp.diag(server.attention))
+                         self_weight=jnp.diag(server.attention),
+                         prox_weight=jnp.full((num_clients,), prox_weight, jnp.float32))
 
   def client_update(params, message: FedAmpMessage, data, key):
     cloud = message.cloud_model
     params, stats = trainer.train(
         params, data.train, key,
-        regularizer=lambda p: prox_weight * tree.squared_distance(p, cloud))
+        regularizer=lambda p: message.prox_weight * tree.squared_distance(p, cloud))
     return ClientOutput(state=params, upload=(), train=stats,
                         metrics={"self_weight": message.self_weight})
 
