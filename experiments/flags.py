@@ -152,7 +152,7 @@ def _define_algorithm_flags() -> None:
       if field in registered.train_fields:
         continue
       help_text = registered.flag_help.get(field, field.replace("_", " "))
-      values = _preset_values(registered, field) if registered.presets else f"paper: {default!r}"
+      values = _preset_values(registered, field) if registered.presets else f"default: {default!r}"
       name_of_flag = flag_name(name, field)
       _DEFINE_BY_TYPE[type(default)](name_of_flag, None, f"{help_text} ({values}).")
       OWNER_OF_FLAG[name_of_flag] = name

@@ -36,12 +36,13 @@ class Path(NamedTuple):
   participation: float
 
 
-# In the test process: vmap over every client. In a 2-device process: client chunks and
-# partial participation on one device and on two (shard_map), which must agree client
-# by client. (Chunks against vmap at full participation: test_engine.py.)
-SINGLE_DEVICE = Path(1, None, 1.0)
-MULTI_DEVICE = (Path(1, 2, PARTIAL), Path(2, 1, PARTIAL))
-# The 2-device process compiles ~100 tiny rounds: skip LLVM's costly optimisations.
+# In a 2-device process, at partial participation: vmap over the sampled clients on one
+# device, and client chunks under shard_map on two (each device a lax.map over its own
+# chunks, the one-device chunk path inside), which must agree client by client. Chunks
+# against vmap at full participation: test_engine.py; every algorithm at full
+# participation: its own tests and tests/golden.
+PATHS = (Path(1, None, PARTIAL), Path(2, 1, PARTIAL))
+# The 2-device processes compile ~80 tiny rounds: skip LLVM's costly optimisations.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
@@ -82,7 +83,7 @@ def main(shard: int, num_shards: int) -> None:
   rows = {}
   for name, plugin in pairings()[shard::num_shards]:
     try:
-      rows[f"{name}+{plugin}"] = [run_path(name, plugin, p) for p in MULTI_DEVICE]
+      rows[f"{name}+{plugin}"] = [run_path(name, plugin, p) for p in PATHS]
     except Exception as e:  # pylint: disable=broad-except
       rows[f"{name}+{plugin}"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
   print(json.dumps(rows))

@@ -1,10 +1,23 @@
 import functools
 import os
+import tempfile
 
 # As experiments/__init__.py does: LAPACK (FEDORA's subspaces) through multi-threaded
 # OpenBLAS crawls on a busy machine (a 12-client subspace test: 18 s against 0.7 s).
 # Set before anything loads it; an explicit OPENBLAS_NUM_THREADS wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The suite is compile-bound (tiny models, tiny data): XLA's cheapest CPU optimisation
+# level, and JAX's persistent compilation cache for the programs several tests compile
+# alike (the LOCAL reference of every end-to-end run, say). The subprocesses the
+# end-to-end tests start inherit both; tests/test_golden_results.py compiles at the
+# default level, as its files were written.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"fedora_jax_test_compilation_cache_{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest  # pylint: disable=wrong-import-position
 

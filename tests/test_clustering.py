@@ -114,7 +114,8 @@ def test_fesem_kmeans_start_clusters_the_first_round_models_by_hand():
   models = {"w": jnp.array([[0.0], [1.0], [2.0], [10.0], [12.0]])}
   pairwise = tree.pairwise_squared_distances(models)
   np.testing.assert_array_equal(fesem.farthest_first_seeds(pairwise, 2), [4, 0])
-  algorithm = fesem.fesem(fesem.FesemConfig(num_clusters=2), tiny_trainer(tiny_model()))
+  algorithm = fesem.fesem(fesem.FesemConfig(num_clusters=2, warmup_rounds=1),
+                          tiny_trainer(tiny_model()))
   # init="kmeans": round 1 sends every client its own model, the shared initial one.
   start = {"w": jnp.full((5, 1), 7.0)}
   state = algorithm.init(InitContext(params=start, data=None, trainer=None,

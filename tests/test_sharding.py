@@ -14,6 +14,7 @@ import pytest
 from fedora_jax.engine import sharding
 from fedora_jax.engine.buckets import map_over_buckets
 import tiny
+from algorithm_matrix import FAST_COMPILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +52,7 @@ _FOUR_DEVICES = textwrap.dedent("""
     sys.path[:0] = [{root!r}, {tests!r}]
     from fedora_jax import algorithms
     from fedora_jax.engine import sharding
-    from fedora_jax.simulation import TrainConfig, prepare_run, run_algorithm
+    from fedora_jax.simulation import TrainConfig, run_algorithm
     import tiny
 
     assert jax.device_count() == 4, jax.devices()
@@ -68,9 +69,9 @@ _FOUR_DEVICES = textwrap.dedent("""
         for count in (1, 4):
           mesh = sharding.client_mesh(jax.devices()[:count])
           chunked = dataclasses.replace(train, client_chunk=client_chunk)
-          prepared = prepare_run(name, config, model, data, chunked, mesh=mesh)
-          shards = [len(b.train.x.sharding.device_set) for b in prepared.buckets]
-          slots = [b.train.x.shape[0] for b in prepared.buckets]
+          placed = sharding.place_buckets(data.buckets, mesh)  # as prepare_run places them
+          shards = [len(b.train.x.sharding.device_set) for b in placed]
+          slots = [b.train.x.shape[0] for b in placed]
           history = run_algorithm(name, config, model, data, chunked, mesh=mesh).history
           runs[client_chunk, count] = (shards, slots, history)
       (s1, k1, h1), (s4, k4, _) = runs[None, 1], runs[None, 4]
@@ -86,10 +87,11 @@ _FOUR_DEVICES = textwrap.dedent("""
 @pytest.mark.slow
 def test_one_and_four_devices_give_the_same_per_client_results():
   """Vmapped and in chunks of clients, on 1 and on 4 devices: the same numbers."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", _FOUR_DEVICES.format(root=ROOT, tests=os.path.join(ROOT, 'tests'))], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=600)
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}")
+  script = _FOUR_DEVICES.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(proc.stdout.strip().splitlines()[-1])
   assert report.pop("default_mesh") == [4, 2, 1]  # at most the smallest bucket's clients
