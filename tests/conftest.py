@@ -9,8 +9,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # The suite is compile-bound (tiny models, tiny data): XLA's cheapest CPU optimisation
 # level, and JAX's persistent compilation cache for the programs several tests compile
 # alike (the LOCAL reference of every end-to-end run, say). The subprocesses the
-# end-to-end tests start inherit both; tests/test_golden_results.py compiles at the
-# default level, as its files were written.
+# end-to-end tests start inherit both.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
