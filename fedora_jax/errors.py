@@ -19,6 +19,13 @@ class FieldError(ConfigError):
     super().__init__(f"{owner}: {field} {problem}")
 
 
+def check_one_of(owner: str, config, field: str, allowed) -> None:
+  """FieldError unless `config.<field>` is one of `allowed` (a config's string choices)."""
+  value = getattr(config, field)
+  if value not in allowed:
+    raise FieldError(owner, field, f"must be one of {', '.join(allowed)}, got {value!r}")
+
+
 class DataError(FedoraError):
   """A data file is missing, truncated or corrupt, or a partition is impossible."""
 

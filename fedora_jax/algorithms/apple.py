@@ -64,7 +64,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.fedfomo import raw_key
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.errors import ConfigError, FieldError, check_one_of
 
 Params = Any
 
@@ -149,9 +149,7 @@ def validate(config: AppleConfig) -> AppleConfig:
     raise FieldError("apple", "num_models", f"must be >= 0, got {config.num_models}")
   for field, allowed in (("schedule", SCHEDULES), ("p0", P0S), ("download", DOWNLOADS),
                          ("core_init", CORE_INITS)):
-    if getattr(config, field) not in allowed:
-      raise FieldError("apple", field, f"must be one of {', '.join(allowed)},"
-                                       f" got {getattr(config, field)!r}")
+    check_one_of("apple", config, field, allowed)
   return config
 
 

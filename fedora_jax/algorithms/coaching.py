@@ -83,7 +83,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import layer_names
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.errors import ConfigError, FieldError, check_one_of
 
 Params = Any
 
@@ -139,15 +139,9 @@ def validate(config: CoachingConfig) -> CoachingConfig:
     raise FieldError("coaching", "lr_r", f"must be >= 0, got {config.lr_r}")
   if config.r_steps < 0:
     raise FieldError("coaching", "r_steps", f"must be >= 0, got {config.r_steps}")
-  if config.r_init not in R_INITS:
-    raise FieldError("coaching", "r_init", f"must be one of {', '.join(R_INITS)},"
-                                           f" got {config.r_init!r}")
-  if config.r_constraint not in R_CONSTRAINTS:
-    raise FieldError("coaching", "r_constraint", f"must be one of {', '.join(R_CONSTRAINTS)},"
-                                                 f" got {config.r_constraint!r}")
-  if config.lr_r_rule not in LR_R_RULES:
-    raise FieldError("coaching", "lr_r_rule", f"must be one of {', '.join(LR_R_RULES)},"
-                                              f" got {config.lr_r_rule!r}")
+  check_one_of("coaching", config, "r_init", R_INITS)
+  check_one_of("coaching", config, "r_constraint", R_CONSTRAINTS)
+  check_one_of("coaching", config, "lr_r_rule", LR_R_RULES)
   return config
 
 

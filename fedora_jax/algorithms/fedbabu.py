@@ -35,7 +35,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import FieldError, check_one_of
 
 Params = Any
 
@@ -68,9 +68,7 @@ def train_layers(trainer: ClientTrainer, params: Params, names: list[str], data,
 def validate(config: FedBabuConfig) -> FedBabuConfig:
   if config.finetune_epochs < 0:
     raise FieldError("fedbabu", "finetune_epochs", f"must be >= 0, got {config.finetune_epochs}")
-  if config.finetune_part not in FINETUNE_PARTS:
-    raise FieldError("fedbabu", "finetune_part", f"must be one of {', '.join(FINETUNE_PARTS)},"
-                                                 f" got {config.finetune_part!r}")
+  check_one_of("fedbabu", config, "finetune_part", FINETUNE_PARTS)
   return config
 
 

@@ -68,7 +68,7 @@ from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput,
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.errors import ConfigError, FieldError, check_one_of
 
 
 class FedoraConfig(NamedTuple):
@@ -145,14 +145,10 @@ def validate(config: FedoraConfig) -> FedoraConfig:
     raise FieldError("fedora", "alpha", f"must be > 0, got {config.alpha}")
   if config.weights not in ("cosine", "exp"):
     raise FieldError("fedora", "weights", f"must be cosine or exp, got {config.weights!r}")
-  if config.lambda_rule not in LAMBDA_RULES:
-    raise FieldError("fedora", "lambda_rule", f"must be one of {', '.join(LAMBDA_RULES)},"
-                                              f" got {config.lambda_rule!r}")
+  check_one_of("fedora", config, "lambda_rule", LAMBDA_RULES)
   if not config.lambda_value >= 0:
     raise FieldError("fedora", "lambda_value", f"must be >= 0, got {config.lambda_value}")
-  if config.similarity not in SIMILARITIES:
-    raise FieldError("fedora", "similarity", f"must be one of {', '.join(SIMILARITIES)},"
-                                             f" got {config.similarity!r}")
+  check_one_of("fedora", config, "similarity", SIMILARITIES)
   if config.pull not in ("prox", "decoupled"):
     raise FieldError("fedora", "pull", f"must be prox or decoupled, got {config.pull!r}")
   if config.top_k < 0:

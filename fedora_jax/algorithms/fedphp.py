@@ -45,7 +45,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import apply_with_representation, split_body_head
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.errors import ConfigError, FieldError, check_one_of
 
 Params = Any
 
@@ -85,9 +85,7 @@ class FedPhpClient(NamedTuple):
 def validate(config: FedPhpConfig) -> FedPhpConfig:
   if not 0.0 <= config.lam <= 1.0:
     raise FieldError("fedphp", "lam", f"must be in [0, 1], got {config.lam}")
-  if config.reg not in REGULARIZERS:
-    raise FieldError("fedphp", "reg", f"must be one of {', '.join(REGULARIZERS)},"
-                                      f" got {config.reg!r}")
+  check_one_of("fedphp", config, "reg", REGULARIZERS)
   if not 0.0 <= config.mu_max < 1.0:
     raise FieldError("fedphp", "mu_max", f"must be in [0, 1), got {config.mu_max}")
   if config.mu_participations < 1:
@@ -95,9 +93,7 @@ def validate(config: FedPhpConfig) -> FedPhpConfig:
                                                     f" {config.mu_participations}")
   if not config.temperature > 0:
     raise FieldError("fedphp", "temperature", f"must be > 0, got {config.temperature}")
-  if config.personal_model not in PERSONAL_MODELS:
-    raise FieldError("fedphp", "personal_model", f"must be one of {', '.join(PERSONAL_MODELS)},"
-                                                 f" got {config.personal_model!r}")
+  check_one_of("fedphp", config, "personal_model", PERSONAL_MODELS)
   return config
 
 

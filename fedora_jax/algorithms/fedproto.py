@@ -66,7 +66,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.layers import (apply_with_representation, head_layer,
                                           representations)
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.errors import ConfigError, FieldError, check_one_of
 
 Params = Any
 
@@ -171,9 +171,7 @@ def validate(config: FedProtoConfig, trainer: ClientTrainer) -> FedProtoConfig:
     raise FieldError("fedproto", "lam", f"must be >= 0, got {config.lam}")
   for field, allowed in (("distance", DISTANCES), ("aggregation", AGGREGATIONS),
                          ("inference", INFERENCES)):
-    if getattr(config, field) not in allowed:
-      raise FieldError("fedproto", field, f"must be one of {', '.join(allowed)}, got"
-                                          f" {getattr(config, field)!r}")
+    check_one_of("fedproto", config, field, allowed)
   if trainer.task != "classification":
     raise ConfigError(f"fedproto needs a classification task, not {trainer.task}")
   if trainer.apply is None:

@@ -49,7 +49,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import apply_with_representation, head_layer
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.errors import ConfigError, FieldError, check_one_of
 
 Params = Any
 
@@ -110,9 +110,7 @@ def validate(config: MoonConfig, trainer: ClientTrainer) -> MoonConfig:
     raise FieldError("moon", "mu", f"must be >= 0, got {config.mu}")
   if not config.tau > 0:
     raise FieldError("moon", "tau", f"must be > 0, got {config.tau}")
-  if config.evaluate not in EVALUATIONS:
-    raise FieldError("moon", "evaluate", f"must be one of {', '.join(EVALUATIONS)}, got"
-                                         f" {config.evaluate!r}")
+  check_one_of("moon", config, "evaluate", EVALUATIONS)
   if trainer.task != "classification":
     raise ConfigError(f"moon needs a classification task, not {trainer.task}")
   if trainer.apply is None:

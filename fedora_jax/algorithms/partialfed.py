@@ -59,7 +59,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import layer_names
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import FieldError, check_one_of
 
 Params = Any
 STRATEGIES = ("fix", "adaptive")
@@ -94,9 +94,7 @@ class StrategyTrained(NamedTuple):
 
 
 def validate(config: PartialFedConfig) -> PartialFedConfig:
-  if config.strategy not in STRATEGIES:
-    raise FieldError("partialfed", "strategy", f"must be one of {', '.join(STRATEGIES)},"
-                                               f" got {config.strategy!r}")
+  check_one_of("partialfed", config, "strategy", STRATEGIES)
   if config.local_layers < 1:
     raise FieldError("partialfed", "local_layers", f"must be >= 1, got {config.local_layers}")
   if not config.temperature > 0:

@@ -59,7 +59,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine.local_training import ClientTrainer, TrainStats, epoch_batches
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import FieldError, check_one_of
 
 Params = Any
 
@@ -85,9 +85,7 @@ def validate(config: PerFedAvgConfig) -> PerFedAvgConfig:
     raise FieldError("perfedavg", "alpha", f"must be >= 0, got {config.alpha}")
   if config.beta < 0:
     raise FieldError("perfedavg", "beta", f"must be >= 0, got {config.beta}")
-  if config.variant not in VARIANTS:
-    raise FieldError("perfedavg", "variant", f"must be one of {', '.join(VARIANTS)},"
-                                             f" got {config.variant!r}")
+  check_one_of("perfedavg", config, "variant", VARIANTS)
   return config
 
 

@@ -50,7 +50,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.layers import layer_names
 from fedora_jax.algorithms.pfedhn import torch_linear
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import FieldError, check_one_of
 
 Params = Any
 
@@ -92,9 +92,7 @@ def validate(config: PfedlaConfig) -> PfedlaConfig:
       raise FieldError("pfedla", field, f"must be >= 1, got {getattr(config, field)}")
   if not config.server_lr > 0:
     raise FieldError("pfedla", "server_lr", f"must be > 0, got {config.server_lr}")
-  if config.delta_sign not in DELTA_SIGNS:
-    raise FieldError("pfedla", "delta_sign", f"must be one of {', '.join(DELTA_SIGNS)}, got"
-                                             f" {config.delta_sign!r}")
+  check_one_of("pfedla", config, "delta_sign", DELTA_SIGNS)
   return config
 
 

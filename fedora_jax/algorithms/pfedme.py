@@ -54,7 +54,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine.local_training import ClientTrainer, TrainStats, epoch_batches
-from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.errors import ConfigError, FieldError, check_one_of
 
 Params = Any
 
@@ -96,9 +96,7 @@ def validate(config: PfedmeConfig) -> PfedmeConfig:
     raise FieldError("pfedme", "k", f"must be >= 1, got {config.k}")
   if config.beta < 0:  # beta > 1 extrapolates (the paper runs beta = 2 and 4)
     raise FieldError("pfedme", "beta", f"must be >= 0, got {config.beta}")
-  if config.personal_model not in PERSONAL_MODELS:
-    raise FieldError("pfedme", "personal_model", f"must be one of {', '.join(PERSONAL_MODELS)},"
-                                                 f" got {config.personal_model!r}")
+  check_one_of("pfedme", config, "personal_model", PERSONAL_MODELS)
   return config
 
 
