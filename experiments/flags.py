@@ -123,11 +123,17 @@ _DEFINE_BY_TYPE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
 OWNER_OF_FLAG: dict[str, str] = {}
 
 
+_PARTITION_FLAGS = {"kind": "partition", "train_per_client": "fixed_train_size",
+                    "val_per_client": "fixed_val_size"}
+
+
 def flag_name(owner: str, field: str) -> str:
   """--<owner>_<field>, unless the registry names it otherwise (--coach_lambda); the
   run's own fields (owners "experiment" and "train") are flags of their own name."""
   if owner in ("experiment", "train"):
     return field
+  if owner == "partition":  # PartitionConfig's fields by their flags
+    return _PARTITION_FLAGS.get(field, field)
   if owner in algorithms.REGISTRY:
     return algorithms.get(owner).flag_names.get(field, f"{owner}_{field}")
   return f"{owner}_{field}"  # a plug-in: ala, confree

@@ -134,8 +134,8 @@ def test_dirichlet_honours_the_minimum_and_skews_labels():
 
 @pytest.mark.parametrize("num_clients,config,message", [
     (4000, PartitionConfig("iid"), "only 3000 training samples"),
-    (10, PartitionConfig("pathological", classes_per_client=11), "has 10 classes"),
-    (10, PartitionConfig("pathological", classes_per_client=0), "has 10 classes"),
+    (10, PartitionConfig("pathological", classes_per_client=11), "must be between 1 and 10"),
+    (10, PartitionConfig("pathological", classes_per_client=0), "must be between 1 and 10"),
     (1000, PartitionConfig("iid"), "fewer than"),
     (10, PartitionConfig("iid", min_client_size=500), "fewer than 500"),
     (10, PartitionConfig("iid", train_per_client=400), "fewer than the 600"),
@@ -196,5 +196,5 @@ def test_main_runs_a_dirichlet_partition_and_records_class_counts(tmp_path):
       [sys.executable, "-m", "experiments.main", "--dataset=mnist", "--partition=pathological",
        "--classes_per_client=11", f"--workdir={tmp_path / 'bad'}"],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 1 and "has 10 classes" in proc.stderr
+  assert proc.returncode == 1 and "must be between 1 and 10 (mnist's classes), got 11" in proc.stderr
   assert len([l for l in proc.stderr.splitlines() if l.startswith("error:")]) == 1

@@ -169,7 +169,7 @@ def fedphp(config: FedPhpConfig, trainer: ClientTrainer) -> Algorithm:
   if trainer.apply is None:
     raise ConfigError("fedphp needs the model's forward pass (ClientTrainer.apply)")
   if config.reg == "kd" and trainer.task != "classification":
-    raise ConfigError("fedphp_reg=kd distils class probabilities; use mmd for regression")
+    raise FieldError("fedphp", "reg", "kd distils class probabilities; use mmd for regression")
   keep_local = config.personal_model == "local"
 
   def init(context: InitContext) -> AlgorithmState:

@@ -54,7 +54,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine.local_training import ClientTrainer, TrainStats, epoch_batches
-from fedora_jax.errors import ConfigError, FieldError, check_one_of
+from fedora_jax.errors import FieldError, check_one_of
 
 Params = Any
 
@@ -89,9 +89,9 @@ class PfedmeClient(NamedTuple):
 
 
 def validate(config: PfedmeConfig) -> PfedmeConfig:
-  if config.lam < 0 or config.personal_lr < 0 or config.eta < 0 or config.theta_l2 < 0:
-    raise ConfigError("pfedme_lam, pfedme_personal_lr, pfedme_eta and pfedme_theta_l2"
-                      " must be >= 0")
+  for field in ("lam", "personal_lr", "eta", "theta_l2"):
+    if getattr(config, field) < 0:
+      raise FieldError("pfedme", field, f"must be >= 0, got {getattr(config, field)}")
   if config.k < 1:
     raise FieldError("pfedme", "k", f"must be >= 1, got {config.k}")
   if config.beta < 0:  # beta > 1 extrapolates (the paper runs beta = 2 and 4)

@@ -15,7 +15,7 @@ from fedora_jax.data import root as data_root
 from fedora_jax.data.cifar import load_cifar10, load_cifar100
 from fedora_jax.data.partitions import Partition, PartitionConfig, make_partition
 from fedora_jax.data.sources import ImageDataset, load_fashion_mnist, load_mnist
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 
 logger = logging.getLogger("fedora_jax")
 
@@ -126,8 +126,9 @@ def load_source(name: str, data_dir: str | None, data_source: str = "files") -> 
   if data_source == "tfds":
     if spec.tfds_name is None:
       supported = sorted(k for k, v in DATASETS.items() if v.tfds_name is not None)
-      raise ConfigError(f"--data_source=tfds: {name} has no TFDS source; datasets that"
-                        f" have one: {', '.join(supported)}")
+      raise FieldError("experiment", "data_source",
+                       f"tfds: {name} has no TFDS source; datasets that have one:"
+                       f" {', '.join(supported)}")
     tfds_dir = data_root.tfds_data_dir(spec.tfds_name, data_dir)
     return load_tfds_dataset(spec.tfds_name, tfds_dir, name=f"{spec.tfds_name} (TFDS)")
   return spec.load_source(data_dir)
@@ -145,10 +146,12 @@ def _build_grouped(spec: DatasetSpec, name: str, data_dir: str | None, num_clien
                    setting: str, seed: int, data_source: str):
   """Clients given by the data: the first `num_clients` groups, split and standardized."""
   if data_source != "files":
-    raise ConfigError(f"--data_source={data_source}: {name} is read from its files only")
+    raise FieldError("experiment", "data_source",
+                     f"{data_source}: {name} is read from its files only")
   if setting != "balanced":
-    raise ConfigError(f"--setting={setting}: {name}'s clients are its years, with the"
-                      " sizes the data gives them; use the default --setting=balanced")
+    raise FieldError("experiment", "setting",
+                     f"{setting}: {name}'s clients are its years, with the sizes the data"
+                     " gives them; use the default, balanced")
   source = spec.load_groups(data_dir)
   if source.task != spec.task:
     raise ConfigError(f"{name}: the loader gives a {source.task} task, the registry says"
@@ -165,10 +168,10 @@ def _build_grouped(spec: DatasetSpec, name: str, data_dir: str | None, num_clien
 def held_out_clients(num_clients: int, num_new: int, seed: int) -> np.ndarray:
   """Which clients join only after training: a seeded random choice, sorted."""
   if num_new < 0:
-    raise ConfigError(f"--new_clients must be >= 0, got {num_new}")
+    raise FieldError("experiment", "new_clients", f"must be >= 0, got {num_new}")
   if num_new >= num_clients:
-    raise ConfigError(f"--new_clients={num_new} leaves no client to train"
-                      f" (--num_clients={num_clients})")
+    raise FieldError("experiment", "new_clients",
+                     f"({num_new}) leaves no client to train of the {num_clients}")
   rng = np.random.default_rng([seed, 1])
   return np.sort(rng.choice(num_clients, num_new, replace=False))
 

@@ -42,7 +42,7 @@ import scipy.ndimage
 
 from fedora_jax.data.client_data import Client
 from fedora_jax.data.sources import ImageDataset
-from fedora_jax.errors import ConfigError, DataError
+from fedora_jax.errors import ConfigError, DataError, FieldError
 
 SETTINGS = ("balanced", "imbalanced")
 KINDS = ("rotation", "iid", "pathological", "dirichlet")
@@ -150,8 +150,9 @@ def make_partition(dataset: ImageDataset, num_clients: int, config: PartitionCon
     train_per_client = config.train_per_client or 128
     val_per_client = config.val_per_client or 64
     if config.min_client_size > train_per_client:
-      raise ConfigError(f"--min_client_size={config.min_client_size} is more than the"
-                        f" {train_per_client} training samples a rotation client gets")
+      raise FieldError("partition", "min_client_size",
+                       f"({config.min_client_size}) is more than the {train_per_client}"
+                       " training samples a rotation client gets")
     partition = rotation_partition(dataset, num_clients, config.setting, seed,
                                    train_per_client, val_per_client)
     return partition._replace(class_counts=class_counts(partition.clients,
@@ -209,19 +210,24 @@ def _validate(dataset: ImageDataset, num_clients: int, config: PartitionConfig) 
     raise ConfigError(f"{dataset.name}: {num_clients} clients but only"
                       f" {len(dataset.x_train)} training samples")
   if config.min_client_size < 0:
-    raise ConfigError(f"--min_client_size must be >= 0, got {config.min_client_size}")
+    raise FieldError("partition", "min_client_size",
+                     f"must be >= 0, got {config.min_client_size}")
   if not 0 < config.val_fraction < 1:
     raise ConfigError(f"the validation fraction must be in (0, 1), got {config.val_fraction}")
   if config.train_per_client is not None and config.train_per_client < 1:
-    raise ConfigError(f"--train_per_client must be >= 1, got {config.train_per_client}")
+    raise FieldError("partition", "train_per_client",
+                     f"must be >= 1, got {config.train_per_client}")
   if config.val_per_client is not None and config.val_per_client < 1:
-    raise ConfigError(f"--val_per_client must be >= 1, got {config.val_per_client}")
+    raise FieldError("partition", "val_per_client",
+                     f"must be >= 1, got {config.val_per_client}")
   if config.kind == "pathological" and not (
       1 <= config.classes_per_client <= dataset.num_classes):
-    raise ConfigError(f"--classes_per_client={config.classes_per_client}: {dataset.name}"
-                      f" has {dataset.num_classes} classes")
+    raise FieldError("partition", "classes_per_client",
+                     f"must be between 1 and {dataset.num_classes} ({dataset.name}'s"
+                     f" classes), got {config.classes_per_client}")
   if config.kind == "dirichlet" and not config.dirichlet_alpha > 0:
-    raise ConfigError(f"--dirichlet_alpha must be > 0, got {config.dirichlet_alpha}")
+    raise FieldError("partition", "dirichlet_alpha",
+                     f"must be > 0, got {config.dirichlet_alpha}")
   if config.kind == "dirichlet" and config.max_redraws < 1:
     raise ConfigError(f"max_redraws must be >= 1, got {config.max_redraws}")
 
