@@ -40,7 +40,8 @@ def test_layers_are_ordered_input_to_output():
 # A sample input of every registered model (a new model adds one here).
 SAMPLE_INPUTS = {"mlp": np.zeros((1, 4), np.float32),
                  "cnn": np.zeros((1, 28, 28, 1), np.uint8),
-                 "coaching_cnn": np.zeros((1, 28, 28, 1), np.uint8)}
+                 "coaching_cnn": np.zeros((1, 28, 28, 1), np.uint8),
+                 "fedavg_cnn": np.zeros((1, 32, 32, 3), np.uint8)}
 
 
 def _forward_order(model, params, x):
@@ -80,6 +81,15 @@ def test_every_registered_model_has_its_layers_and_head_in_forward_order(name):
   dense = params["params"][head[0]]
   chex.assert_trees_all_close(z @ dense["kernel"] + dense["bias"], logits, atol=1e-5)
   assert (z >= 0).all()  # every registered body ends with a ReLU
+
+
+@pytest.mark.parametrize("shape,expected", [((28, 28, 1), 582_026), ((32, 32, 3), 878_538)])
+def test_fedavg_cnn_has_pfllibs_parameter_count(shape, expected):
+  # By hand: conv 5*5*c*32 + 32, conv 5*5*32*64 + 64, dense d*512 + 512, dense 512*10 + 10,
+  # with d = 4*4*64 = 1024 (MNIST) or 5*5*64 = 1600 (CIFAR-10).
+  params = build_model("fedavg_cnn", num_outputs=10).init(
+      jax.random.key(0), np.zeros((1,) + shape, np.uint8))
+  assert sum(leaf.size for leaf in jax.tree.leaves(params)) == expected
 
 
 def _one_round(algorithm, trainer, data, params):
