@@ -63,7 +63,8 @@ import optax
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.layers import (apply_with_representation, head_layer,
+from fedora_jax.algorithms.layers import (apply_with_representation,
+                                          check_representation_trainer, head_layer,
                                           representations)
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError, FieldError, check_one_of
@@ -172,10 +173,7 @@ def validate(config: FedProtoConfig, trainer: ClientTrainer) -> FedProtoConfig:
   for field, allowed in (("distance", DISTANCES), ("aggregation", AGGREGATIONS),
                          ("inference", INFERENCES)):
     check_one_of("fedproto", config, field, allowed)
-  if trainer.task != "classification":
-    raise ConfigError(f"fedproto needs a classification task, not {trainer.task}")
-  if trainer.apply is None:
-    raise ConfigError("fedproto needs the model's apply function in the client trainer")
+  check_representation_trainer("fedproto", trainer)
   return config
 
 

@@ -136,6 +136,15 @@ def all_but_top_layers(count: int, role: str) -> SelectShared:
   return select
 
 
+def check_representation_trainer(owner: str, trainer: ClientTrainer) -> None:
+  """ConfigError unless `owner`, a method on the body's output of a classifier (MOON,
+  FedProto), can read it: a classification task and the model's forward in the trainer."""
+  if trainer.task != "classification":
+    raise ConfigError(f"{owner} needs a classification task, not {trainer.task}")
+  if trainer.apply is None:
+    raise ConfigError(f"{owner} needs the model's apply function in the client trainer")
+
+
 def head_layer(params: Params, role: str = "head_layers") -> str:
   """The model's top layer (the classifier), which must be affine with a bias (a Dense
   layer): its input is the body's output, the representation."""

@@ -47,9 +47,10 @@ import optax
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.layers import apply_with_representation, head_layer
+from fedora_jax.algorithms.layers import (apply_with_representation,
+                                          check_representation_trainer, head_layer)
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import ConfigError, FieldError, check_one_of
+from fedora_jax.errors import FieldError, check_one_of
 
 Params = Any
 
@@ -111,10 +112,7 @@ def validate(config: MoonConfig, trainer: ClientTrainer) -> MoonConfig:
   if not config.tau > 0:
     raise FieldError("moon", "tau", f"must be > 0, got {config.tau}")
   check_one_of("moon", config, "evaluate", EVALUATIONS)
-  if trainer.task != "classification":
-    raise ConfigError(f"moon needs a classification task, not {trainer.task}")
-  if trainer.apply is None:
-    raise ConfigError("moon needs the model's apply function in the client trainer")
+  check_representation_trainer("moon", trainer)
   return config
 
 
