@@ -5,6 +5,7 @@
   python -m experiments.benchmark --scale_clients=36,144,576,1152   # one process per K
   python -m experiments.benchmark --imbalance_check                  # balanced vs imbalanced
   python -m experiments.benchmark --client_chunks=vmap,1,2,4,8      # clients per lax.map chunk
+  python -m experiments.benchmark --participations=1.0,0.1          # full vs sampled rounds
 
 Takes every flag of experiments.main (same flags, same flagfiles) plus the ones below.
 Reports seconds per round (median over --repeats after --warmup rounds), client updates
@@ -84,6 +85,9 @@ _IMBALANCE = flags.DEFINE_bool("imbalance_check", False, "Sweep: the balanced an
 _CLIENT_CHUNKS = flags.DEFINE_list(
     "client_chunks", [], "Sweep: compile the round once per --client_chunk value in this"
     " list (0 or 'vmap': every client at once) and time them in turn in one process.")
+_PARTICIPATIONS = flags.DEFINE_list(
+    "participations", [], "Sweep: compile the round once per --participation value in"
+    " this list and time them in turn in one process (ratios to the first).")
 
 _SWEEP_FLAGS = ("profile_dir", "scale_clients", "imbalance_check", "json", "num_clients", "setting",
                 "torch", "notorch", "noimbalance_check")
@@ -282,29 +286,47 @@ def _positive_int(text: str) -> int:
   return int(text)
 
 
-def client_chunk_sweep(values: list[str]) -> dict:
-  """The same round compiled once per --client_chunk value, timed in turn in one process."""
-  client_chunks = {v: None if v in ("0", "vmap") else _positive_int(v) for v in values}
+def _interleaved_sweep(field: str, trains: dict[str, Any]) -> dict:
+  """The same round compiled once per TrainConfig in `trains` (labelled by the value of
+  its `field`), timed in turn in one process so every variant sees the same load."""
   setup = _setup()
   runs = {}
-  for value, client_chunk in client_chunks.items():
-    train = dataclasses.replace(setup.train, client_chunk=client_chunk)
-    runs[value] = prepare_run(FLAGS.algorithm, setup.config, setup.model, setup.data, train)
-    log(f"client_chunk={value}: compiled in {runs[value].compile_seconds:.2f} s")
+  for value, train in trains.items():
+    runs[value] = prepare_run(FLAGS.algorithm, setup.config, setup.model, setup.data,
+                              dataclasses.replace(setup.train, **train))
+    log(f"{field}={value}: compiled in {runs[value].compile_seconds:.2f} s")
   durations = measure.interleaved_rounds(runs, _REPEATS.value, _WARMUP.value)
   medians = {value: float(np.median(d)) for value, d in durations.items()}
-  first = values[0]
+  first = next(iter(trains))
   for value, seconds in medians.items():
-    log(f"client_chunk={value:>5}: {seconds * 1e3:8.1f} ms per round (median of"
-        f" {len(durations[value])}), {medians[first] / seconds:.2f}x client_chunk={first}")
+    log(f"{field}={value:>5}: {seconds * 1e3:8.1f} ms per round (median of"
+        f" {len(durations[value])}), {seconds / medians[first]:.3f}x the round at"
+        f" {field}={first}")
   fastest = min(medians, key=medians.get)
-  log(f"fastest: client_chunk={fastest}")
-  return {"sweep": "client_chunks", "algorithm": FLAGS.algorithm,
+  log(f"fastest: {field}={fastest}")
+  return {"sweep": field + "s", "algorithm": FLAGS.algorithm,
           "dataset": FLAGS.dataset, "num_clients": setup.data.num_clients,
           "platform": jax.default_backend(), "num_devices": jax.device_count(),
           "round_seconds": medians,
           "round_seconds_all": {v: [float(x) for x in d] for v, d in durations.items()},
-          "fastest": fastest}
+          "ratio_to_first": {v: m / medians[first] for v, m in medians.items()},
+          "peak_memory_bytes": measure.peak_rss_bytes(), "fastest": fastest}
+
+
+def client_chunk_sweep(values: list[str]) -> dict:
+  return _interleaved_sweep("client_chunk", {
+      v: {"client_chunk": None if v in ("0", "vmap") else _positive_int(v)} for v in values})
+
+
+def participation_sweep(values: list[str]) -> dict:
+  try:
+    fractions = {v: float(v) for v in values}
+  except ValueError:
+    raise ConfigError(f"--participations takes fractions in (0, 1], got {values}") from None
+  if not all(0.0 < f <= 1.0 for f in fractions.values()):
+    raise ConfigError(f"--participations takes fractions in (0, 1], got {values}")
+  return _interleaved_sweep("participation",
+                            {v: {"participation": f} for v, f in fractions.items()})
 
 
 def run() -> dict:
@@ -318,6 +340,8 @@ def run() -> dict:
     report = imbalance_sweep()
   elif _CLIENT_CHUNKS.value:
     report = client_chunk_sweep(_CLIENT_CHUNKS.value)
+  elif _PARTICIPATIONS.value:
+    report = participation_sweep(_PARTICIPATIONS.value)
   else:
     report = single_run()
     log(summary(report))

@@ -124,6 +124,28 @@ def test_benchmark_command_prints_a_json_report():
     assert report["torch_model"] == "mlp" and report["speedup_vs_torch"] > 0
 
 
+def test_participation_sweep_times_each_fraction_in_one_process():
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.benchmark", "--algorithm=fedavg",
+       "--num_clients=4", "--local_epochs=1", "--hidden=8", "--repeats=2", "--warmup=0",
+       "--json", "--participations=1.0,0.5", "--train_per_client=32",
+       "--val_per_client=16"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert report["sweep"] == "participations"
+  assert set(report["round_seconds"]) == {"1.0", "0.5"}
+  assert all(len(v) == 2 for v in report["round_seconds_all"].values())
+  assert report["ratio_to_first"]["1.0"] == 1.0
+  assert np.isclose(report["ratio_to_first"]["0.5"],
+                    report["round_seconds"]["0.5"] / report["round_seconds"]["1.0"])
+  bad = subprocess.run([sys.executable, "-m", "experiments.benchmark",
+                        "--participations=1.0,0"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+  assert bad.returncode != 0 and "--participations takes fractions" in bad.stderr
+  assert "Traceback" not in bad.stderr
+
+
 @pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
 def test_torch_reference_round_and_propagation():
   import torch  # pylint: disable=import-outside-toplevel

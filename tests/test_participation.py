@@ -104,19 +104,31 @@ def test_sampled_clients_get_the_full_rounds_update():
 
 
 def test_map_over_sampled_slots_and_scatter():
-  data, _ = tiny_data([3, 3, 3, 3, 9])  # buckets of 4 clients and 1
-  sampled = jnp.asarray([False, True, False, True, True])
+  data, clients = tiny_data([3, 3, 3, 3, 9])  # buckets of 4 clients and 1
   def fn(scale, splits):
-    del splits
-    return scale * 10.0
+    # The client's own data, whatever slot it runs in: its count and masked pixel sum.
+    pixels = jnp.sum(splits.train.x.astype(jnp.float32)
+                     * splits.train.mask.reshape((-1,) + (1,) * (splits.train.x.ndim - 1)))
+    return scale * 10.0, splits.train.n, pixels
 
-  values, slot_clients = buckets.map_over_sampled(
-      fn, (jnp.arange(5.0),), data.buckets, data.client_ids, 5, sampled, 3)
-  # Bucket 0: min(3, 4) = 3 slots, its sampled clients 1 and 3 first, then filler 0;
-  # bucket 1: 1 slot, client 4.
-  np.testing.assert_array_equal(slot_clients, [1, 3, 5, 4])
-  np.testing.assert_allclose(values, [10.0, 30.0, 0.0, 40.0])
+  def run(sampled):
+    return buckets.map_over_sampled(fn, (jnp.arange(5.0),), data.buckets, data.client_ids,
+                                    5, jnp.asarray(sampled), 3)
+  # M = 3 slots: s = min(3, 5) - min(3, 1) = 2 in the small bucket, 1 in the large one,
+  # filled largest bucket first, then in client order.
+  (values, counts, pixels), slot_clients = run([False, True, False, True, True])
+  np.testing.assert_array_equal(slot_clients, [4, 1, 3])
+  np.testing.assert_allclose(values, [40.0, 10.0, 30.0])
   merged = buckets.scatter_to_clients(-jnp.ones(5), slot_clients, values)
   np.testing.assert_allclose(merged, [-1.0, 10.0, -1.0, 30.0, 40.0])
-  assert [buckets.sampled_slots(k, s, m, d) for k, s, m, d in
-          ((4, 4, 3, 1), (1, 1, 3, 1), (3, 4, 1, 2), (5, 6, 5, 4))] == [3, 1, 2, 6]
+  # Three sampled small clients: client 0 runs in the large bucket's slot, its 3 images
+  # padded to 9 and masked.
+  (values, counts, pixels), slot_clients = run([True, True, True, False, False])
+  np.testing.assert_array_equal(slot_clients, [0, 1, 2])
+  np.testing.assert_array_equal(counts, [3, 3, 3])
+  np.testing.assert_allclose(
+      pixels, [np.sum(clients[k].x_train.astype(np.float32)) for k in (0, 1, 2)], atol=1e-5)
+  assert buckets.sampled_slots([4, 1], 3) == [2, 1]
+  assert buckets.sampled_slots([5, 3, 2], 4) == [0, 2, 2]
+  assert buckets.sampled_slots([5, 3, 2], 10) == [5, 3, 2]
+  assert buckets.sampled_slots([2, 2], 1) == [0, 1]

@@ -6,9 +6,10 @@ bucket we gather its clients' slices, vmap the function over them together with 
 bucket's data, then put the results back in client order. With one bucket holding every
 client in order (the balanced setting) there is no gather or scatter at all.
 
-`map_over_sampled` runs the function for the clients a round samples only: a static
-number of slots per bucket, filled with the sampled clients' arguments and data, so a
-round at participation f costs about f of a full one (the DESIGN's client sampling).
+`map_over_sampled` runs the function for the clients a round samples only: M static
+slots for M sampled clients, each running in its own bucket or a larger one (its data
+padded to that bucket's lengths), so a round at participation f costs about f of a full
+one (the DESIGN's client sampling), however the sampled clients fall into buckets.
 """
 
 from typing import Any, Callable, Sequence
@@ -97,39 +98,95 @@ def _mesh_size() -> int:
   return mesh.shape[CLIENT_AXIS]
 
 
-def sampled_slots(bucket_size: int, bucket_slots: int, num_sampled: int,
-                  num_devices: int) -> int:
-  """Static slots a bucket gets for a round's sampled clients: as many as can be sampled
-  from it (min(M, K_b)), rounded up to the device count, never past its padded size."""
-  return min(bucket_slots, padded_size(min(num_sampled, bucket_size), num_devices))
+def sampled_slots(bucket_sizes: Sequence[int], num_sampled: int) -> list[int]:
+  """Slots of each bucket (buckets in ascending data size) for a round's M sampled
+  clients: s_b = min(M, N_b) - min(M, N_{b+1}), N_b the clients of buckets b and above.
+
+  A client fits the slot of any bucket at least as large as its own, so the sampled
+  clients, taken largest bucket first, fill these slots exactly (the j-th of them comes
+  from a bucket no larger than its slot's): M slots in all, whichever clients are sampled.
+  """
+  at_or_above = np.cumsum(np.asarray(bucket_sizes)[::-1])[::-1]
+  capped = np.minimum(num_sampled, np.append(at_or_above, 0))
+  return [int(s) for s in capped[:-1] - capped[1:]]
+
+
+def _pad_split(data: Any, length: int) -> Any:
+  """A ClientData [S, N, ...] padded with masked-out samples to [S, length, ...]."""
+  extra = length - data.mask.shape[1]
+  if extra == 0:
+    return data
+  def pad(a):
+    return jnp.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))
+  return data._replace(x=pad(data.x), y=pad(data.y), mask=pad(data.mask))
+
+
+def _gather_padded(buckets: tuple, sources: Sequence[int], lengths: Sequence[int],
+                   bucket_of: jax.Array, position: jax.Array) -> Any:
+  """The data of slot clients that come from any of the `sources` buckets, split i padded
+  to lengths[i]: per source a gather of the slots' rows, kept where the slot's client is
+  in that source."""
+  def from_bucket(b):
+    taken = gather(buckets[b], jnp.clip(position, 0, leading_size(buckets[b]) - 1))
+    return type(taken)(*(_pad_split(split, n) for split, n in zip(taken, lengths)))
+  result = from_bucket(sources[-1])
+  for b in sources[:-1]:
+    here = bucket_of == b
+    result = jax.tree.map(
+        lambda new, old: jnp.where(here.reshape((-1,) + (1,) * (old.ndim - 1)), new, old),
+        from_bucket(b), result)
+  return result
 
 
 def map_over_sampled(fn: Callable[..., Any], per_client_args: tuple, buckets: tuple,
                      client_ids: Sequence[np.ndarray], num_clients: int,
                      sampled: jax.Array, num_sampled: int,
                      client_chunk: int | None = None) -> tuple[Any, jax.Array]:
-  """fn(*per_client_args_k, bucket_data_k) for the sampled clients k only.
+  """fn(*per_client_args_k, data_k) for the sampled clients k only.
 
-  `sampled` [K] bool marks `num_sampled` clients (a static count). Bucket b gets
-  `sampled_slots` slots: its sampled clients first, in client order, then unsampled or
-  padded ones that fill the static shape. Returns (outputs [S, ...], slot_clients [S]):
-  slot s holds client slot_clients[s]'s output, or slot_clients[s] == K for a filler,
-  whose output `scatter_to_clients` drops. Per-client results equal `map_over_buckets`'s.
+  `sampled` [K] bool marks `num_sampled` = M clients (a static count). The sampled
+  clients, ordered by bucket from the largest data down and by client within one, fill
+  `sampled_slots`: a client runs in its own bucket or a larger one, its data padded to
+  that bucket's lengths (padding is masked out and shuffles last, so its update is the
+  one its own bucket gives, up to summation order). Each bucket's slots are rounded up
+  to the device count with fillers; the assignment itself does not depend on devices.
+  Returns (outputs [S, ...], slot_clients [S]): slot s holds client slot_clients[s]'s
+  output, or slot_clients[s] == K for a filler, whose output `scatter_to_clients` drops.
   """
   mapped = over_clients(fn, client_chunk)
   num_devices = _mesh_size()
+  # Buckets from the least data to the most; a bucket's slots hold val and test padded to
+  # the longest of it and the smaller buckets (their lengths need not grow with train's).
+  order = sorted(range(len(buckets)), key=lambda b: buckets[b].train.mask.shape[1])
+  longest = {}
+  for rank, b in enumerate(order):
+    longest[b] = [max(getattr(buckets[c], split).mask.shape[1] for c in order[:rank + 1])
+                  for split in buckets[b]._fields]
+  bucket_of, position = np.zeros(num_clients, np.int32), np.zeros(num_clients, np.int32)
+  for b, ids in enumerate(client_ids):
+    bucket_of[ids], position[ids] = b, np.arange(len(ids))
+  rank_of_bucket = np.argsort(order)
+  # Largest bucket first, then client order: the static rank of each client.
+  priority = (len(buckets) - 1 - rank_of_bucket[bucket_of]) * num_clients + np.arange(num_clients)
+  chosen_all = jnp.argsort(jnp.where(sampled, jnp.asarray(priority), np.iinfo(np.int32).max),
+                           stable=True)[:num_sampled]
+  slots = sampled_slots([len(client_ids[b]) for b in order], num_sampled)
   outputs, slot_clients = [], []
-  for ids, data in zip(client_ids, buckets):
-    bucket_slots = leading_size(data)
-    padded_ids = np.concatenate([ids, np.repeat(ids[-1:], bucket_slots - len(ids))])
-    in_bucket = sampled[padded_ids] & (np.arange(bucket_slots) < len(ids))
-    slots = sampled_slots(len(ids), bucket_slots, num_sampled, num_devices)
-    # Stable: sampled positions first, each group in client order.
-    positions = jnp.argsort(~in_bucket, stable=True)[:slots]
-    chosen = jnp.asarray(padded_ids)[positions]
+  start = 0
+  for rank in reversed(range(len(order))):
+    b, count = order[rank], slots[rank]
+    if count == 0:
+      continue
+    chosen = chosen_all[start:start + count]
+    start += count
+    filled = padded_size(count, num_devices)
+    if filled > count:  # fillers: copies of the first client, dropped on the way back
+      chosen = jnp.concatenate([chosen, jnp.repeat(chosen[:1], filled - count)])
+    data = _gather_padded(buckets, order[:rank + 1], longest[b],
+                          jnp.asarray(bucket_of)[chosen], jnp.asarray(position)[chosen])
     args = constrain_to_clients(gather(per_client_args, chosen))
-    outputs.append(mapped(*args, constrain_to_clients(gather(data, positions))))
-    slot_clients.append(jnp.where(in_bucket[positions], chosen, num_clients))
+    outputs.append(mapped(*args, constrain_to_clients(data)))
+    slot_clients.append(jnp.where(jnp.arange(filled) < count, chosen, num_clients))
   return (jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs),
           jnp.concatenate(slot_clients))
 
