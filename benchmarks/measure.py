@@ -11,7 +11,10 @@ What it measures, for one algorithm on one federated dataset:
     sample-step (forward + backward) of the clients the round trains (round(f K) at
     participation f), times 1 for each evaluated sample, plus FEDORA's propagation
     product. Only real (unpadded) samples count, so this is useful work, as in MFU;
-    padding, gathers, the optimizer, activations and softmax are overhead. Two XLA
+    padding, gathers, the optimizer, activations and softmax are overhead. The model is
+    the run's (`--model`) whatever the algorithm evaluates: where a personalised model
+    is more than that (FedCP's second head and policy network), the count is a lower
+    bound. Two XLA
     counts are reported beside it: the compiled round's `cost_analysis()`, which counts
     the body of a while loop / `lax.scan` once, not once per step (a lower bound, far
     below), and XLA's count of one batch's forward and forward + backward pass (per
@@ -436,14 +439,15 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   log(f"round: median {round_seconds * 1e3:.1f} ms over {len(durations)}"
       f" (min {min(durations) * 1e3:.1f}, max {max(durations) * 1e3:.1f})")
 
-  client_params = final_state.algorithm.clients
-  personalized = prepared.algorithm.personalized_params(final_state.algorithm.server,
-                                                        client_params)
-  layers = dense_layer_shapes(personalized)
-  one_client = tree.first(personalized)
+  # The FLOPs and matmul shapes are the run's model's: its parameters as the run starts
+  # them. (An algorithm's personalised model need not be one: FedCP's is the model with a
+  # second head and a policy network, scored by its own evaluate.)
+  model_params = shared_initial_params(model, data, prepared.keys["init"])
+  layers = dense_layer_shapes(model_params)
+  one_client = tree.first(model_params)
   first = data.buckets[0].train
   forward = model_forward_flops(model.apply, one_client, first.x[0, :1])
-  num_params = parameter_count(personalized)
+  num_params = parameter_count(model_params)
   propagation_products = 1
   if config.algorithm == "fedora" and getattr(config.algorithm_config, "propagation_steps", 0):
     propagation_products = config.algorithm_config.propagation_steps

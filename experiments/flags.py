@@ -168,11 +168,12 @@ _define_algorithm_flags()
 
 # Plug-ins (issue 7) around the chosen algorithm. --ala_* are also FedALA's own flags.
 flags.DEFINE_bool("ala", False, "FedALA's Adaptive Local Aggregation in front of the"
-                  " algorithm's local training (hosts: fedavg, fedprox, ditto, apfl, fedamp);"
+                  f" algorithm's local training (hosts: {', '.join(sorted(ala_lib.HOOKS))});"
                   " settings --ala_*.")
 flags.DEFINE_enum("aggregation", "mean", ["mean", "confree"],
                   "Server aggregation of the shared part: mean (the algorithm's own) or"
-                  " confree (ConFREE, conflict-free; settings --confree_*).")
+                  " confree (ConFREE, conflict-free; settings --confree_*; hosts:"
+                  f" {', '.join(sorted(confree_lib.HOSTS))}).")
 # "default", not "paper": ConFREE's paper gives none of these values (confree.py says
 # where each default comes from).
 for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():

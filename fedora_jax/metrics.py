@@ -1,8 +1,15 @@
 """The paper's metrics (Wu et al., KDD 2023, section 5.1).
 
 Acc: mean over clients of per-client test accuracy. R-Acc_k = (Acc_k - Acc_k^LOCAL) /
-Acc_k^LOCAL against LOCAL trained on the same split and seed; R-Acc is its mean over
-clients. PTR: the fraction of clients with Acc_k >= Acc_k^LOCAL.
+Acc_k^LOCAL against LOCAL trained on the same split and seed (Definition 3.2); R-Acc is
+its mean over clients. PTR: the fraction of clients with Acc_k >= Acc_k^LOCAL
+(Definition 3.3).
+
+Where LOCAL scored 0 on client k (a few test samples, all missed), Definition 3.2 divides
+by zero: R-Acc_k is undefined (NaN here, null in results.json, "n/a" in the table), not
++inf (it would swamp the mean) nor a substitute the paper does not give. The mean R-Acc is
+then over the clients where it is defined (`defined_count` says how many); PTR is defined
+for every client and counts them all. Likewise R-MAE where LOCAL's MAE is 0.
 
 Regression (the agriculture task), where lower is better: MAE is the mean over clients of
 per-client test mean absolute error; R-MAE_k = (MAE_k^LOCAL - MAE_k) / MAE_k^LOCAL, the
@@ -28,12 +35,24 @@ def relative_accuracy(acc: np.ndarray, local_acc: np.ndarray) -> np.ndarray:
     return np.where(local_acc > 0, (acc - local_acc) / local_acc, np.nan)
 
 
+def defined_mean(values: np.ndarray) -> float | None:
+  """Mean over the clients where a relative score is defined (not NaN); None if nowhere."""
+  values = np.asarray(values, np.float64)
+  defined = ~np.isnan(values)
+  return float(np.nanmean(values)) if defined.any() else None
+
+
+def defined_count(values) -> int:
+  """How many clients a relative score is defined for (not NaN / None)."""
+  return sum(v is not None and not np.isnan(v) for v in values)
+
+
 def summarize(acc: np.ndarray, local_acc: np.ndarray | None) -> Summary:
   acc = np.asarray(acc, np.float64)
   if local_acc is None:
     return Summary(acc=float(acc.mean()), r_acc=None, ptr=None)
   r_acc = relative_accuracy(acc, local_acc)
-  return Summary(acc=float(acc.mean()), r_acc=float(np.nanmean(r_acc)),
+  return Summary(acc=float(acc.mean()), r_acc=defined_mean(r_acc),
                  ptr=float(np.mean(acc >= np.asarray(local_acc, np.float64))))
 
 
@@ -63,5 +82,5 @@ def summarize_regression(mae: np.ndarray, local_mae: np.ndarray | None) -> Regre
   if local_mae is None:
     return RegressionSummary(mae=float(mae.mean()), r_mae=None, ptr=None)
   r_mae = relative_mae(mae, local_mae)
-  return RegressionSummary(mae=float(mae.mean()), r_mae=float(np.nanmean(r_mae)),
+  return RegressionSummary(mae=float(mae.mean()), r_mae=defined_mean(r_mae),
                            ptr=float(np.mean(mae <= np.asarray(local_mae, np.float64))))

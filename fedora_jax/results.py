@@ -213,6 +213,20 @@ def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
     np.save(os.path.join(workdir, f"{name}.npy"), array)
 
 
+def _signed(value: float | None, width: int = 0) -> str:
+  """A relative score, signed; "n/a" where it is undefined (LOCAL scored 0: metrics.py)."""
+  return format("n/a" if value is None else format(value, "+.4f"), f">{width}")
+
+
+def _relative_mean(name: str, mean: float | None, per_client: list) -> str:
+  """`name` and its mean, saying over how many clients where it is not defined for all."""
+  text = f"{name} {_signed(mean)}"
+  defined = metrics.defined_count(per_client)
+  if defined < len(per_client):
+    text += f" (over {defined} of {len(per_client)} clients; LOCAL scored 0 on the others)"
+  return text
+
+
 def format_table(results: dict) -> str:
   """Per-client table and the summary lines, final round and best-validation round."""
   if task_of(results) == "regression":
@@ -220,19 +234,21 @@ def format_table(results: dict) -> str:
   lines = [f"{'client':>6} {'n_train':>7} {'acc':>7} {'local':>7} {'r_acc':>8}"
            f" {'bv_acc':>7} {'bv_local':>8}"]
   for c in results["clients"]:
-    r_acc = c["r_acc"] if c["r_acc"] is not None else float("nan")
     lines.append(f"{c['id']:>6} {c['n_train']:>7} {c['acc']:>7.4f} {c['local_acc']:>7.4f}"
-                 f" {r_acc:>+8.4f} {c['best_val_acc']:>7.4f} {c['local_best_val_acc']:>8.4f}")
+                 f" {_signed(c['r_acc'], 8)} {c['best_val_acc']:>7.4f}"
+                 f" {c['local_best_val_acc']:>8.4f}")
   best = results["best_val"]
+  column = lambda key: [c[key] for c in results["clients"]]
   name = results["algorithm"]
   lines += [
       f"{name} on {results['dataset']} ({results['setting']}, {results['num_clients']}"
       f" clients, seed {results['seed']}, {results['rounds']} rounds):",
       f"  final round {results['rounds']}:        Acc {results['acc']:.4f}"
-      f"  R-Acc {results['r_acc']:+.4f}  PTR {results['ptr']:.4f}"
+      f"  {_relative_mean('R-Acc', results['r_acc'], column('r_acc'))}  PTR {results['ptr']:.4f}"
       f"  (LOCAL Acc {results['local_acc']:.4f})",
       f"  best-validation round {best['round']}: Acc {best['acc']:.4f}"
-      f"  R-Acc {best['r_acc']:+.4f}  PTR {best['ptr']:.4f}"
+      f"  {_relative_mean('R-Acc', best['r_acc'], column('best_val_r_acc'))}"
+      f"  PTR {best['ptr']:.4f}"
       f"  (LOCAL Acc {best['local_acc']:.4f}, its round {best['local_round']})",
   ]
   return "\n".join(lines)
@@ -243,10 +259,11 @@ def _format_regression_table(results: dict) -> str:
            f" {'bv_mae':>9} {'bv_local':>9}"]
   nan = float("nan")
   for c in results["clients"]:
-    r_mae = c["r_mae"] if c["r_mae"] is not None else nan
     lines.append(f"{c['id']:>6} {c['n_train']:>7} {c['mae']:>9.4f} {c['local_mae']:>9.4f}"
-                 f" {r_mae:>+8.4f} {c['best_val_mae']:>9.4f} {c['local_best_val_mae']:>9.4f}")
+                 f" {_signed(c['r_mae'], 8)} {c['best_val_mae']:>9.4f}"
+                 f" {c['local_best_val_mae']:>9.4f}")
   best = results["best_val"]
+  column = lambda key: [c[key] for c in results["clients"]]
   fmt = lambda x, spec: format(nan if x is None else x, spec)
   lines += [
       f"{results['algorithm']} on {results['dataset']} (regression,"
@@ -254,10 +271,12 @@ def _format_regression_table(results: dict) -> str:
       " rounds; MAE: lower is better, R-MAE = (MAE_LOCAL - MAE) / MAE_LOCAL,"
       " PTR = share of clients with MAE <= LOCAL's):",
       f"  final round {results['rounds']}:        MAE {fmt(results['mae'], '.4f')}"
-      f"  R-MAE {fmt(results['r_mae'], '+.4f')}  PTR {fmt(results['ptr'], '.4f')}"
+      f"  {_relative_mean('R-MAE', results['r_mae'], column('r_mae'))}"
+      f"  PTR {fmt(results['ptr'], '.4f')}"
       f"  (LOCAL MAE {fmt(results['local_mae'], '.4f')})",
       f"  best-validation round {best['round']}: MAE {fmt(best['mae'], '.4f')}"
-      f"  R-MAE {fmt(best['r_mae'], '+.4f')}  PTR {fmt(best['ptr'], '.4f')}"
+      f"  {_relative_mean('R-MAE', best['r_mae'], column('best_val_r_mae'))}"
+      f"  PTR {fmt(best['ptr'], '.4f')}"
       f"  (LOCAL MAE {fmt(best['local_mae'], '.4f')}, its round {best['local_round']})",
   ]
   return "\n".join(lines)

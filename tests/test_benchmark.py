@@ -224,6 +224,22 @@ def test_interleaved_rounds_times_each_compiled_run_in_turn():
     assert len(times) == 3 and all(t > 0 for t in times)
 
 
+def test_benchmark_counts_the_run_s_model_when_the_personalised_model_is_more():
+  # FedCP's personalised model is the model plus a global head and a policy network (a
+  # FedCpModel, not a model of the run): FLOPs and parameters are the run's model's.
+  data, _ = tiny_data([6, 6])
+  model = tiny_model(hidden=(5,))  # 4 -> 5 -> 3
+  train = TrainConfig(rounds=1, local_epochs=1, batch_size=4, log_every=0)
+  config = measure.BenchmarkConfig(
+      algorithm="fedcp", algorithm_config=algorithms.get("fedcp").config_class(),
+      dataset="tiny", num_clients=2, setting="balanced", train=train, repeats=1, warmup=0,
+      peak_repeats=1, peak_size=16)
+  report, _, _ = measure.run_benchmark(config, model, data, log=lambda message: None)
+  assert report["forward_flops_per_sample"] == 2 * (4 * 5 + 5 * 3)
+  assert report["num_params_per_client"] == 4 * 5 + 5 + 5 * 3 + 3
+  assert report["round_seconds"] > 0 and report["server_seconds"] > 0
+
+
 @pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
 def test_torch_cnn_is_the_jax_cnn():
   """Same weights, same uint8 images: the PyTorch loop's CNN (with its input

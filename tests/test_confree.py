@@ -1,13 +1,14 @@
 """ConFREE: the projection, the guidance vector (Eq. 3), w* (Eq. 5), d* (Eq. 4), the hosts."""
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import optimize
 
 from fedora_jax import algorithms
-from fedora_jax.algorithms import ala, confree
+from fedora_jax.algorithms import ala, confree, fedcp, fedpac
 from fedora_jax.errors import ConfigError
 from tiny import default_config, run_rounds, tiny_data, tiny_model, tiny_trainer
 
@@ -159,6 +160,62 @@ def test_clients_that_sat_the_round_out_do_not_enter_the_step(order):
   # Sampled, client 3 does count.
   everyone = wrapped.aggregate(server, jnp.zeros(3), three, jnp.array([3.0, 5.0, 1.0]))
   assert not np.allclose(everyone.server["w"], pair.server["w"], atol=1e-2)
+
+
+def _sat_out_body():
+  """theta_g and three uploads of it whose ConFREE step is known (see the test above): with
+  client 2 out of the round and c = 0.5, theta_g moves by [0.75, 0.75]; the weighted mean
+  would move it by [0.375, 0.625]."""
+  body = {"params": {"Dense_0": {"bias": jnp.zeros(2)}}}
+  uploads = {"params": {"Dense_0": {"bias": jnp.array([[1.0, 0.0], [0.0, 1.0], [-5.0, -5.0]])}}}
+  return body, uploads, jnp.array([3.0, 5.0, 0.0])
+
+
+def _fedcp_case():
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  head = lambda *lead: {"params": {"Dense_1": {"kernel": normal(*lead, 2, 3),
+                                               "bias": normal(*lead, 3)}}}
+  policy = lambda *lead: {"kernel": normal(*lead, 2, 4), "bias": normal(*lead, 4)}
+  body, body_uploads, weights = _sat_out_body()
+  server = fedcp.FedCpServer(body=body, global_head=head(), policy=policy())
+  clients = fedcp.FedCpClient(personal_head=head(3), global_head=head(3), policy=policy(3),
+                              context=normal(3, 2))
+  uploads = fedcp.FedCpServer(body=body_uploads, global_head=head(3), policy=policy(3))
+  return server, clients, uploads, weights
+
+
+def _fedpac_case():
+  body, body_uploads, weights = _sat_out_body()
+  server = fedpac.FedPacServer(body=body, protos=jnp.zeros((2, 1)),
+                               has_proto=jnp.zeros(2, bool), combination=jnp.zeros((3, 3)))
+  heads = {"params": {"Dense_1": {"bias": jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])}}}
+  uploads = fedpac.FedPacUpload(
+      body=body_uploads, head=jax.tree.map(lambda a: 2.0 * a, heads),
+      proto_sums=jnp.array([[[2.0], [0.0]], [[6.0], [9.0]], [[0.0], [0.0]]]),
+      counts=jnp.array([[1.0, 0.0], [2.0, 3.0], [0.0, 0.0]]),
+      variance=jnp.array([1.0, 1.0, 0.0]), bias=jnp.array([0.0, 1.0, 0.0]).reshape(3, 1, 1))
+  return server, heads, uploads, weights
+
+
+@pytest.mark.parametrize("name, case", [("fedcp", _fedcp_case), ("fedpac", _fedpac_case)])
+def test_confree_moves_only_the_feature_extractor_of_fedcp_and_fedpac(name, case):
+  # theta_g is the body (the authors' FedCP and FedPAC hosts); FedCP's global head and
+  # policy, FedPAC's prototypes and head combination stay the host's own.
+  server, clients, uploads, weights = case()
+  trainer = tiny_trainer(tiny_model(), epochs=2)
+  host = algorithms.get(name).factory(default_config(name), trainer)
+  wrapped = algorithms.build(name, default_config(name), trainer,
+                             aggregation=confree.ConfreeConfig(c=0.5))
+  assert wrapped.name == f"{name}+confree"
+  plain = host.aggregate(server, clients, uploads, weights)
+  moved = wrapped.aggregate(server, clients, uploads, weights)
+  np.testing.assert_allclose(moved.server.body["params"]["Dense_0"]["bias"], [0.75, 0.75],
+                             atol=1e-5)
+  np.testing.assert_allclose(plain.server.body["params"]["Dense_0"]["bias"], [0.375, 0.625],
+                             atol=1e-6)
+  chex.assert_trees_all_equal(moved.server._replace(body=()), plain.server._replace(body=()))
+  chex.assert_trees_all_equal(moved.clients, plain.clients)
 
 
 def _two_rounds(name, **plugins):

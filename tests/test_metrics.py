@@ -1,8 +1,9 @@
 """Acc, R-Acc, PTR and best-validation selection against hand-computed values."""
 
 import numpy as np
+import pytest
 
-from fedora_jax import metrics
+from fedora_jax import metrics, results
 
 
 def test_summary_by_hand():
@@ -20,6 +21,30 @@ def test_zero_local_accuracy_is_left_out_of_r_acc():
   s = metrics.summarize(np.array([0.5, 0.2]), np.array([0.0, 0.1]))
   assert np.isclose(s.r_acc, 1.0)
   assert s.ptr == 1.0
+
+
+def test_r_acc_is_undefined_where_local_scored_zero_and_shown_so():
+  # Definition 3.2 divides by LOCAL's accuracy: client 0's R-Acc is undefined, the mean is
+  # over the other two ((0.2 - 0.1) / 0.1 = 1, (0.3 - 0.4) / 0.4 = -0.25); PTR counts all 3.
+  ours = results.ClientScores(final=np.array([0.5, 0.2, 0.3]),
+                              best_val=np.array([0.5, 0.2, 0.3]), best_round=2)
+  local = results.ClientScores(final=np.array([0.0, 0.1, 0.4]),
+                               best_val=np.array([0.0, 0.1, 0.4]), best_round=1)
+  info = {"dataset": "tiny", "algorithm": "fedavg", "setting": "balanced",
+          "num_clients": 3, "seed": 0, "rounds": 2}
+  report = results.build_results(info, None, ours, local, {"n_train": np.array([5, 6, 7])})
+  assert [c["r_acc"] for c in report["clients"]] == [None, 1.0, -0.25]
+  assert report["r_acc"] == 0.375 and report["ptr"] == pytest.approx(2 / 3, abs=1e-6)
+  table = results.format_table(report)
+  assert "nan" not in table
+  assert table.splitlines()[1].split()[4] == "n/a"             # client 0's r_acc cell
+  assert table.count("R-Acc +0.3750 (over 2 of 3 clients; LOCAL scored 0 on the others)") == 2
+  # Nowhere defined: no mean at all, not NaN.
+  assert metrics.summarize(np.array([0.5, 0.0]), np.array([0.0, 0.0])).r_acc is None
+  nowhere = results.build_results(info, None, ours._replace(final=np.zeros(3)),
+                                  local._replace(final=np.zeros(3)),
+                                  {"n_train": np.array([5, 6, 7])})
+  assert "R-Acc n/a (over 0 of 3 clients" in results.format_table(nowhere)
 
 
 def test_best_validation_round_takes_the_first_best_mean():

@@ -162,7 +162,7 @@ def build(name: str, config: Any, trainer: Any, ala: Any = None,
   if ala is not None:
     algorithm = ala_lib.with_ala(algorithm, ala_lib.HOOKS[name], ala, trainer)
   if aggregation is not None:
-    algorithm = confree.with_confree(algorithm, aggregation)
+    algorithm = confree.with_confree(algorithm, aggregation, confree.HOSTS[name])
   return algorithm
 
 

@@ -265,13 +265,33 @@ def _model_message(personal_is_local: bool) -> AlaHooks:
                   trained=lambda out: out.upload, personal_is_local=personal_is_local)
 
 
-# Hosts ALA can wrap, by registry name. FedAMP's "global model" for client i is its cloud
-# model u_i (the prox anchor); ALA replaces it and also starts training from theta_hat.
+# Hosts ALA can wrap, by registry name (FedALA's Table "+ALA": FedAvg, FedProx, Per-FedAvg,
+# pFedMe, Ditto, FedAMP, FedPHP, and FedRep and PartialFed, not offered here). The authors'
+# recipe (TsingZ0/FedALA README, "How to use"): the client calls
+# ALA.adaptive_local_aggregation(received_global_model, self.model) where it would copy
+# the global model into self.model, i.e. theta_i is the model the client trains, as it
+# holds it when the next global model arrives. Per host (PFLlib's clients, which FedALA's
+# experiments ran):
+#   * Per-FedAvg (clientperavg.py): self.model is the meta model, trained from the global
+#     model and adapted by one step for evaluation (train_one_step). theta_hat replaces the
+#     received global model in both; theta_i is the trained meta model (the upload).
+#   * pFedMe (clientpFedMe.py): set_parameters copies the global model into self.model and
+#     the local copy w_i; train() ends with self.model = w_{i,R}. theta_hat starts w_i and
+#     theta's solver; theta_i is w_{i,R} (the upload), not the personalised theta.
+#   * FedPHP (clientphp.py): self.model is the local model trained against the HPM and
+#     folded into it. theta_hat is where that training starts; theta_i is the trained w_k
+#     (the upload); the HPM (model_p) is not touched by ALA.
+# Each evaluates its own personalised model (the adapted model, theta or the HPM).
+# FedAMP's "global model" for client i is its cloud model u_i (the prox anchor); ALA
+# replaces it and also starts training from theta_hat.
 HOOKS: dict[str, AlaHooks] = {
     "fedavg": _model_message(personal_is_local=True),
     "fedprox": _model_message(personal_is_local=True),
     "ditto": _model_message(personal_is_local=False),
     "apfl": _model_message(personal_is_local=False),
+    "perfedavg": _model_message(personal_is_local=False),
+    "pfedme": _model_message(personal_is_local=False),
+    "fedphp": _model_message(personal_is_local=False),
     "fedamp": AlaHooks(
         received=lambda message: message.cloud_model,
         replace=lambda state, message, start: (start, message._replace(cloud_model=start)),

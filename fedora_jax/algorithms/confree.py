@@ -54,6 +54,19 @@ in jnp on the K x K Gram matrix. Against SLSQP with exact gradients in float64 i
 within 1e-5 (relative) at the default 300 steps on random instances of up to 40
 clients; the mirror descent it replaces was up to 2.6 % off after 500 (docs/confree.md).
 
+Hosts (`HOSTS`): the part ConFREE moves is the host's shared model, the poster's
+theta_g (Algorithm 1: each client keeps its head h_i and uploads theta_i). For FedAvg,
+APFL, FedPer, LG-FedAvg, FedRep, FedRoD and FedALA that is the server's whole state. Two
+hosts keep more on the server (`SharedPart` says where theta_g sits):
+  * FedCP: theta_g is the feature extractor f. Its global head h_g and conditional
+    policy network are still the FedAvg of the uploads (and still go to the round's
+    clients), as in the authors' FedCP host (StuZheng/ConFREE server/servercp.py:
+    aggregate_parameters_conflicts over the uploaded `model.model.base`, global_head()
+    and global_cs() the weighted means);
+  * FedPAC: theta_g is the feature extractor; the class prototypes and the per-client
+    classifier combination stay FedPAC's (server/serverpac.py: the conflict-free step
+    over the uploaded `model.base`, the heads by the quadratic program).
+
 Options where the authors' code departs from the above (the paper's math is the default,
 except the projection order, whose printed form is the option):
   * projection="code": g_i' <- g_i' - min(g_i' . g_j, 0) g_j, without dividing by
@@ -63,7 +76,7 @@ except the projection order, whose printed form is the option):
   * rescale=True: d* / (1 + c^2) (the code's rescale=1 divides by 1 + alpha^2).
 """
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +86,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState
 from fedora_jax.errors import ConfigError, FieldError
 
 _TINY = 1e-12
+PyTree = Any
 
 
 class ConfreeConfig(NamedTuple):
@@ -243,28 +257,52 @@ def aggregate_updates(updates, config: ConfreeConfig, sampled: jax.Array | None 
                                       zip(steps, leaves)])
 
 
-def with_confree(host: Algorithm, config: ConfreeConfig, name: str | None = None) -> Algorithm:
-  """The host with its server's shared parameters moved by ConFREE's d* instead of the mean.
+class SharedPart(NamedTuple):
+  """Where a host keeps theta_g, the part ConFREE aggregates."""
+  of_server: Callable[[PyTree], PyTree]          # server state -> theta_g
+  of_uploads: Callable[[PyTree], PyTree]         # uploads -> the clients' theta_i [K, ...]
+  replace: Callable[[PyTree, PyTree], PyTree]    # (server state, new theta_g) -> state
 
-  The host's server state must be its shared parameters and its uploads the clients'
-  trained copies of them (FedAvg, APFL, FedPer, LG-FedAvg, FedRep, FedRoD, FedALA).
-  The host's own aggregate still runs (for anything else it keeps); its new server
-  parameters are then replaced.
+
+WHOLE_SERVER = SharedPart(of_server=lambda server: server,
+                          of_uploads=lambda uploads: uploads,
+                          replace=lambda server, shared: shared)
+BODY = SharedPart(of_server=lambda server: server.body,
+                  of_uploads=lambda uploads: uploads.body,
+                  replace=lambda server, shared: server._replace(body=shared))
+
+
+def with_confree(host: Algorithm, config: ConfreeConfig, shared: SharedPart = WHOLE_SERVER,
+                 name: str | None = None) -> Algorithm:
+  """The host with theta_g, its server's shared parameters (`shared`), moved by ConFREE's
+  d* instead of the mean.
+
+  The host's own aggregate still runs (for anything else it keeps); its new theta_g is
+  then replaced by the old one plus d*, computed from the old one and the uploaded
+  copies.
   """
   config = validate(config)
 
   def aggregate(server, clients, uploads, weights):
     state = host.aggregate(server, clients, uploads, weights)
-    if jax.tree.structure(server) != jax.tree.structure(uploads):
+    theta_g, uploaded = shared.of_server(server), shared.of_uploads(uploads)
+    if jax.tree.structure(theta_g) != jax.tree.structure(uploaded):
       raise ConfigError(f"--aggregation=confree: {host.name}'s server state is not the"
                         " shared model its clients upload")
-    updates = jax.tree.map(lambda upload, shared: upload - shared[None], uploads, server)
+    updates = jax.tree.map(lambda upload, g: upload - g[None], uploaded, theta_g)
     # Clients that sat the round out carry weight 0 (and no real upload): they don't count.
     step = aggregate_updates(updates, config, sampled=weights > 0)
-    return AlgorithmState(server=jax.tree.map(jnp.add, server, step), clients=state.clients)
+    moved = jax.tree.map(jnp.add, theta_g, step)
+    return AlgorithmState(server=shared.replace(state.server, moved), clients=state.clients)
 
   return host._replace(name=name or f"{host.name}+confree", aggregate=aggregate)
 
 
-# Hosts with a shared part whose server state is exactly that part, by registry name.
-HOSTS = ("fedavg", "apfl", "fedrep", "fedala", "fedrod", "fedper", "lg_fedavg")
+# Hosts by registry name, and where each keeps theta_g.
+HOSTS: dict[str, SharedPart] = {
+    "fedavg": WHOLE_SERVER, "apfl": WHOLE_SERVER, "fedrep": WHOLE_SERVER,
+    "fedala": WHOLE_SERVER, "fedrod": WHOLE_SERVER, "fedper": WHOLE_SERVER,
+    "lg_fedavg": WHOLE_SERVER,
+    "fedcp": BODY,     # FedCpServer.body: the feature extractor f
+    "fedpac": BODY,    # FedPacServer.body: the feature extractor
+}
