@@ -20,7 +20,8 @@ like torchvision's `rotate` defaults used by the authors (pixel for pixel but fo
     seeded with `seed` (their `set_seed(args.seed)`, 42 by default) shuffles
     arange(n_train), whose last 10000 are the validation pool and the rest the training
     pool, then shuffles arange(n_test); client k takes the k-th block of 128 of the
-    training pool, of 64 of the validation pool and of n_test // K of the test order.
+    training pool, of 64 of the validation pool and of n_test // K of the test order
+    (their code writes 10000, the MNIST / Fashion-MNIST test set's size).
     `np.random.RandomState(seed)` gives the same draws as their global `np.random` right
     after `np.random.seed(seed)` (nothing else draws from it before the loader). Balanced
     clients only: their loader has no imbalanced setting.
