@@ -45,6 +45,10 @@ flags.DEFINE_enum("setting", "balanced", list(partitions.SETTINGS),
 flags.DEFINE_enum("partition", None, list(partitions.KINDS),
                   "How clients are cut (default: the dataset's; rotation for rmnist and"
                   " rfmnist, pathological for cifar10, iid for mnist).")
+flags.DEFINE_enum("split", None, list(partitions.SPLITS),
+                  "Rotation clients' sampling: ours (default) or authors, the FEDORA"
+                  " authors' loader draw for draw (NumPy's legacy RNG seeded with the data"
+                  " seed; their runs: --data_seed=42). Balanced setting only.")
 flags.DEFINE_integer("classes_per_client", None, "pathological: classes per client"
                      " (default: the dataset's, 2).", lower_bound=1)
 flags.DEFINE_float("dirichlet_alpha", None, "dirichlet: concentration alpha (default 0.3;"
@@ -238,7 +242,8 @@ def partition_config(dataset: str) -> partitions.PartitionConfig:
   """The client partition the flags ask for, the dataset's defaults filling the rest."""
   given = {"kind": FLAGS.partition, "classes_per_client": FLAGS.classes_per_client,
            "dirichlet_alpha": FLAGS.dirichlet_alpha, "min_client_size": FLAGS.min_client_size,
-           "train_per_client": FLAGS.fixed_train_size, "val_per_client": FLAGS.fixed_val_size}
+           "train_per_client": FLAGS.fixed_train_size, "val_per_client": FLAGS.fixed_val_size,
+           "split": FLAGS.split}
   return datasets.default_partition(dataset, FLAGS.setting,
                                     **{k: v for k, v in given.items() if v is not None})
 

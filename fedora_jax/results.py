@@ -45,7 +45,8 @@ def client_scores(result: RunResult, task: str = "classification") -> ClientScor
 
 # Fields a LOCAL reference must share with the run it is compared against.
 _REFERENCE_KEYS = ("dataset", "setting", "num_clients", "data_seed", "seed", "rounds",
-                   "model", "hidden", "partition")  # partition: absent for rotation
+                   "model", "hidden", "partition",  # partition: absent for rotation
+                   "split")  # absent: our own sampling
 _REFERENCE_TRAIN_KEYS = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay")
 
 

@@ -131,7 +131,10 @@ def _run_info(config: ExperimentConfig, num_clients: int, model_name: str,
   if config.data_source != "files":
     info["data_source"] = config.data_source
   if partition is not None and partition.kind != "rotation":  # rotation keeps its keys
-    info["partition"] = partition._asdict()
+    # `split` is rotation's alone (always "ours" here): left out, as before it existed.
+    info["partition"] = {k: v for k, v in partition._asdict().items() if k != "split"}
+  if partition is not None and partition.split != "ours":  # absent: our own sampling
+    info["split"] = partition.split
   return info
 
 

@@ -9,7 +9,23 @@ rotated by 360 * i / K degrees.
   - test: the official test set, shuffled, split into K equal parts (the remainder,
     10000 mod K images, is dropped, as in the authors' code).
 Rotation is nearest-neighbour about the image centre with zero fill and no resizing,
-like torchvision's `rotate` defaults used by the authors.
+like torchvision's `rotate` defaults used by the authors (pixel for pixel but for
+~0.002% of pixels, near the image border; docs/datasets.md).
+
+`split` picks who draws the rotation clients' indices (both keep the sizes above):
+  - "ours" (default): one `np.random.default_rng(seed)` permutation of the training set,
+    cut into consecutive 128 + 64 blocks (train, then validation), and one of the test set;
+  - "authors": the FEDORA authors' loader (github.com/junwu6/FEDORA,
+    utils/load_rotate_mnist.py, BaseNodes_RotateMNIST) draw for draw: NumPy's legacy RNG
+    seeded with `seed` (their `set_seed(args.seed)`, 42 by default) shuffles
+    arange(n_train), whose last 10000 are the validation pool and the rest the training
+    pool, then shuffles arange(n_test); client k takes the k-th block of 128 of the
+    training pool, of 64 of the validation pool and of n_test // K of the test order
+    (their code writes 10000, the MNIST / Fashion-MNIST test set's size).
+    `np.random.RandomState(seed)` gives the same draws as their global `np.random` right
+    after `np.random.seed(seed)` (nothing else draws from it before the loader). Balanced
+    clients only: their loader has no imbalanced setting.
+Both draw without replacement: no index serves two clients or two splits.
 
 Label-skew partitions (`make_partition`, kinds iid / pathological / dirichlet) share one
 protocol, so that every kind gives each client train / validation / test splits the way
@@ -46,6 +62,8 @@ from fedora_jax.errors import ConfigError, DataError, FieldError
 
 SETTINGS = ("balanced", "imbalanced")
 KINDS = ("rotation", "iid", "pathological", "dirichlet")
+SPLITS = ("ours", "authors")  # who draws the rotation clients' indices (module docstring)
+AUTHORS_VAL_POOL = 10000  # load_rotate_mnist.py: val_size, the training set's last 10000
 
 
 class Partition(NamedTuple):
@@ -67,6 +85,7 @@ class PartitionConfig(NamedTuple):
   val_per_client: int | None = None     # None: rotation 64, others train_per_client // 2
   val_fraction: float = 1 / 3           # validation share of a pool (no fixed sizes)
   max_redraws: int = 100                # dirichlet
+  split: str = "ours"                   # rotation: "ours" or "authors" (their sampling)
 
 
 def rotation_angles(num_clients: int) -> np.ndarray:
@@ -123,17 +142,65 @@ def rotation_partition(dataset: ImageDataset, num_clients: int, setting: str = "
     cut = (2 * len(rest)) // 3
     clients.insert(large_client, (large_client, rest[:cut], rest[cut:]))
 
-  built = []
-  for k, train_idx, val_idx in clients:
-    test_idx = test_order[k * test_per_client:(k + 1) * test_per_client]
-    built.append(Client(
-        x_train=rotate_images(dataset.x_train[train_idx], angles[k]),
-        y_train=dataset.y_train[train_idx],
-        x_val=rotate_images(dataset.x_train[val_idx], angles[k]),
-        y_val=dataset.y_train[val_idx],
-        x_test=rotate_images(dataset.x_test[test_idx], angles[k]),
-        y_test=dataset.y_test[test_idx]))
+  built = [_rotated_client(dataset, angles[k], train_idx, val_idx,
+                           test_order[k * test_per_client:(k + 1) * test_per_client])
+           for k, train_idx, val_idx in clients]
   return Partition(clients=built, angles=angles, large_client=large_client)
+
+
+def _rotated_client(dataset: ImageDataset, angle: float, train_idx: np.ndarray,
+                    val_idx: np.ndarray, test_idx: np.ndarray) -> Client:
+  """A client of these training-set (train, validation) and test-set indices, rotated."""
+  return Client(
+      x_train=rotate_images(dataset.x_train[train_idx], angle),
+      y_train=dataset.y_train[train_idx],
+      x_val=rotate_images(dataset.x_train[val_idx], angle),
+      y_val=dataset.y_train[val_idx],
+      x_test=rotate_images(dataset.x_test[test_idx], angle),
+      y_test=dataset.y_test[test_idx])
+
+
+def authors_rotation_indices(n_train: int, n_test: int, num_clients: int, seed: int,
+                             train_per_client: int = 128, val_per_client: int = 64,
+                             val_pool: int = AUTHORS_VAL_POOL
+                             ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """Per client, its (training, validation) training-set indices and its test-set
+  indices, drawn as the FEDORA authors' BaseNodes_RotateMNIST draws them (module
+  docstring). Where their loop would silently hand out short or empty slices, this
+  raises DataError."""
+  train_pool = n_train - val_pool
+  test_per_client = n_test // num_clients
+  if not 0 < val_pool < n_train:
+    raise DataError(f"the authors' split holds out the last {val_pool} of the training"
+                    f" set for validation; it has {n_train} images")
+  for what, need, have in (("training", num_clients * train_per_client, train_pool),
+                           ("validation", num_clients * val_per_client, val_pool)):
+    if need > have:
+      raise DataError(f"the authors' split: {num_clients} clients need {need} {what}"
+                      f" images, but their {what} pool holds {have}")
+  if test_per_client < 1:
+    raise DataError(f"cannot split {n_test} test images over {num_clients} clients")
+  rng = np.random.RandomState(seed)  # = their global np.random after np.random.seed(seed)
+  order = np.arange(n_train)
+  rng.shuffle(order)
+  train_order, val_order = order[:-val_pool], order[-val_pool:]
+  test_order = np.arange(n_test)
+  rng.shuffle(test_order)
+  return [(train_order[k * train_per_client:(k + 1) * train_per_client],
+           val_order[k * val_per_client:(k + 1) * val_per_client],
+           test_order[k * test_per_client:(k + 1) * test_per_client])
+          for k in range(num_clients)]
+
+
+def authors_rotation_partition(dataset: ImageDataset, num_clients: int, seed: int,
+                               train_per_client: int = 128,
+                               val_per_client: int = 64) -> Partition:
+  """Balanced rotated clients sampled as the FEDORA authors' code samples them."""
+  angles = rotation_angles(num_clients)
+  indices = authors_rotation_indices(len(dataset.x_train), len(dataset.x_test),
+                                     num_clients, seed, train_per_client, val_per_client)
+  clients = [_rotated_client(dataset, angles[k], *idx) for k, idx in enumerate(indices)]
+  return Partition(clients=clients, angles=angles, large_client=None)
 
 
 def class_counts(clients: list[Client], num_classes: int) -> np.ndarray:
@@ -153,8 +220,12 @@ def make_partition(dataset: ImageDataset, num_clients: int, config: PartitionCon
       raise FieldError("partition", "min_client_size",
                        f"({config.min_client_size}) is more than the {train_per_client}"
                        " training samples a rotation client gets")
-    partition = rotation_partition(dataset, num_clients, config.setting, seed,
-                                   train_per_client, val_per_client)
+    if config.split == "authors":
+      partition = authors_rotation_partition(dataset, num_clients, seed, train_per_client,
+                                             val_per_client)
+    else:
+      partition = rotation_partition(dataset, num_clients, config.setting, seed,
+                                     train_per_client, val_per_client)
     return partition._replace(class_counts=class_counts(partition.clients,
                                                         dataset.num_classes))
   rng = np.random.default_rng(seed)
@@ -209,6 +280,17 @@ def _validate(dataset: ImageDataset, num_clients: int, config: PartitionConfig) 
   if num_clients > len(dataset.x_train):
     raise ConfigError(f"{dataset.name}: {num_clients} clients but only"
                       f" {len(dataset.x_train)} training samples")
+  if config.split not in SPLITS:
+    raise FieldError("partition", "split",
+                     f"must be one of {', '.join(SPLITS)}, got {config.split!r}")
+  if config.split == "authors" and config.kind != "rotation":
+    raise FieldError("partition", "split",
+                     f"authors: the FEDORA authors' sampling cuts rotated clients; the"
+                     f" {config.kind} partition has only its own")
+  if config.split == "authors" and config.setting != "balanced":
+    raise FieldError("partition", "split",
+                     f"authors: the FEDORA authors' loader has no {config.setting} clients;"
+                     " use the balanced setting")
   if config.min_client_size < 0:
     raise FieldError("partition", "min_client_size",
                      f"must be >= 0, got {config.min_client_size}")
