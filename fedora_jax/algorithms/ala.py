@@ -121,11 +121,21 @@ def validate(config: AlaConfig) -> AlaConfig:
 
 
 class AlaHooks(NamedTuple):
-  """Where a host keeps the model ALA works on."""
+  """Where a host keeps the model ALA works on.
+
+  The received model may be all of the model or some of its layers (FedRep's body): W
+  covers the top p layers of what the host sends, theta_hat has the received layers, and
+  `initial` says which model the host's training then starts from; W learns on that
+  model's loss (the paper's Eq. 1: the loss of the initialised local model).
+  """
   received: Callable[[PyTree], Params]                       # message -> global model
   replace: Callable[[PyTree, PyTree, Params], tuple[PyTree, PyTree]]  # (state, message, theta_hat) -> (state, message)
   trained: Callable[[ClientOutput], Params]                   # the client's next theta_i
   personal_is_local: bool  # evaluate theta_i (hosts whose own personal model is the global one)
+  # (host state, theta_i, theta_hat, host's key) -> the model the host trains from; None:
+  # theta_i with the received layers replaced by theta_hat's (theta_hat itself when the
+  # host sends the whole model).
+  initial: Callable[[PyTree, Params, Params, jax.Array], Params] | None = None
 
 
 class AlaClient(NamedTuple):
@@ -136,10 +146,18 @@ class AlaClient(NamedTuple):
 
 
 def top_layers(params: Params, p: int) -> list[str]:
+  """The top p layers of `params`, the model (or the layers of it) the host sends."""
   names = layer_names(params)
   if p > len(names):
-    raise FieldError("ala", "p", f"must be at most the model's {len(names)} layers, got {p}")
+    raise FieldError("ala", "p", f"must be at most the {len(names)} layers the host sends"
+                                 f" its clients, got {p}")
   return names[len(names) - p:]
+
+
+def overwrite(host_state: PyTree, local: Params, theta_hat: Params, key: jax.Array) -> Params:
+  """The default AlaHooks.initial: theta_i with the received layers taken from theta_hat."""
+  del host_state, key
+  return merge_layers(local, theta_hat)
 
 
 def aggregate_locally(local: Params, global_params: Params, weights: Params) -> Params:
@@ -209,11 +227,15 @@ def with_ala(host: Algorithm, hooks: AlaHooks, config: AlaConfig, trainer: Clien
   """The host algorithm with ALA's local initialization in front of its client update."""
   config = validate(config)
 
+  initial = hooks.initial or overwrite
+
   def init(context: InitContext) -> AlgorithmState:
     state = host.init(context)
-    first = tree.first(context.params)
+    # W covers the top p layers of the model the host sends (its layers, no computation).
+    received = jax.eval_shape(lambda: hooks.received(host.broadcast(state.server,
+                                                                    state.clients)))
     weights = jax.tree.map(jnp.ones_like,
-                           take_layers(context.params, top_layers(first, config.p)))
+                           take_layers(context.params, top_layers(received, config.p)))
     num_clients = tree.leading_size(context.params)
     return AlgorithmState(server=state.server, clients=AlaClient(
         host=state.clients, local=context.params, weights=weights,
@@ -225,13 +247,17 @@ def with_ala(host: Algorithm, hooks: AlaHooks, config: AlaConfig, trainer: Clien
   def client_update(client: AlaClient, message, data, key):
     ala_key, host_key = jax.random.split(key)
     global_params = hooks.received(message)
-    weights, epochs, loss = learn_weights(trainer.loss, config, client.local, global_params,
+
+    def initial_loss(theta_hat, x, y, batch_weights):  # the loss of the model trained from
+      return trainer.loss(initial(client.host, client.local, theta_hat, host_key), x, y,
+                          batch_weights)
+    weights, epochs, loss = learn_weights(initial_loss, config, client.local, global_params,
                                           client.weights, client.rounds, data.train, ala_key)
-    start = aggregate_locally(client.local, global_params, weights)
+    theta_hat = aggregate_locally(client.local, global_params, weights)
     # The first round's theta_i is the initial model: start from the global one exactly.
-    start = jax.tree.map(lambda a, g: jnp.where(client.rounds == 0, g, a), start,
-                         global_params)
-    host_state, message = hooks.replace(client.host, message, start)
+    theta_hat = jax.tree.map(lambda a, g: jnp.where(client.rounds == 0, g, a), theta_hat,
+                             global_params)
+    host_state, message = hooks.replace(client.host, message, theta_hat)
     out = host.client_update(host_state, message, data, host_key)
     weight_sum = sum(jnp.sum(w) for w in jax.tree.leaves(weights))
     weight_count = sum(w.size for w in jax.tree.leaves(weights))
