@@ -1,4 +1,5 @@
-"""ALA on Per-FedAvg, pFedMe and FedPHP (FedALA's "+ALA" table): one client's round by hand.
+"""ALA on Per-FedAvg, pFedMe, FedPHP, FedRep and PartialFed (FedALA's "+ALA" table): one
+client's round by hand.
 
 Each client holds identical samples, so every batch's mean loss is that sample's whatever
 the shuffle or ALA's s% sample: W's one step (a later round, s = 100 %, one full batch),
@@ -11,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedora_jax.algorithms import ala, fedphp, perfedavg, pfedme
+from fedora_jax.algorithms import ala, fedphp, fedrep, partialfed, perfedavg, pfedme
+from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import Client, stack_clients
 from tiny import init_params, mean_ce, tiny_model, tiny_trainer
 
@@ -122,3 +124,135 @@ def test_fedphp_trains_from_theta_hat_against_the_hpm_and_keeps_the_trained_mode
   mu = 0.9 * 3 / 100                               # min(mu_max c_k / Q, mu_max)
   chex.assert_trees_all_close(
       evaluated, jax.tree.map(lambda v, w: mu * v + (1 - mu) * w, hpm, trained), atol=2e-6)
+
+
+# FedRep and PartialFed: the host sends some layers, or starts from some of the received
+# ones. Three layers (Dense_0 4 -> 5, Dense_1 5 -> 4, Dense_2 4 -> 3), W at 0.5.
+
+def _three_layers():
+  model = tiny_model(hidden=(5, 4))
+  splits, x, y = _identical_sample_client()
+  local, global_ = init_params(model, seed=1), init_params(model)
+  grad = jax.jit(jax.grad(lambda p: mean_ce(model, p, x, y)))
+  return model, splits, local, global_, grad
+
+
+def _half(params, names):
+  return {"params": {n: jax.tree.map(lambda a: jnp.full_like(a, 0.5), params["params"][n])
+                     for n in names}}
+
+
+def _mix(local, global_, weights):
+  """theta_i + (Theta - theta_i) * W on W's layers."""
+  return {n: jax.tree.map(lambda l, g, w: l + (g - l) * w, local["params"][n],
+                          global_["params"][n], weights[n]) for n in weights}
+
+
+def _w_step(weights, grads, local, global_, names):
+  """W <- clip(W - eta * dL/dtheta * (Theta - theta_i), 0, 1) on the layers `names`."""
+  return {n: jax.tree.map(lambda w, g, gl, lo: jnp.clip(w - ALA_CONFIG.eta * g * (gl - lo),
+                                                        0.0, 1.0),
+                          weights[n], grads["params"][n], global_["params"][n],
+                          local["params"][n]) if n in names else weights[n]
+          for n in weights}
+
+
+def _one_round(wrapped, host_state, local, weights, message, splits, key=jax.random.key(0)):
+  client = ala.AlaClient(host=host_state, local=local, weights=weights,
+                         rounds=jnp.asarray(2, jnp.int32))   # a later round: one epoch
+  out = jax.jit(wrapped.client_update)(client, message, splits, key)
+  assert int(out.metrics["ala_epochs"]) == 1
+  stacked = jax.tree.map(lambda a: a[None], out.state)
+  return out, jax.tree.map(lambda a: a[0], wrapped.personalized_params(None, stacked))
+
+
+def test_fedrep_mixes_the_top_layer_of_the_received_body_under_the_clients_head():
+  model, splits, local, global_, grad = _three_layers()
+  trainer = tiny_trainer(model, batch_size=4, epochs=2)   # head step, then body step
+  host = fedrep.fedrep(fedrep.FedRepConfig(head_epochs=1, head_layers=1), trainer)
+  wrapped = ala.with_ala(host, ala.HOOKS["fedrep"], ALA_CONFIG, trainer)
+  # W covers the top layer of what FedRep sends, the body's (Dense_1), not the head.
+  stacked = jax.tree.map(lambda a: jnp.stack([a, a]), local)
+  init = wrapped.init(InitContext(params=stacked, data=None, trainer=trainer,
+                                  key=jax.random.key(0)))
+  assert list(init.clients.weights["params"]) == ["Dense_1"]
+  body = {"params": {n: global_["params"][n] for n in ("Dense_0", "Dense_1")}}
+  weights = _half(local, ["Dense_1"])
+
+  def start(w):  # global Dense_0, mixed Dense_1, the client's own head
+    return {"params": {"Dense_0": global_["params"]["Dense_0"],
+                       **_mix(local, global_, w), "Dense_2": local["params"]["Dense_2"]}}
+  new_weights = _w_step(weights["params"], grad(start(weights["params"])), local, global_,
+                        ["Dense_1"])
+  out, evaluated = _one_round(wrapped, local, local, weights, body, splits)
+  chex.assert_trees_all_close(out.state.weights["params"], new_weights, atol=1e-6)
+  # FedRep from theta_hat: one SGD step on the head, then one on the body.
+  trained = start(new_weights)
+  head_step = _sgd(trained, grad(trained), 0.1)
+  trained = {"params": {**trained["params"], "Dense_2": head_step["params"]["Dense_2"]}}
+  body_step = _sgd(trained, grad(trained), 0.1)
+  trained = {"params": {**body_step["params"], "Dense_2": trained["params"]["Dense_2"]}}
+  chex.assert_trees_all_close(out.upload, {"params": {n: trained["params"][n] for n in
+                                                      ("Dense_0", "Dense_1")}}, atol=2e-6)
+  chex.assert_trees_all_close(out.state.local, trained, atol=2e-6)   # theta_i: whole model
+  chex.assert_trees_all_close(evaluated, trained, atol=2e-6)
+
+
+def _partialfed_case(config, logits, key):
+  """One PartialFed+ALA round (p = 2: W on Dense_1 and Dense_2) and its hand value for
+  the loading A the host draws from its key (with_ala's split)."""
+  model, splits, local, global_, grad = _three_layers()
+  trainer = tiny_trainer(model, batch_size=4, epochs=1)   # one SGD step
+  host = partialfed.partialfed(config, trainer)
+  wrapped = ala.with_ala(host, ala.hooks_for("partialfed", config), ALA_CONFIG._replace(p=2),
+                         trainer)
+  names = ["Dense_0", "Dense_1", "Dense_2"]
+  load, noise, _ = partialfed.draw_loading(config, names, logits, jax.random.split(key)[1])
+  load = [bool(a) for a in np.asarray(load)]
+  weights = _half(local, ["Dense_1", "Dense_2"])
+
+  def theta_hat(w):  # ALA over the received model: global Dense_0, the top two mixed
+    return {"params": {"Dense_0": global_["params"]["Dense_0"], **_mix(local, global_, w)}}
+
+  def start(w):  # PartialFed loads theta_hat's layers where A loads, keeps its own elsewhere
+    return {"params": {n: (theta_hat(w) if a else local)["params"][n]
+                       for n, a in zip(names, load)}}
+  new_weights = _w_step(weights["params"], grad(start(weights["params"])), local, global_,
+                        [n for n, a in zip(names, load) if a])
+  state = partialfed.PartialFedClient(local=local, logits=logits)
+  out, evaluated = _one_round(wrapped, state, local, weights, global_, splits, key)
+  chex.assert_trees_all_close(out.state.weights["params"], new_weights, atol=1e-6)
+  trained = _sgd(start(new_weights), grad(start(new_weights)), 0.1)
+  chex.assert_trees_all_close(out.upload, trained, atol=2e-6)
+  chex.assert_trees_all_close(out.state.local, trained, atol=2e-6)   # theta_i: trained
+  chex.assert_trees_all_close(evaluated, trained, atol=2e-6)
+  np.testing.assert_allclose(out.metrics["loaded_layers"], np.mean(load))
+  return out, load, noise, grad(start(new_weights)), theta_hat(new_weights), local
+
+
+def test_partialfed_fix_mixes_only_the_loaded_layers_and_w_of_a_kept_layer_stays():
+  out, load, _, _, _, _ = _partialfed_case(partialfed.PartialFedConfig(),  # Dense_2 kept
+                                           jnp.zeros(3), jax.random.key(0))
+  assert load == [True, True, False]
+  np.testing.assert_array_equal(out.state.weights["params"]["Dense_2"]["kernel"], 0.5)
+  assert not np.allclose(out.state.weights["params"]["Dense_1"]["kernel"], 0.5)
+
+
+def test_partialfed_adaptive_draws_one_strategy_for_alas_weights_and_its_own_loading():
+  config = partialfed.PartialFedConfig(strategy="adaptive")
+  logits = jnp.array([0.7, -0.4, 0.3])
+  seen = set()
+  for seed in range(4):
+    out, load, noise, grads, theta_hat, local = _partialfed_case(config, logits,
+                                                                 jax.random.key(seed))
+    seen.add(tuple(load[1:]))
+    # The strategy's straight-through step compares theta_hat's layer with the client's:
+    # pi_l <- pi_l - lr * sigmoid'(z_l) / T * <grad_l L, theta_hat_l - theta_i_l>.
+    z = logits + noise
+    slope = jax.nn.sigmoid(z) * (1 - jax.nn.sigmoid(z))
+    inner = jnp.array([sum(jnp.vdot(g, a - b) for g, a, b in zip(
+        jax.tree.leaves(grads["params"][n]), jax.tree.leaves(theta_hat["params"][n]),
+        jax.tree.leaves(local["params"][n]))) for n in ("Dense_0", "Dense_1", "Dense_2")])
+    np.testing.assert_allclose(out.state.host.logits, logits - 0.1 * slope * inner,
+                               rtol=1e-5, atol=1e-7)
+  assert len(seen) > 1, seen   # the top layers' loading differs between the draws

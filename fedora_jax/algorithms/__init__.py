@@ -160,7 +160,7 @@ def build(name: str, config: Any, trainer: Any, ala: Any = None,
   check_plugins(name, ala, aggregation)
   algorithm = get(name).factory(config, trainer)
   if ala is not None:
-    algorithm = ala_lib.with_ala(algorithm, ala_lib.HOOKS[name], ala, trainer)
+    algorithm = ala_lib.with_ala(algorithm, ala_lib.hooks_for(name, config), ala, trainer)
   if aggregation is not None:
     algorithm = confree.with_confree(algorithm, aggregation, confree.HOSTS[name])
   return algorithm

@@ -33,7 +33,11 @@ trained model becomes theta_i for the next round.
 As a plug-in (the paper's Table "+ALA"), `with_ala` wraps a host algorithm: the host's
 message to client i has its global model replaced by theta_hat_i, everything else of the
 host (its training, uploads and server) is untouched. `AlaHooks` say, per host, where
-that model sits in the message and which trained model is the client's next theta_i.
+that model sits in the message, which trained model is the client's next theta_i, and
+which model the host's training starts from. The received model can be some of the
+layers (FedRep's body: W covers its top p layers, the head stays the client's), and a
+host can keep some received layers out of its start (PartialFed's loading strategy); W
+always learns on the loss of the model the host trains from. Per host: HOOKS below.
 
 Partial participation (--participation < 1), the definition here: ALA is part of a
 client's round, so only the round's sampled clients run it (then their host's local
@@ -71,6 +75,7 @@ import jax
 import jax.numpy as jnp
 
 from fedora_jax import tree
+from fedora_jax.algorithms import partialfed
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import layer_names, merge_layers, take_layers
 from fedora_jax.data.client_data import ClientData
@@ -121,11 +126,21 @@ def validate(config: AlaConfig) -> AlaConfig:
 
 
 class AlaHooks(NamedTuple):
-  """Where a host keeps the model ALA works on."""
+  """Where a host keeps the model ALA works on.
+
+  The received model may be all of the model or some of its layers (FedRep's body): W
+  covers the top p layers of what the host sends, theta_hat has the received layers, and
+  `initial` says which model the host's training then starts from; W learns on that
+  model's loss (the paper's Eq. 1: the loss of the initialised local model).
+  """
   received: Callable[[PyTree], Params]                       # message -> global model
   replace: Callable[[PyTree, PyTree, Params], tuple[PyTree, PyTree]]  # (state, message, theta_hat) -> (state, message)
   trained: Callable[[ClientOutput], Params]                   # the client's next theta_i
   personal_is_local: bool  # evaluate theta_i (hosts whose own personal model is the global one)
+  # (host state, theta_i, theta_hat, host's key) -> the model the host trains from; None:
+  # theta_i with the received layers replaced by theta_hat's (theta_hat itself when the
+  # host sends the whole model).
+  initial: Callable[[PyTree, Params, Params, jax.Array], Params] | None = None
 
 
 class AlaClient(NamedTuple):
@@ -136,10 +151,18 @@ class AlaClient(NamedTuple):
 
 
 def top_layers(params: Params, p: int) -> list[str]:
+  """The top p layers of `params`, the model (or the layers of it) the host sends."""
   names = layer_names(params)
   if p > len(names):
-    raise FieldError("ala", "p", f"must be at most the model's {len(names)} layers, got {p}")
+    raise FieldError("ala", "p", f"must be at most the {len(names)} layers the host sends"
+                                 f" its clients, got {p}")
   return names[len(names) - p:]
+
+
+def overwrite(host_state: PyTree, local: Params, theta_hat: Params, key: jax.Array) -> Params:
+  """The default AlaHooks.initial: theta_i with the received layers taken from theta_hat."""
+  del host_state, key
+  return merge_layers(local, theta_hat)
 
 
 def aggregate_locally(local: Params, global_params: Params, weights: Params) -> Params:
@@ -209,11 +232,15 @@ def with_ala(host: Algorithm, hooks: AlaHooks, config: AlaConfig, trainer: Clien
   """The host algorithm with ALA's local initialization in front of its client update."""
   config = validate(config)
 
+  initial = hooks.initial or overwrite
+
   def init(context: InitContext) -> AlgorithmState:
     state = host.init(context)
-    first = tree.first(context.params)
+    # W covers the top p layers of the model the host sends (its layers, no computation).
+    received = jax.eval_shape(lambda: hooks.received(host.broadcast(state.server,
+                                                                    state.clients)))
     weights = jax.tree.map(jnp.ones_like,
-                           take_layers(context.params, top_layers(first, config.p)))
+                           take_layers(context.params, top_layers(received, config.p)))
     num_clients = tree.leading_size(context.params)
     return AlgorithmState(server=state.server, clients=AlaClient(
         host=state.clients, local=context.params, weights=weights,
@@ -225,13 +252,17 @@ def with_ala(host: Algorithm, hooks: AlaHooks, config: AlaConfig, trainer: Clien
   def client_update(client: AlaClient, message, data, key):
     ala_key, host_key = jax.random.split(key)
     global_params = hooks.received(message)
-    weights, epochs, loss = learn_weights(trainer.loss, config, client.local, global_params,
+
+    def initial_loss(theta_hat, x, y, batch_weights):  # the loss of the model trained from
+      return trainer.loss(initial(client.host, client.local, theta_hat, host_key), x, y,
+                          batch_weights)
+    weights, epochs, loss = learn_weights(initial_loss, config, client.local, global_params,
                                           client.weights, client.rounds, data.train, ala_key)
-    start = aggregate_locally(client.local, global_params, weights)
+    theta_hat = aggregate_locally(client.local, global_params, weights)
     # The first round's theta_i is the initial model: start from the global one exactly.
-    start = jax.tree.map(lambda a, g: jnp.where(client.rounds == 0, g, a), start,
-                         global_params)
-    host_state, message = hooks.replace(client.host, message, start)
+    theta_hat = jax.tree.map(lambda a, g: jnp.where(client.rounds == 0, g, a), theta_hat,
+                             global_params)
+    host_state, message = hooks.replace(client.host, message, theta_hat)
     out = host.client_update(host_state, message, data, host_key)
     weight_sum = sum(jnp.sum(w) for w in jax.tree.leaves(weights))
     weight_count = sum(w.size for w in jax.tree.leaves(weights))
@@ -265,9 +296,21 @@ def _model_message(personal_is_local: bool) -> AlaHooks:
                   trained=lambda out: out.upload, personal_is_local=personal_is_local)
 
 
-# Hosts ALA can wrap, by registry name (FedALA's Table "+ALA": FedAvg, FedProx, Per-FedAvg,
-# pFedMe, Ditto, FedAMP, FedPHP, and FedRep and PartialFed, not offered here). The authors'
-# recipe (TsingZ0/FedALA README, "How to use"): the client calls
+def _partialfed_hooks(config: partialfed.PartialFedConfig) -> AlaHooks:
+  """PartialFed loads theta_hat's layers where its strategy A loads and keeps its own
+  elsewhere; W learns on that start, with the A the host draws from the same key."""
+  config = partialfed.validate(config)
+
+  def initial(state: partialfed.PartialFedClient, local, theta_hat, key):
+    del local  # the same model as state.local (theta_i is PartialFed's upload)
+    load, _, _ = partialfed.draw_loading(config, layer_names(theta_hat), state.logits, key)
+    return partialfed.load_layers(state.local, theta_hat, load)
+  return _model_message(personal_is_local=True)._replace(initial=initial)
+
+
+# Hosts ALA can wrap, by registry name: FedALA's Table "+ALA" (FedAvg, FedProx, Per-FedAvg,
+# FedRep, pFedMe, Ditto, FedAMP, FedPHP, PartialFed) and APFL. The authors' recipe
+# (TsingZ0/FedALA README, "How to use"): the client calls
 # ALA.adaptive_local_aggregation(received_global_model, self.model) where it would copy
 # the global model into self.model, i.e. theta_i is the model the client trains, as it
 # holds it when the next global model arrives. Per host (PFLlib's clients, which FedALA's
@@ -281,10 +324,36 @@ def _model_message(personal_is_local: bool) -> AlaHooks:
 #   * FedPHP (clientphp.py): self.model is the local model trained against the HPM and
 #     folded into it. theta_hat is where that training starts; theta_i is the trained w_k
 #     (the upload); the HPM (model_p) is not touched by ALA.
-# Each evaluates its own personalised model (the adapted model, theta or the HPM).
+#   * FedRep (clientrep.py): the server averages and sends the body only (receive_models
+#     collects client.model.base) and set_parameters(base) copies it into
+#     self.model.base; the head never leaves the client. ALA in place of that copy works on
+#     the body: W covers the body's top p layers (ALA.py's layer_idx counts the parameters
+#     of the module it is given, here the base), the lower body layers take the global
+#     ones, the head is the client's own. W learns on the loss of the whole model (body
+#     theta_hat under the client's head: the local objective; the base alone has no
+#     class scores). FedRep then trains head, then body, from there; theta_i is the whole
+#     trained model.
+#   * PartialFed: no code by its authors, none in PFLlib (any version) or TsingZ0/FedALA,
+#     and the FedALA paper does not say how it combined them. PartialFed's client
+#     overwrites only the layers its strategy A loads (partialfed.py); ALA takes the place
+#     of that overwrite: theta_hat (over the whole received model) is what PartialFed
+#     loads from, so the client starts from the paper's Eq. 2 on the loaded layers (the
+#     loaded ones among the top p mixed by W, the loaded lower ones global) and from its
+#     own layers where A keeps them. W learns on the loss of that start (a kept layer gives
+#     W no gradient: its W stays), with the A the host itself draws (same key). The other
+#     reading, ALA over the whole model in place of the loading, makes PartialFed-Fix's
+#     start FedALA's; the paper's numbers rule it out (CIFAR-100: PartialFed 48.81,
+#     PartialFed+ALA 48.99, FedALA 55.92). At the defaults (Fix, the classifier kept, p =
+#     1) W's layer is never loaded and the start is PartialFed's own; ALA acts with p >
+#     local_layers, or when an adaptive client loads its top layer. Adaptive PartialFed's
+#     strategy compares theta_hat's layer with the client's (what loading would bring).
+# Per-FedAvg, pFedMe, FedPHP, Ditto and APFL evaluate their own personalised model (the
+# adapted model, theta, the HPM, v_i, the mixture). FedAvg, FedProx, FedRep and
+# PartialFed evaluate a model overwritten by the latest global layers (all, the body,
+# the loaded ones), the very copy ALA replaces: with ALA they evaluate theta_i, as FedALA.
 # FedAMP's "global model" for client i is its cloud model u_i (the prox anchor); ALA
 # replaces it and also starts training from theta_hat.
-HOOKS: dict[str, AlaHooks] = {
+HOOKS: dict[str, AlaHooks | Callable[[Any], AlaHooks]] = {
     "fedavg": _model_message(personal_is_local=True),
     "fedprox": _model_message(personal_is_local=True),
     "ditto": _model_message(personal_is_local=False),
@@ -296,4 +365,13 @@ HOOKS: dict[str, AlaHooks] = {
         received=lambda message: message.cloud_model,
         replace=lambda state, message, start: (start, message._replace(cloud_model=start)),
         trained=lambda out: out.state, personal_is_local=False),
+    # The message is the body; FedRep merges it into the client's model (its state).
+    "fedrep": _model_message(personal_is_local=True)._replace(trained=lambda out: out.state),
+    "partialfed": _partialfed_hooks,  # needs the host's strategy
 }
+
+
+def hooks_for(name: str, host_config: Any) -> AlaHooks:
+  """The hooks of host `name` run with `host_config` (HOOKS: fixed, or built from it)."""
+  hooks = HOOKS[name]
+  return hooks if isinstance(hooks, AlaHooks) else hooks(host_config)

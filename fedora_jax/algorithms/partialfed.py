@@ -116,6 +116,18 @@ def loading_noise(key: jax.Array, num_layers: int) -> jax.Array:
   return jax.random.logistic(key, (num_layers,))
 
 
+def draw_loading(config: PartialFedConfig, names: list[str], logits: jax.Array,
+                 key: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+  """(A [L] bool, the Logistic noise of its draw or None, the key local training uses):
+  one client's loading strategy this round (the --ala plug-in draws the same A from the
+  same key, ala.py)."""
+  if config.strategy != "adaptive":
+    return fixed_loading(names, config.local_layers), None, key
+  noise_key, train_key = jax.random.split(key)
+  noise = loading_noise(noise_key, len(names))
+  return logits + noise > 0, noise, train_key
+
+
 def load_layers(local: Params, global_params: Params, load: jax.Array) -> Params:
   """theta_init: layer l of the global model where load[l], of the local model elsewhere."""
   names = layer_names(global_params)
@@ -157,15 +169,12 @@ def partialfed(config: PartialFedConfig, trainer: ClientTrainer) -> Algorithm:
 
   def client_update(client: PartialFedClient, global_params, data, key):
     names = layer_names(global_params)
+    load, noise, train_key = draw_loading(config, names, client.logits, key)
     if not adaptive:
-      load = fixed_loading(names, config.local_layers)
       start = load_layers(client.local, global_params, load)
-      params, stats = trainer.train(start, data.train, key)
+      params, stats = trainer.train(start, data.train, train_key)
       logits = client.logits
     else:
-      noise_key, train_key = jax.random.split(key)
-      noise = loading_noise(noise_key, len(names))
-      load = client.logits + noise > 0
       start = StrategyTrained(params=load_layers(client.local, global_params, load),
                               logits=client.logits)
       trained, stats = trainer.train(start, data.train, train_key, loss_fn=strategy_loss(
