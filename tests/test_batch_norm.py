@@ -72,6 +72,11 @@ def test_inference_mode_outside_training_and_train_mode_inside():
   want = jax.nn.relu((h - mean) / np.sqrt(var + EPS)) @ head["kernel"] + head["bias"]
   chex.assert_trees_all_close(outputs, want, atol=1e-5)
   assert not np.allclose(outputs, trainer.apply(params, x), atol=1e-3)
+  # No gradient trains a running average in inference mode (pFedMe's own loop, say).
+  grads = jax.grad(trainer.loss)(params, x, np.zeros(6, np.int32), real.astype(np.float32))
+  chex.assert_trees_all_equal(_statistics(grads), jax.tree.map(jnp.zeros_like,
+                                                               _statistics(params)))
+  assert np.abs(grads["params"]["BatchNorm_0"]["scale"]).max() > 0
 
 
 def test_training_sets_the_ema_of_the_real_samples_and_padding_changes_nothing():

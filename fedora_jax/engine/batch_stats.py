@@ -30,15 +30,17 @@ Modes
 -----
 `model_apply(model.apply)` is the trainer's forward (`ClientTrainer.apply`, and through
 it `loss` and `evaluate`). Outside local training it runs inference mode: BatchNorm
-normalises with the running averages (evaluation, representations read after training,
-the algorithms' own gradient loops such as Per-FedAvg's, pFedMe's and ALA's weight
-learning, which see BatchNorm as a fixed affine layer). Inside the objective of
-`ClientTrainer.train` (the `training` context, entered at trace time) every forward pass
-runs in train mode, flax's `mutable=["batch_stats"]`: BatchNorm normalises with the
-statistics of the batch's real samples (`mask`: the padded slots of a partial last batch
-are left out, as a PyTorch DataLoader's smaller last batch would be) and computes new
-running averages. A model with BatchNorm takes that mask as the keyword argument `mask`
-([B] bool) and hands it to its BatchNorm layers (models/resnet.py).
+normalises with the running averages, which no gradient reaches there (stop_gradient).
+That is evaluation, representations read after training, and the algorithms that run
+gradient loops of their own instead of `ClientTrainer.train` (Per-FedAvg, pFedMe, ALA's
+weight learning): for those BatchNorm is an affine layer with fixed averages, whose
+scale and shift they train. Inside the objective of `ClientTrainer.train` (the
+`training` context, entered at trace time) every forward pass runs in train mode,
+flax's `mutable=["batch_stats"]`: BatchNorm normalises with the statistics of the
+batch's real samples (`mask`: the padded slots of a partial last batch are left out, as
+a PyTorch DataLoader's smaller last batch would be) and computes new running averages.
+A model with BatchNorm takes that mask as the keyword argument `mask` ([B] bool) and
+hands it to its BatchNorm layers (models/resnet.py).
 
 How the new running averages reach the trained parameters
 ---------------------------------------------------------
@@ -195,8 +197,9 @@ def model_apply(apply_fn: Callable[..., Any]) -> Callable[[Params, jax.Array], A
     if not has_statistics(params):
       return apply_fn(params, x)
     variables = unfold(params)
-    if not _TRAINING:
-      return apply_fn(variables, x)
+    if not _TRAINING:  # no gradient trains a running average (pFedMe's own loop, say)
+      return apply_fn({**variables, BATCH_STATS: jax.lax.stop_gradient(
+          variables[BATCH_STATS])}, x)
     mask = _TRAINING[-1]
     if mask.shape != x.shape[:1]:  # another batch than the step's: all of it is real
       mask = jnp.ones(x.shape[:1], bool)
