@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from fedora_jax import tree
-from fedora_jax.algorithms import local
+from fedora_jax.algorithms import layers, local, pfedhn
 from fedora_jax.checkpoint import Checkpointer
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats
@@ -77,6 +77,12 @@ def test_inference_mode_outside_training_and_train_mode_inside():
   chex.assert_trees_all_equal(_statistics(grads), jax.tree.map(jnp.zeros_like,
                                                                _statistics(params)))
   assert np.abs(grads["params"]["BatchNorm_0"]["scale"]).max() > 0
+  # A negative running variance (a mixture with negative weights) normalises as zero.
+  negative = jax.tree_util.tree_map_with_path(
+      lambda path, a: -a if jax.tree_util.keystr(path).endswith("['var']") else a, params)
+  zero = jax.tree_util.tree_map_with_path(
+      lambda path, a: 0 * a if jax.tree_util.keystr(path).endswith("['var']") else a, params)
+  chex.assert_trees_all_equal(trainer.apply(negative, x), trainer.apply(zero, x))
 
 
 def test_training_sets_the_ema_of_the_real_samples_and_padding_changes_nothing():
@@ -141,6 +147,25 @@ def test_statistics_ride_back_through_mixtures_and_constants_get_none():
     chex.assert_trees_all_close(_statistics(trained[name]), want, atol=1e-6)
 
 
+def test_a_loss_on_the_representation_alone_updates_the_statistics_too():
+  # FedCP, FedPAC: the logits unused, only the body's output (the head's input).
+  model = TinyBN()
+  params = init_folded(model)
+  trainer = tiny_trainer(model, lr=0.1, batch_size=8)
+
+  def features_loss(p, x, y, weights):
+    del y
+    z = layers.apply_with_representation(trainer.apply, p, x, "Dense_1")[1]
+    return jnp.sum(jnp.square(z) * weights[:, None]) / jnp.sum(weights)
+  data, clients = tiny_data([6])
+  trained, _ = trainer.train(params, tree.first(data.buckets[0].train), jax.random.key(0),
+                             loss_fn=features_loss)
+  h = _hidden(params, clients[0].x_train)
+  chex.assert_trees_all_close(_statistics(trained),
+                              {"mean": 0.1 * h.mean(0), "var": 0.9 + 0.1 * h.var(0)},
+                              atol=1e-6)
+
+
 def test_checkpoint_restores_the_statistics(tmp_path):
   data, _ = tiny_data([4, 6])
   model = TinyBN()
@@ -155,6 +180,16 @@ def test_checkpoint_restores_the_statistics(tmp_path):
                                   jax.tree.map(np.asarray, metrics), total_rounds=2)
   chex.assert_trees_all_equal(_statistics(restored.state.algorithm.clients), trained)
   assert isinstance(restored.history, RoundMetrics)
+
+
+def test_pfedhn_generates_the_initial_running_averages_at_first():
+  target = init_folded(TinyBN())
+  net = pfedhn.init_hypernetwork(jax.random.key(0), 3, 8, 1, target)
+  for seed in (1, 2):
+    generated = pfedhn.hypernetwork_apply(net, jax.random.normal(jax.random.key(seed), (3,)))
+    chex.assert_trees_all_equal(_statistics(generated), _statistics(target))
+    assert not np.allclose(generated["params"]["Dense_0"]["kernel"],
+                           target["params"]["Dense_0"]["kernel"])
 
 
 def test_resnet18_initialises_and_trains_one_client_step():

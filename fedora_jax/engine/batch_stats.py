@@ -30,7 +30,9 @@ Modes
 -----
 `model_apply(model.apply)` is the trainer's forward (`ClientTrainer.apply`, and through
 it `loss` and `evaluate`). Outside local training it runs inference mode: BatchNorm
-normalises with the running averages, which no gradient reaches there (stop_gradient).
+normalises with the running averages, which no gradient reaches there (stop_gradient);
+a running variance below zero, which a mixture with negative weights or an extrapolating
+step can make, normalises as zero variance instead of NaN.
 That is evaluation, representations read after training, and the algorithms that run
 gradient loops of their own instead of `ClientTrainer.train` (Per-FedAvg, pFedMe, ALA's
 weight learning): for those BatchNorm is an affine layer with fixed averages, whose
@@ -40,7 +42,7 @@ flax's `mutable=["batch_stats"]`: BatchNorm normalises with the statistics of th
 batch's real samples (`mask`: the padded slots of a partial last batch are left out, as
 a PyTorch DataLoader's smaller last batch would be) and computes new running averages.
 A model with BatchNorm takes that mask as the keyword argument `mask` ([B] bool) and
-hands it to its BatchNorm layers (models/resnet.py).
+hands it to its BatchNorm layers, which are flax's nn.BatchNorm (models/resnet.py).
 
 How the new running averages reach the trained parameters
 ---------------------------------------------------------
@@ -48,18 +50,19 @@ An algorithm's loss may build the model it runs from what it trains in any way:
 merging trained layers into fixed ones (FedBABU), masking phases (FedRep), mixing two
 models (APFL), reading fixed models beside it (MOON's global and previous models). The
 forward pass knows only the statistics it was given, not where they came from. So the
-update travels back the way gradients do: each train-mode forward adds to its outputs
-a zero from `_carry_statistics`, a custom_vjp whose backward pass returns, for the
-statistics the pass used, SCALE * (used - new). The trainer reads those entries off the
+update travels back the way gradients do: in train mode every flax nn.BatchNorm's output
+gets a zero added (a method interceptor), from `_carry_statistics`, a custom_vjp whose
+backward pass returns, for the statistics that layer used, SCALE * (used - new). The trainer reads those entries off the
 gradient (`is_statistic` paths) and sets each trained statistic to old - grad / SCALE:
 where the model's statistics are the trained ones (the common case) that is exactly the
 new running average; through a merge or a mask it lands on the statistic it came from;
 through a mixture a v + (1 - a) w it moves v and w by their share; constants (MOON's
 fixed models, stop_gradient) receive nothing; two forward passes over the same
 parameters in one step update them twice, as two train-mode passes in PyTorch do.
-SCALE = 2^-20 keeps that entry's side effect on other trained leaves negligible (APFL's
-mixing weight alpha also receives the derivative of the mixed statistics, 2^-20 of it)
-and, being a power of two, loses no precision.
+Any use of a layer's output downstream (the logits, FedCP's and MOON's representations)
+brings that backward pass about. SCALE = 2^-20 keeps that entry's side effect on other
+trained leaves negligible (APFL's mixing weight alpha also receives the derivative of
+the mixed statistics, 2^-20 of it) and, being a power of two, loses no precision.
 
 The statistics are never trained by the optimizer: the data loss does not read them in
 train mode, regularisers (proximal terms) see them through stop_gradient, their gradient
@@ -68,15 +71,18 @@ is set as above after it; steps of padding (a smaller client in a bucket of larg
 leave them unchanged as they leave the parameters. The algorithm's `post_step` then sees
 them as any parameter.
 
-Conventions taken from PyTorch, as the papers' code uses it: momentum 0.1 of the new
-batch (flax momentum 0.9), epsilon 1e-5. PyTorch stores the unbiased batch variance in
-its running average and flax the biased one (n / (n - 1) apart: 1.6 % at batch 64).
+Algorithms that make models rather than train them decide for themselves: pFedHN's
+hypernetwork generates the running averages as it generates every parameter, its heads
+for them starting at the initial model's values (algorithms/pfedhn.py). PyTorch stores
+the unbiased batch variance in its running average and flax the biased one (n / (n - 1)
+apart: 1.6 % at batch 64).
 """
 
 import contextlib
 import re
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
@@ -190,6 +196,29 @@ def _carry_backward(residuals, cotangent):
 _carry_statistics.defvjp(_carry_forward, _carry_backward)
 
 
+def _carry_at_batch_norm(next_fun, args, kwargs, context):
+  """flax method interceptor: each BatchNorm call's output plus the zero that carries its
+  running averages' update back (`_carry_statistics`)."""
+  module = context.module
+  if not isinstance(module, nn.BatchNorm) or context.method_name != "__call__":
+    return next_fun(*args, **kwargs)
+  if BATCH_STATS not in module.variables:  # initialisation: nothing to carry
+    return next_fun(*args, **kwargs)
+  # A copy of the tree (the same arrays): flax updates the collection's dicts in place.
+  used = jax.tree.map(lambda leaf: leaf, module.variables[BATCH_STATS])
+  outputs = next_fun(*args, **kwargs)
+  new = jax.lax.stop_gradient(module.variables[BATCH_STATS])
+  return outputs + _carry_statistics(used, new).astype(outputs.dtype)
+
+
+def _nonnegative_variances(statistics: dict) -> dict:
+  """Running variances below zero (a mixture with negative weights can make one) as 0."""
+  flat = traverse_util.flatten_dict(statistics)
+  return traverse_util.unflatten_dict(
+      {path: jnp.maximum(leaf, 0.0) if path[-1] == "var" else leaf
+       for path, leaf in flat.items()})
+
+
 def model_apply(apply_fn: Callable[..., Any]) -> Callable[[Params, jax.Array], Any]:
   """`apply(params, x) -> outputs` for a flax `model.apply` on folded params: unchanged
   without statistics; else inference mode, or train mode inside `training`."""
@@ -198,15 +227,14 @@ def model_apply(apply_fn: Callable[..., Any]) -> Callable[[Params, jax.Array], A
       return apply_fn(params, x)
     variables = unfold(params)
     if not _TRAINING:  # no gradient trains a running average (pFedMe's own loop, say)
-      return apply_fn({**variables, BATCH_STATS: jax.lax.stop_gradient(
-          variables[BATCH_STATS])}, x)
+      statistics = _nonnegative_variances(jax.lax.stop_gradient(variables[BATCH_STATS]))
+      return apply_fn({**variables, BATCH_STATS: statistics}, x)
     mask = _TRAINING[-1]
     if mask.shape != x.shape[:1]:  # another batch than the step's: all of it is real
       mask = jnp.ones(x.shape[:1], bool)
-    outputs, updated = apply_fn(variables, x, mask=mask, mutable=[BATCH_STATS])
-    carried = _carry_statistics(variables[BATCH_STATS],
-                                jax.lax.stop_gradient(updated[BATCH_STATS]))
-    return jax.tree.map(lambda out: out + carried.astype(out.dtype), outputs)
+    with nn.intercept_methods(_carry_at_batch_norm):
+      outputs, _ = apply_fn(variables, x, mask=mask, mutable=[BATCH_STATS])
+    return outputs
   return apply
 
 
