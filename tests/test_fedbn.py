@@ -27,7 +27,8 @@ def test_server_averages_all_but_batch_norm_by_hand():
   # Two clients' uploads: their non-BatchNorm leaves only.
   uploads = {"params": {"Dense_0": {"kernel": jnp.array([[1.0, 2.0], [3.0, 6.0]])}}}
   clients = fedbn.FedBnClient(index=jnp.arange(2), batch_norm={"params": {"BatchNorm_0": {
-      "scale": jnp.array([[0.5], [2.0]]), "batch_stats": {"mean": jnp.array([[1.0], [-1.0]])}}}})
+      "scale": jnp.array([[0.5], [2.0]]),
+      "batch_stats": {"mean": jnp.array([[1.0], [-1.0]])}}}})
   state = algorithm.aggregate(None, clients, uploads, jnp.array([1.0, 3.0]))
   # (1 * [1, 2] + 3 * [3, 6]) / 4
   chex.assert_trees_all_close(state.server, {"params": {"Dense_0": {"kernel": jnp.array(

@@ -51,18 +51,19 @@ merging trained layers into fixed ones (FedBABU), masking phases (FedRep), mixin
 models (APFL), reading fixed models beside it (MOON's global and previous models). The
 forward pass knows only the statistics it was given, not where they came from. So the
 update travels back the way gradients do: in train mode every flax nn.BatchNorm's output
-gets a zero added (a method interceptor), from `_carry_statistics`, a custom_vjp whose
-backward pass returns, for the statistics that layer used, SCALE * (used - new). The trainer reads those entries off the
-gradient (`is_statistic` paths) and sets each trained statistic to old - grad / SCALE:
-where the model's statistics are the trained ones (the common case) that is exactly the
-new running average; through a merge or a mask it lands on the statistic it came from;
+gets a zero added (a method interceptor) from `_carry_statistics`, a custom_vjp whose
+backward pass returns SCALE * (used - new) for the statistics that layer used. Any use
+of the layer's output downstream (the logits, FedCP's and MOON's representations) brings
+that backward pass about. The trainer reads those entries off the gradient
+(`is_statistic` paths) and sets each trained statistic to old - grad / SCALE: where the
+model's statistics are the trained ones (the common case) that is exactly the new
+running average; through a merge or a mask it lands on the statistic it came from;
 through a mixture a v + (1 - a) w it moves v and w by their share; constants (MOON's
 fixed models, stop_gradient) receive nothing; two forward passes over the same
 parameters in one step update them twice, as two train-mode passes in PyTorch do.
-Any use of a layer's output downstream (the logits, FedCP's and MOON's representations)
-brings that backward pass about. SCALE = 2^-20 keeps that entry's side effect on other
-trained leaves negligible (APFL's mixing weight alpha also receives the derivative of
-the mixed statistics, 2^-20 of it) and, being a power of two, loses no precision.
+SCALE = 2^-20 keeps that entry's side effect on other trained leaves negligible (APFL's
+mixing weight alpha also receives the derivative of the mixed statistics, 2^-20 of it)
+and, being a power of two, loses no precision.
 
 The statistics are never trained by the optimizer: the data loss does not read them in
 train mode, regularisers (proximal terms) see them through stop_gradient, their gradient
