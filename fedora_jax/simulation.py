@@ -14,7 +14,7 @@ from fedora_jax.algorithms.base import InitContext
 from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
-from fedora_jax.engine import sharding
+from fedora_jax.engine import batch_stats, sharding
 from fedora_jax.progress import LogProgress, Progress
 from fedora_jax.rounds import RoundMetrics, RoundState, build_train_round
 from fedora_jax.errors import TrainingDivergedError
@@ -59,9 +59,10 @@ def root_keys(seed: int) -> dict[str, jax.Array]:
 
 
 def shared_initial_params(model, data: FederatedData, key: jax.Array):
-  """One initial model copied to every client ([K, ...] leaves), as in the authors' code."""
+  """One initial model copied to every client ([K, ...] leaves), as in the authors' code;
+  BatchNorm statistics folded into the parameters (engine/batch_stats.py)."""
   sample = jnp.asarray(data.buckets[0].train.x[0, :1])
-  params = model.init(key, sample)
+  params = batch_stats.fold(model.init(key, sample))
   return jax.tree.map(lambda a: jnp.broadcast_to(a, (data.num_clients,) + a.shape), params)
 
 

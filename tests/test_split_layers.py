@@ -41,7 +41,8 @@ def test_layers_are_ordered_input_to_output():
 SAMPLE_INPUTS = {"mlp": np.zeros((1, 4), np.float32),
                  "cnn": np.zeros((1, 28, 28, 1), np.uint8),
                  "coaching_cnn": np.zeros((1, 28, 28, 1), np.uint8),
-                 "fedavg_cnn": np.zeros((1, 32, 32, 3), np.uint8)}
+                 "fedavg_cnn": np.zeros((1, 32, 32, 3), np.uint8),
+                 "resnet18": np.zeros((1, 32, 32, 3), np.uint8)}
 
 
 def _forward_order(model, params, x):
@@ -90,6 +91,24 @@ def test_fedavg_cnn_has_pfllibs_parameter_count(shape, expected):
   params = build_model("fedavg_cnn", num_outputs=10).init(
       jax.random.key(0), np.zeros((1,) + shape, np.uint8))
   assert sum(leaf.size for leaf in jax.tree.leaves(params)) == expected
+
+
+def test_resnet18_has_the_cifar_resnet18_parameter_count():
+  # By hand, 3x3 convolutions without bias, BatchNorm scale and shift per channel:
+  # stem 3*3*3*64 + 2*64; a block of width c from width c_in, stride s:
+  # 9*c_in*c + 9*c*c + 2*2*c, plus c_in*c + 2*c for the 1x1 shortcut when s = 2;
+  # dense 512*10 + 10. Running averages: mean and variance per BatchNorm channel.
+  def block(c_in, c, shortcut):
+    return 9 * c_in * c + 9 * c * c + 4 * c + (c_in * c + 2 * c if shortcut else 0)
+  expected = (27 * 64 + 128 + 2 * block(64, 64, False)
+              + sum(block(c // 2, c, True) + block(c, c, False) for c in (128, 256, 512))
+              + 512 * 10 + 10)
+  assert expected == 11_173_962
+  variables = build_model("resnet18", num_outputs=10).init(
+      jax.random.key(0), np.zeros((1, 32, 32, 3), np.uint8))
+  assert sum(leaf.size for leaf in jax.tree.leaves(variables["params"])) == expected
+  channels = 64 + 4 * 64 + sum(5 * c for c in (128, 256, 512))  # BatchNorms' channels
+  assert sum(leaf.size for leaf in jax.tree.leaves(variables["batch_stats"])) == 2 * channels
 
 
 def _one_round(algorithm, trainer, data, params):

@@ -1,5 +1,6 @@
 """Tiny synthetic federations for fast engine tests."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,8 +10,10 @@ from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.rounds import RoundState, build_train_round
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
+from fedora_jax.engine import batch_stats
 from fedora_jax.models.cnn import CNN
 from fedora_jax.models.mlp import MLP
+from fedora_jax.models.resnet import ResNet, batch_norm
 
 
 def tiny_data(sizes, num_features=4, num_classes=3, seed=0, max_pad_ratio=2.0,
@@ -44,6 +47,32 @@ def tiny_cnn(num_classes=3):
   return CNN(num_outputs=num_classes, kernels=2, dense=(6, 5))
 
 
+class TinyBN(nn.Module):
+  """Dense -> BatchNorm -> ReLU -> Dense: the smallest model with running averages."""
+  num_outputs: int = 3
+  hidden: int = 5
+
+  @nn.compact
+  def __call__(self, x, mask=None):
+    h = nn.Dense(self.hidden)(x)
+    h = batch_norm(h, mask, self.is_mutable_collection("batch_stats"))
+    return nn.Dense(self.num_outputs)(nn.relu(h))
+
+
+# The tiny ResNet's images: its layers are ResNet-18's kinds (ConvBN_0, BasicBlock_0,
+# Dense_0), at toy widths.
+RESNET_X_SHAPE = (6, 6, 2)
+
+
+def tiny_resnet(num_classes=3):
+  return ResNet(num_outputs=num_classes, blocks=(1,), widths=(3,), conv="im2col")
+
+
+def init_folded(model, num_features=4, seed=0, x_shape=None):
+  """init_params with the BatchNorm statistics folded in, as the engine holds them."""
+  return batch_stats.fold(init_params(model, num_features, seed, x_shape))
+
+
 def init_params(model, num_features=4, seed=0, x_shape=None):
   shape = (num_features,) if x_shape is None else tuple(x_shape)
   return model.init(jax.random.key(seed), np.zeros((1, *shape), np.float32))
@@ -69,7 +98,7 @@ def run_rounds(algorithm, trainer, data, model, rounds=2, x_shape=None):
 
   Returns (state, metrics of the last round, stacked initial params, traces)."""
   stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (data.num_clients,) + a.shape),
-                         init_params(model, x_shape=x_shape))
+                         init_folded(model, x_shape=x_shape))
   state = RoundState(round=jnp.zeros((), jnp.int32), algorithm=algorithm.init(
       InitContext(params=stacked, data=data, trainer=trainer, key=jax.random.key(0))))
   counter = TraceCounter(build_train_round(algorithm, trainer, data))

@@ -19,7 +19,7 @@ from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfo
                                    lg_fedavg, local, pfedhn)
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import (apple, coaching, confree, fedala, fedavg_c, fedbabu,
-                                   fedcp, fedpac, fedphp, fedprox_c, fedproto, fedrep,
+                                   fedbn, fedcp, fedpac, fedphp, fedprox_c, fedproto, fedrep,
                                    fedrod, moon, partialfed, perfedavg, pfedla, pfedme)
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.errors import ConfigError
@@ -109,6 +109,7 @@ REGISTRY: dict[str, Registered] = {
     "fedproto": Registered(fedproto.FedProtoConfig, fedproto.fedproto, fedproto.FLAG_HELP),
     "fedbabu": Registered(fedbabu.FedBabuConfig, fedbabu.fedbabu, fedbabu.FLAG_HELP),
     "pfedla": Registered(pfedla.PfedlaConfig, pfedla.pfedla, pfedla.FLAG_HELP),
+    "fedbn": Registered(fedbn.FedBnConfig, fedbn.fedbn, fedbn.FLAG_HELP),
 }
 
 

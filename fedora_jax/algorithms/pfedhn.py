@@ -23,8 +23,11 @@ Architecture (the official code's): v_k -> Linear(e, H) -> [ReLU -> Linear(H, H)
 -> a linear head per target parameter (head pytrees with the target model's structure).
 PyTorch initialisation: embeddings N(0, 1), Linear weights and
 biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)). The run's initial model only gives the target
-shapes. Defaults from the official trainer: e = 1 + K / 4 (embed_dim=0), H = 100,
-n_hidden = 3, lr 1e-2, weight decay 1e-3, clip 50.
+shapes, and the starting values of BatchNorm's running averages, whose heads start with
+zero weights and the initial values as bias (the paper's target networks have no
+BatchNorm; the averages are then learnt from the clients' deltas like any parameter).
+Defaults from the official trainer: e = 1 + K / 4 (embed_dim=0), H = 100, n_hidden = 3,
+lr 1e-2, weight decay 1e-3, clip 50.
 """
 
 import math
@@ -36,6 +39,7 @@ import optax
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.engine.batch_stats import is_statistic
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError
 
@@ -98,9 +102,14 @@ def init_hypernetwork(key: jax.Array, embed_dim: int, hidden_dim: int, n_hidden:
   widths = [embed_dim] + [hidden_dim] * (n_hidden + 1)
   layers = tuple(torch_linear(k, fan_in, fan_out) for k, fan_in, fan_out in
                  zip(jax.random.split(layer_key, n_hidden + 1), widths[:-1], widths[1:]))
-  leaves, treedef = jax.tree.flatten(target)
+  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+  leaves = [leaf for _, leaf in paths_and_leaves]
   heads = [torch_linear(k, hidden_dim, leaf.size)
            for k, leaf in zip(jax.random.split(head_key, len(leaves)), leaves)]
+  # BatchNorm's running averages (engine/batch_stats.py): generated too, from heads that
+  # start at the initial model's values (a random variance could be negative).
+  heads = [(jnp.zeros_like(w), leaf.reshape(-1)) if is_statistic(path) else (w, b)
+           for (w, b), (path, leaf) in zip(heads, paths_and_leaves)]
   head_w = [w.reshape((hidden_dim,) + leaf.shape) for (w, _), leaf in zip(heads, leaves)]
   head_b = [b.reshape(leaf.shape) for (_, b), leaf in zip(heads, leaves)]
   return Hypernetwork(layers=layers, head_w=jax.tree.unflatten(treedef, head_w),

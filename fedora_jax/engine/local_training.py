@@ -9,6 +9,10 @@ its parameters and optimizer state unchanged.
 The task decides the loss and the score: classification trains on softmax cross-entropy
 and scores accuracy (higher is better); regression (one model output, float targets)
 trains on squared error and scores the mean absolute error (lower is better).
+
+Models with BatchNorm carry their running averages folded into the parameters; `train`
+runs them in train mode and sets the new averages, everything else in inference mode
+(fedora_jax/engine/batch_stats.py).
 """
 
 import functools
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from fedora_jax.data.client_data import ClientData
+from fedora_jax.engine import batch_stats
 
 Params = Any
 # regularizer(params) -> scalar added to the data loss (e.g. a proximal term).
@@ -93,12 +98,14 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
                         task: str = "classification") -> ClientTrainer:
   """Builds the per-client loss, local SGD and evaluation for a model.
 
-  `apply_fn(params, x) -> logits` ([B, 1] predictions for regression). The optimizer
-  state is created afresh at every call of `train`, as FEDORA's authors re-create their
-  SGD-with-momentum each round.
+  `apply_fn(params, x) -> logits` ([B, 1] predictions for regression): a flax
+  `model.apply` (BatchNorm statistics folded into `params`, engine/batch_stats.py). The
+  optimizer state is created afresh at every call of `train`, as FEDORA's authors
+  re-create their SGD-with-momentum each round.
   """
   if task not in TASKS:
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+  apply_fn = batch_stats.model_apply(apply_fn)
   regression = task == "regression"
 
   def per_sample_loss(outputs, y):
@@ -137,8 +144,17 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     indices = indices.reshape(epochs * num_batches, batch_size)
     weights = weights.reshape(epochs * num_batches, batch_size)
 
+    # BatchNorm: train mode in the loss, no gradient of the running averages from a
+    # regulariser, none into the optimizer, their carried update set after it.
+    statistics = batch_stats.has_statistics(params)
+
     def objective(p, x, y, w):
-      data_loss = data_loss_fn(p, x, y, w)
+      if statistics:
+        with batch_stats.training(w > 0):
+          data_loss = data_loss_fn(p, x, y, w)
+        p = batch_stats.without_statistics_gradient(p)
+      else:
+        data_loss = data_loss_fn(p, x, y, w)
       total = data_loss if regularizer is None else data_loss + regularizer(p)
       return total, data_loss
 
@@ -147,8 +163,13 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
       idx, w = batch
       (_, data_loss), grads = jax.value_and_grad(objective, has_aux=True)(
           params, data.x[idx], data.y[idx], w)
+      carried = grads
+      if statistics:
+        grads = batch_stats.zero_statistics(grads)
       updates, new_opt_state = optimizer.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
+      if statistics:
+        new_params = batch_stats.apply_carried_update(new_params, params, carried)
       if post_step is not None:
         new_params = post_step(new_params, params)
       active = jnp.sum(w) > 0

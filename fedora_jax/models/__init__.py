@@ -3,10 +3,12 @@
 from typing import Callable, Sequence
 
 import flax.linen as nn
+import jax
 
 from fedora_jax.errors import ConfigError
 from fedora_jax.models.cnn import CNN
 from fedora_jax.models.mlp import MLP
+from fedora_jax.models.resnet import ResNet
 
 
 def _mlp(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
@@ -42,27 +44,41 @@ def _fedavg_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   return CNN(num_outputs=num_outputs, kernels=32, dense=(512,))
 
 
+def _resnet18(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
+  """ResNet-18, CIFAR variant, with BatchNorm (models/resnet.py): 11,173,962 parameters
+  for 10 classes. Convolutions as im2col matmuls on CPUs, where XLA's convolutions inside
+  the local-training scan take minutes a step (docs/resnet.md), lax.conv elsewhere."""
+  del hidden  # --hidden is the MLP's
+  return ResNet(num_outputs=num_outputs,
+                conv="im2col" if jax.default_backend() == "cpu" else "xla")
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
                                                "coaching_cnn": _coaching_cnn,
-                                               "fedavg_cnn": _fedavg_cnn}
+                                               "fedavg_cnn": _fedavg_cnn,
+                                               "resnet18": _resnet18}
 
 # The layers of a model, for the layer-wise methods (fedora_jax/algorithms/layers.py), are
 # its top-level flax modules, which flax names <Type>_<n>, numbering each type in creation
 # order. Every registered model creates all its convolutions before its dense layers, so
 # (rank of the type here, n) orders any model's layers input to output: the CNN's are
-# Conv_0, Conv_1, Dense_0, Dense_1, Dense_2. tests/test_split_layers.py checks this order
-# against the forward pass of every registered model; a model with other module types
-# adds them here in the order its forward pass meets them.
-LAYER_TYPE_ORDER: tuple[str, ...] = ("Conv", "Dense")
+# Conv_0, Conv_1, Dense_0, Dense_1, Dense_2; ResNet-18's ConvBN_0 (stem), BasicBlock_0-7,
+# Dense_0 (a BatchNorm sits inside its convolution's module, so a layer holds both).
+# tests/test_split_layers.py checks this order against the forward pass of every
+# registered model; a model with other module types adds them here in the order its
+# forward pass meets them.
+LAYER_TYPE_ORDER: tuple[str, ...] = ("Conv", "ConvBN", "BasicBlock", "Dense")
 
 # Default --client_chunk per model on CPU devices (None: vmap over all clients). There a
 # few clients at a time keep their weights, gradients and momentum in cache: vmapping all
 # 36 MLP clients streams ~50 MB through memory every SGD step. Measured on a 2-core CPU,
 # one device per core, with `python -m experiments.benchmark --client_chunks=1,2,3,4,6`
 # (FEDORA rmnist round 183 / 172 / 178 / 195 / 224 ms; 313 ms vmapped) and
-# benchmarks/vmap_vs_map.py (the CNN ~1.5x faster one client at a time).
-# Accelerators vmap.
-CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "coaching_cnn": 1, "fedavg_cnn": 1, "mlp": 2}
+# benchmarks/vmap_vs_map.py (the CNN ~1.5x faster one client at a time). ResNet-18 one
+# client at a time too: one convolution's im2col patches at batch 64 are 151 MB
+# (64 x 32 x 32 x 576 floats), far past any cache already. Accelerators vmap.
+CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "coaching_cnn": 1, "fedavg_cnn": 1, "mlp": 2,
+                                    "resnet18": 1}
 
 
 def default_client_chunk(model: str, platform: str) -> int | None:
