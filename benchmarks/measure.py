@@ -51,7 +51,7 @@ from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.rounds import client_keys, num_sampled_clients
-from fedora_jax.engine import sharding
+from fedora_jax.engine import batch_stats, sharding
 from fedora_jax.engine.sharding import constrain_to_clients
 from fedora_jax.simulation import (PreparedRun, TrainConfig, to_host, prepare_run,
                                    shared_initial_params)
@@ -446,7 +446,8 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   layers = dense_layer_shapes(model_params)
   one_client = tree.first(model_params)
   first = data.buckets[0].train
-  forward = model_forward_flops(model.apply, one_client, first.x[0, :1])
+  apply = batch_stats.model_apply(model.apply)  # folded BatchNorm statistics, if any
+  forward = model_forward_flops(apply, one_client, first.x[0, :1])
   num_params = parameter_count(model_params)
   propagation_products = 1
   if config.algorithm == "fedora" and getattr(config.algorithm_config, "propagation_steps", 0):
@@ -458,7 +459,7 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   flops_per_second = work.flops / round_seconds
   client_steps = int(np.sum(metrics.local_steps))
   xla_per_sample = xla_flops_per_sample(
-      model.apply, one_client, first.x[0, :min(train.batch_size, first.x.shape[1])])
+      apply, one_client, first.x[0, :min(train.batch_size, first.x.shape[1])])
 
   peaks = matmul_peak(model_matmul_shapes(layers, data.num_clients, train.batch_size,
                                           config.peak_size),
