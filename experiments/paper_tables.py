@@ -76,6 +76,10 @@ PAPER_FILES = ("coaching_tables.json", "fedala_tables.json", "confree_tables.jso
 # The flags that say which cell or row a run is: reproduce sets them, never the command.
 COLUMN_FLAGS = ("dataset", "partition", "dirichlet_alpha", "classes_per_client")
 ROW_FLAGS = ("algorithm", "ala", "aggregation")
+# Run flags that leave what a row computes alone (where files are, how fast, how loud);
+# any other one on the command line is reported as a departure from the paper.
+NEUTRAL_FLAGS = (*checkpoint_lib.NOT_IDENTITY, "seed", "data_dir", "data_source",
+                 "client_chunk", "eval_batch_size")
 REFERENCE_ROW = "local"
 
 
@@ -206,6 +210,14 @@ def check_command_line(table_name: str, table: dict) -> dict[str, object]:
         f" {', '.join(table['columns'])}) and rows with --rows")
   return {name: FLAGS[name].value for name in owned_flags(table)
           if name not in COLUMN_FLAGS + ROW_FLAGS and FLAGS[name].present}
+
+
+def other_given_flags(table: dict) -> dict[str, object]:
+  """Run flags on the command line that the table does not set (flag -> value): each
+  changes every row (say --hidden, --data_fraction where the paper uses all the data)."""
+  owned = set(owned_flags(table))
+  return {flag.name: flag.value for flag in FLAGS.get_flags_for_module(run_flags.__name__)
+          if flag.present and flag.name not in owned and flag.name not in NEUTRAL_FLAGS}
 
 
 def use_row(table: dict, column: str, row: str, seed: int, workdir: str,
@@ -398,8 +410,8 @@ def table_title(table_name: str, table: dict, columns: list[str]) -> str:
   return title
 
 
-def setting_lines(table: dict, overrides: dict[str, object], first_seed: int,
-                  seeds: int) -> list[str]:
+def setting_lines(table: dict, overrides: dict[str, object], others: dict[str, object],
+                  first_seed: int, seeds: int) -> list[str]:
   """The table's settings with their sources, then what this run changed."""
   lines = []
   for s in table["settings"]:
@@ -410,9 +422,19 @@ def setting_lines(table: dict, overrides: dict[str, object], first_seed: int,
   lines.append(f"seeds: {seeds} from {first_seed}"
                + (f" (the paper: {runs} runs)" if runs else ""))
   for name, value in overrides.items():
-    lines.append(f"DEPARTURE from the table's settings: --{name}={value} (command line)")
+    lines.append(f"DEPARTURE from the table's settings: {_flag_text(name, value)} (command"
+                 " line)")
+  for name, value in others.items():
+    lines.append(f"DEPARTURE: {_flag_text(name, value)} (command line; the table leaves it"
+                 " at its default)")
   lines.append(f"command: `{command_line()}`")
   return lines
+
+
+def _flag_text(name: str, value) -> str:
+  if isinstance(value, (list, tuple)):
+    value = ",".join(map(str, value))
+  return f"--{name}={value}"
 
 
 def command_line() -> str:
@@ -458,7 +480,7 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
   summary = {c: summarize_cell(table, c, runs[c]) for c in columns}
   rounds = {c: len(runs[c][REFERENCE_ROW][0].per_round) for c in columns}
   title = table_title(table_name, table, columns)
-  settings = setting_lines(table, overrides, first_seed, seeds)
+  settings = setting_lines(table, overrides, other_given_flags(table), first_seed, seeds)
   document = {"table": table_name, "title": title, "settings": settings,
               "seeds": list(range(first_seed, first_seed + seeds)),
               "command": command_line(), "metric": table["metric"],

@@ -193,6 +193,9 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   assert "2 rounds, FEWER than the paper's 50" in markdown
   for flag in ("--rounds=2", "--num_clients=3", "--model=mlp", "--data_fraction=0.02"):
     assert f"DEPARTURE from the table's settings: {flag} (command line)" in markdown
+  assert ("DEPARTURE: --hidden=16 (command line; the table leaves it at its default)"
+          in markdown)
+  assert "--log_every" not in markdown.split("command: ")[0]  # changes nothing computed
   fedavg_line = [l for l in markdown.splitlines() if l.startswith("| fedavg |")][0]
   assert f"| {rows['fedavg']['acc']:.2f} | 64.78 ± 0.04 |" in fedavg_line
   assert "Run here: MNIST alpha=0.3; the paper's numbers only: MNIST alpha=0.1" in markdown
