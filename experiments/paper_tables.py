@@ -64,7 +64,6 @@ from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import metrics
 from fedora_jax import plots
 from fedora_jax import train as train_lib
-from fedora_jax.data import datasets
 from fedora_jax.errors import ConfigError
 from fedora_jax.models import MODELS
 
