@@ -62,6 +62,12 @@ flags.DEFINE_integer("fixed_train_size", None, "Training samples each regular cl
 flags.DEFINE_integer("fixed_val_size", None, "With --fixed_train_size: validation samples"
                      " per regular client (default: half of --fixed_train_size).",
                      lower_bound=1)
+flags.DEFINE_float("val_fraction", None, "Label-skew partitions without fixed sizes: the"
+                   " share of each client's pool held out for validation (default 1/3,"
+                   " Appendix B's 64 : 128).")
+flags.DEFINE_float("data_fraction", None, "Partition a seeded random share of the training"
+                   " set and of the test set only (default 1: all; parameter coaching's 10"
+                   " clients hold 0.1).")
 flags.DEFINE_integer("rounds", 500, "Communication rounds.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed of model init and training randomness.")
 flags.DEFINE_integer("data_seed", None, "Seed of the client partition (default: --seed).")
@@ -243,7 +249,8 @@ def partition_config(dataset: str) -> partitions.PartitionConfig:
   given = {"kind": FLAGS.partition, "classes_per_client": FLAGS.classes_per_client,
            "dirichlet_alpha": FLAGS.dirichlet_alpha, "min_client_size": FLAGS.min_client_size,
            "train_per_client": FLAGS.fixed_train_size, "val_per_client": FLAGS.fixed_val_size,
-           "split": FLAGS.split}
+           "split": FLAGS.split,
+           "val_fraction": FLAGS.val_fraction, "data_fraction": FLAGS.data_fraction}
   return datasets.default_partition(dataset, FLAGS.setting,
                                     **{k: v for k, v in given.items() if v is not None})
 

@@ -1,4 +1,9 @@
-"""Runs every row of a FEDORA paper table and prints ours beside the paper's numbers.
+"""Runs every row of a paper's table and prints ours beside the paper's numbers.
+
+FEDORA's Tables 1, 3, 4 and 5 (below); the other seed papers' tables (parameter
+coaching's Tables 1-2, FedALA's main and ALA tables, ConFREE's Table 2: --table=coaching1,
+coaching2, fedala1, fedala_ala, confree2) are experiments/paper_tables.py's, whose
+docstring says how they run.
 
   python -m experiments.reproduce --table=fedora1 --dataset=rmnist        # Table 1
   python -m experiments.reproduce --table=fedora1 --dataset=rfmnist --data_dir=...
@@ -52,6 +57,7 @@ import numpy as np
 from experiments import cli
 from experiments import flags as run_flags
 from experiments import main as main_lib
+from experiments import paper_tables
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import plots
 from fedora_jax import train as train_lib
@@ -115,14 +121,19 @@ RUNS = {**{row: RowRun(row) for row in _BASELINES},
 # Our rows that have no paper row of their own -> the paper row they are compared with.
 EXTRA_ROWS = {"fedora_paper": "fedora"}
 
-flags.DEFINE_enum("table", "fedora1", TABLES,
+flags.DEFINE_enum("table", "fedora1", TABLES + paper_tables.TABLES,
                   "fedora1: Table 1 (balanced, every method); fedora3: Table 3 (imbalanced);"
                   " fedora4: Table 4 (FEDORA's similarity measure); fedora5: Table 5"
-                  " (FEDORA with a constant lambda_k).")
+                  " (FEDORA with a constant lambda_k); coaching1, coaching2: parameter"
+                  " coaching's Tables 1 and 2; fedala1: FedALA's main table; fedala_ala:"
+                  " FedALA's ALA applicability table; confree2: ConFREE's Table 2.")
 flags.DEFINE_integer("seeds", 1, "Run seeds --seed .. --seed+N-1 and report mean and std.",
                      lower_bound=1)
 flags.DEFINE_list("rows", [], "Rows to run (default: every row of the table; LOCAL always"
                   " runs).")
+flags.DEFINE_list("columns", [], "coaching1, coaching2, fedala1, fedala_ala, confree2: the"
+                  " columns (cells) to run (default: the table's columns on the data held"
+                  " in shared/data). FEDORA's tables run the --dataset column.")
 
 
 def table_rows(table: str) -> list[str]:
@@ -314,6 +325,11 @@ def check_before_the_sweep(rows: list[str], workdir: str, first_seed: int) -> No
 
 
 def reproduce() -> dict:
+  if FLAGS.table in paper_tables.TABLES:
+    return paper_tables.reproduce(FLAGS.table, FLAGS.columns, FLAGS.rows, FLAGS.seeds)
+  if FLAGS.columns:
+    raise ConfigError(f"--columns picks the cells of {', '.join(paper_tables.TABLES)};"
+                      f" --table={FLAGS.table} runs the --dataset column")
   if FLAGS["fedora_variant"].present:
     raise ConfigError("reproduce picks each FEDORA row's variant (fedora: authors,"
                       " fedora_paper: paper); leave out --fedora_variant")

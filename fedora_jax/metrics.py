@@ -84,3 +84,36 @@ def summarize_regression(mae: np.ndarray, local_mae: np.ndarray | None) -> Regre
   r_mae = relative_mae(mae, local_mae)
   return RegressionSummary(mae=float(mae.mean()), r_mae=defined_mean(r_mae),
                            ptr=float(np.mean(mae <= np.asarray(local_mae, np.float64))))
+
+
+# Best-round accuracy, the metric of parameter coaching's Tables 1-2 ("best mean
+# accuracy", accuracy sampled every round on MNIST / FMNIST, every 5 on CIFAR10, every 10 on
+# CIFAR100) and of FedALA's and ConFREE's tables (their code reports the maximum over
+# rounds of sum(correct) / sum(test samples) over all clients: TsingZ0/FedALA
+# serverALA.py, PFLlib).
+WEIGHTINGS = ("mean", "weighted")
+
+
+def accuracy_per_round(test_acc: np.ndarray, n_test: np.ndarray,
+                       weighting: str = "mean") -> np.ndarray:
+  """[R] accuracy over clients each round from [R, K] per-client test accuracies: "mean",
+  the plain mean over clients; "weighted", each client weighed by its test samples
+  `n_test` [K] (the fraction of all test samples classified right)."""
+  test_acc = np.asarray(test_acc, np.float64)
+  if weighting == "mean":
+    return test_acc.mean(axis=1)
+  if weighting == "weighted":
+    n_test = np.asarray(n_test, np.float64)
+    return test_acc @ n_test / n_test.sum()
+  raise ValueError(f"unknown weighting {weighting!r}; known: {', '.join(WEIGHTINGS)}")
+
+
+def best_sampled_round(per_round: np.ndarray, sample_every: int = 1) -> tuple[int, float]:
+  """(round, value): the best of the rounds a paper sampled, every `sample_every`-th
+  (rounds sample_every, 2 sample_every, ...; the last round always counts), 1-based; the
+  first on ties."""
+  per_round = np.asarray(per_round, np.float64)
+  rounds = np.arange(1, len(per_round) + 1)
+  sampled = (rounds % sample_every == 0) | (rounds == len(per_round))
+  best = int(np.argmax(np.where(sampled, per_round, -np.inf)))
+  return best + 1, float(per_round[best])

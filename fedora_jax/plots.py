@@ -271,6 +271,82 @@ def plot_reproduced_table(rows: list[Mapping], title: str, path: str,
   return save_figure(reproduced_table_figure(rows, title, extra_rows), path)
 
 
+def _wrapped_title(fig: Figure, title: str) -> None:
+  """A long caption wrapped to the figure's width (about 13 characters an inch)."""
+  width = int(13 * fig.get_figwidth())
+  fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")),
+               fontsize=9)
+
+
+def paper_cells_figure(cells: Mapping[str, list[Mapping]], labels: Mapping[str, str],
+                       title: str = "") -> Figure:
+  """experiments/paper_tables.py's table as a picture: one panel per column run (a
+  dataset and partition, or a client count and participation), each row's accuracy in %
+  ours (mean over seeds, error bar: their std, dots: each seed) beside the paper's.
+  `cells`: column -> its rows (paper_tables.summarize_cell); `labels`: column -> title."""
+  columns = list(cells)
+  fig = Figure(figsize=(max(7.0, 0.5 * max(len(r) for r in cells.values()) + 2.5),
+                        3.2 * len(columns) + 1.2), layout="constrained")
+  axes = np.atleast_1d(fig.subplots(len(columns), 1, squeeze=False)[:, 0])
+  for ax, column in zip(axes, columns):
+    rows = cells[column]
+    x = np.arange(len(rows))
+    ours, paper = _values(rows, "acc"), _values(rows, "paper_acc")
+    errors = np.nan_to_num(_values(rows, "acc_std"))
+    several = any(r.get("acc_std") is not None for r in rows)
+    ax.bar(x - 0.2, ours, 0.4, color=OURS_COLOR, capsize=3,
+           yerr=np.where(np.isfinite(ours), errors, 0.0) if several else None,
+           label="ours (mean ± std over seeds)" if several else "ours")
+    ax.bar(x + 0.2, paper, 0.4, color=PAPER_COLOR, label="paper")
+    seeds_x = [x[i] - 0.2 for i, r in enumerate(rows) for _ in r.get("acc_seeds") or []
+               if len(r.get("acc_seeds") or []) > 1]
+    seeds_y = [v for r in rows for v in r.get("acc_seeds") or []
+               if len(r.get("acc_seeds") or []) > 1]
+    if seeds_x:
+      ax.scatter(seeds_x, seeds_y, s=9, color="black", zorder=3, label="ours, one seed")
+    for xi, (value, reference) in enumerate(zip(ours, paper)):
+      for offset, v in ((-0.2, value), (0.2, reference)):
+        if np.isfinite(v) and len(rows) <= 16:
+          ax.annotate(f"{v:.1f}", (xi + offset, v), xytext=(0, 2),
+                      textcoords="offset points", ha="center", fontsize=6)
+      if not np.isfinite(value):
+        ax.text(xi, 0.5, "not run", transform=ax.get_xaxis_transform(), ha="center",
+                va="center", fontsize=7, color="gray", rotation=90)
+    finite = np.concatenate([ours[np.isfinite(ours)], paper[np.isfinite(paper)]])
+    ax.set_ylim(max(0.0, finite.min() - 10) if finite.size else 0.0, 105)
+    ax.set_xticks(x, [r["row"] for r in rows], rotation=45 if len(rows) > 4 else 0,
+                  ha="right" if len(rows) > 4 else "center", fontsize=7)
+    ax.set_ylabel("accuracy, %", fontsize=8)
+    ax.set_title(textwrap.fill(labels.get(column, column), 110), fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+  handles, names = axes[0].get_legend_handles_labels()
+  fig.legend(handles, names, loc="outside lower center", ncols=len(names), fontsize=7)
+  _wrapped_title(fig, title)
+  return fig
+
+
+def table_curves_figure(curves: Mapping[str, Mapping[str, np.ndarray]],
+                        labels: Mapping[str, str], title: str = "") -> Figure:
+  """Each row's accuracy (%) per round, one panel per column: the curves the best-round
+  metric is read from. `curves`: column -> row -> [R] (mean over seeds)."""
+  columns = list(curves)
+  fig = Figure(figsize=(9.0, 3.2 * len(columns) + 1.2), layout="constrained")
+  axes = np.atleast_1d(fig.subplots(len(columns), 1, squeeze=False)[:, 0])
+  for ax, column in zip(axes, columns):
+    for row, values in curves[column].items():
+      rounds = np.arange(1, len(values) + 1)
+      ax.plot(rounds, values, label=row, linestyle="--" if row == "local" else "-",
+              marker="." if len(values) <= 20 else None, linewidth=1.0)
+    ax.set_xlabel("round", fontsize=8)
+    ax.set_ylabel("accuracy, %", fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(textwrap.fill(labels.get(column, column), 110), fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncols=2, loc="lower right")
+  _wrapped_title(fig, title)
+  return fig
+
+
 def write_run_plots(workdir: str, results: Mapping, history: Mapping[str, np.ndarray],
                     artifacts: Mapping[str, np.ndarray],
                     local_history: Mapping[str, np.ndarray] | None = None) -> list[str]:

@@ -132,6 +132,29 @@ def test_dirichlet_honours_the_minimum_and_skews_labels():
   assert np.median(top_two) > 0.6
 
 
+def test_data_fraction_partitions_a_random_tenth_of_train_and_test():
+  # Parameter coaching's 10 clients: "10% training data and test data is selected
+  # randomly from the dataset", then cut by Dirichlet label skew.
+  config = PartitionConfig("dirichlet", dirichlet_alpha=0.3, data_fraction=0.1)
+  part = make_partition(DATA, 10, config, seed=3)
+  train = sorted(i for c in part.clients for x in (c.x_train, c.x_val) for i in sample_ids(x))
+  test = sorted(i - 30000 for c in part.clients for i in sample_ids(c.x_test))
+  assert len(set(train)) == len(train) and len(set(test)) == len(test)
+  # A tenth of each split (a sample per client and class may fall to rounding).
+  assert 300 - 10 * 10 <= len(train) <= 300 and 60 - 10 * 10 <= len(test) <= 60
+  assert len(train) > 250 and len(test) > 40
+  # Spread over the whole set, not its first tenth; the same draw for the same seed.
+  assert max(train) > 1500 and max(test) > 300
+  again = make_partition(DATA, 10, config, seed=3)
+  assert [sample_ids(c.x_train) for c in again.clients] == [
+      sample_ids(c.x_train) for c in part.clients]
+  # At 1.0 nothing is drawn: the partition is the one without the field.
+  whole = make_partition(DATA, 10, config._replace(data_fraction=1.0), seed=3)
+  plain = make_partition(DATA, 10, PartitionConfig("dirichlet", dirichlet_alpha=0.3), seed=3)
+  assert [sample_ids(c.x_train) for c in whole.clients] == [
+      sample_ids(c.x_train) for c in plain.clients]
+
+
 @pytest.mark.parametrize("num_clients,config,message", [
     (4000, PartitionConfig("iid"), "only 3000 training samples"),
     (10, PartitionConfig("pathological", classes_per_client=11), "must be between 1 and 10"),
@@ -145,6 +168,9 @@ def test_dirichlet_honours_the_minimum_and_skews_labels():
     (10, PartitionConfig("shards"), "unknown partition"),
     (10, PartitionConfig("iid", setting="lopsided"), "unknown setting"),
     (10, PartitionConfig("rotation", min_client_size=200), "more than the 128"),
+    (10, PartitionConfig("iid", data_fraction=0.0), "data_fraction must be in"),
+    (10, PartitionConfig("iid", val_fraction=1.0), "val_fraction must be in"),
+    (40, PartitionConfig("iid", data_fraction=0.01), "leaves 30 training samples"),
 ])
 def test_impossible_requests_fail_fast_with_one_line(num_clients, config, message):
   start = time.perf_counter()

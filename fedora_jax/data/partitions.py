@@ -38,6 +38,9 @@ the rotation protocol does:
      64 : 128 of Appendix B) and training;
   4. the official test set is cut by the same shares, so each client's test set has its
      training label distribution, and no test image goes to two clients.
+With `data_fraction` f < 1, a seeded random f of the training set and f of the test set
+(uniform, without replacement, their own random stream so the rest of the protocol draws
+as before) stand for the whole dataset from step 1 on.
 Shares per kind (`setting` picks balanced sizes or, as in FEDORA's imbalanced setting,
 one large client K // 2, weighted K - 1 times any other client wherever it holds a class):
   - iid: every client gets the same fraction of every class;
@@ -86,6 +89,10 @@ class PartitionConfig(NamedTuple):
   val_fraction: float = 1 / 3           # validation share of a pool (no fixed sizes)
   max_redraws: int = 100                # dirichlet
   split: str = "ours"                   # rotation: "ours" or "authors" (their sampling)
+  # A random share of the official training set and of the test set, drawn before the
+  # partition (parameter coaching's 10 clients hold "10% training data and test data
+  # selected randomly from the dataset"); 1.0: all of it.
+  data_fraction: float = 1.0
 
 
 def rotation_angles(num_clients: int) -> np.ndarray:
@@ -203,6 +210,19 @@ def authors_rotation_partition(dataset: ImageDataset, num_clients: int, seed: in
   return Partition(clients=clients, angles=angles, large_client=None)
 
 
+def random_subset(dataset: ImageDataset, fraction: float, seed: int) -> ImageDataset:
+  """A seeded random `fraction` of the training set and of the test set (at least one
+  sample each), in their original order; its own stream, apart from the partition's."""
+  rng = np.random.default_rng([seed, 2])
+
+  def keep(n: int) -> np.ndarray:
+    return np.sort(rng.choice(n, max(1, int(np.floor(fraction * n + 1e-9))), replace=False))
+
+  train, test = keep(len(dataset.x_train)), keep(len(dataset.x_test))
+  return dataset._replace(x_train=dataset.x_train[train], y_train=dataset.y_train[train],
+                          x_test=dataset.x_test[test], y_test=dataset.y_test[test])
+
+
 def class_counts(clients: list[Client], num_classes: int) -> np.ndarray:
   """[K, C] training samples of each class per client."""
   return np.stack([np.bincount(np.asarray(c.y_train, np.int64), minlength=num_classes)
@@ -213,6 +233,12 @@ def make_partition(dataset: ImageDataset, num_clients: int, config: PartitionCon
                    seed: int = 0) -> Partition:
   """Cuts `dataset` into `num_clients` clients as `config` says (module docstring)."""
   _validate(dataset, num_clients, config)
+  if config.data_fraction < 1.0:
+    dataset = random_subset(dataset, config.data_fraction, seed)
+    if num_clients > len(dataset.x_train):
+      raise FieldError("partition", "data_fraction",
+                       f"({config.data_fraction}) leaves {len(dataset.x_train)} training"
+                       f" samples of {dataset.name} for {num_clients} clients")
   if config.kind == "rotation":
     train_per_client = config.train_per_client or 128
     val_per_client = config.val_per_client or 64
@@ -295,7 +321,11 @@ def _validate(dataset: ImageDataset, num_clients: int, config: PartitionConfig) 
     raise FieldError("partition", "min_client_size",
                      f"must be >= 0, got {config.min_client_size}")
   if not 0 < config.val_fraction < 1:
-    raise ConfigError(f"the validation fraction must be in (0, 1), got {config.val_fraction}")
+    raise FieldError("partition", "val_fraction",
+                     f"must be in (0, 1), got {config.val_fraction}")
+  if not 0 < config.data_fraction <= 1:
+    raise FieldError("partition", "data_fraction",
+                     f"must be in (0, 1], got {config.data_fraction}")
   if config.train_per_client is not None and config.train_per_client < 1:
     raise FieldError("partition", "train_per_client",
                      f"must be >= 1, got {config.train_per_client}")

@@ -1,0 +1,509 @@
+"""The other seed papers' tables, run here with the paper's number beside ours in every cell.
+
+  python -m experiments.reproduce --table=coaching1 --data_dir=/path/to/data  # Table 1
+  python -m experiments.reproduce --table=coaching2 --columns=mnist_0.1        # one cell
+  python -m experiments.reproduce --table=fedala1 --seeds=3 --rounds=200
+  python -m experiments.reproduce --table=fedala_ala
+  python -m experiments.reproduce --table=confree2 --rows=local,fedala,fedala_confree
+
+The tables are data: experiments/paper/{coaching,fedala,confree}_tables.json hold every
+number the papers print (in percent, as printed), every setting a paper states with the
+line it is on, and, where it states none, the value used here with where that came from
+(the authors' code, PFLlib, or ours). Tables:
+  coaching1   parameter coaching (Zhi et al., AAAI 2024) Table 1: 10 clients, all taking
+              part, a random 10% of the data, Dirichlet alpha 0.1 / 0.3;
+  coaching2   its Table 2: 100 clients over all the data, 10% sampled each round;
+  fedala1     FedALA's (Zhang et al., AAAI 2023) main table: 20 clients, pathological and
+              practical (Dirichlet) label skew, its 4-layer CNN;
+  fedala_ala  FedALA's applicability table: each host with and without --ala, the
+              improvement ours beside the paper's;
+  confree2    ConFREE's Table 2: six hosts with and without --aggregation=confree at 20 /
+              60 clients and 30% / 60% participation.
+A table's columns are cells (a dataset with its partition, or a client count and
+participation); --columns picks some (default: the table's default_columns, the data held
+in shared/data with the paper's model); a column whose data or model this build lacks is
+printed with the paper's numbers only and says why. Rows: --rows (default: every row that
+runs here; a row whose algorithm or plug-in this build lacks is listed as not run, with the
+reason). LOCAL always runs first, every other row's --reference.
+
+The metric is the papers': the best accuracy over rounds, read from each run's per-round
+test accuracies (history.npz, every client evaluated every round), over the rounds the
+paper sampled (coaching: every round on MNIST / FMNIST, every 5th on CIFAR10, 10th on
+CIFAR100); the mean over clients (coaching: "best mean accuracy") or weighted by test
+samples (FedALA's and ConFREE's code: sum of correct over sum of test samples); mean and
+population std over --seeds. Rows with a plug-in also report their improvement over the
+host (ours: per seed, then averaged) beside the paper's.
+
+Each cell's settings are set by reproduce (flags); a run flag given on the command line
+(--rounds, --lr, --num_clients, ...) overrides the table's value for every row and the
+output names each such departure (fewer rounds than the paper ran included). The flags that
+pick a column or a row (--dataset, --partition, --dirichlet_alpha, --classes_per_client,
+--algorithm, --ala, --aggregation) are refused. Each row keeps its run directory
+<workdir>/<column>/seed<s>/<row>: a killed sweep resumes, a directory holding other
+settings is refused before anything trains.
+
+Writes <workdir>/table.md, table.json, table.csv (a line per cell and row), table.png (per
+column, ours beside the paper per row) and curves.png (per column, each row's accuracy per
+round, the metric's curve).
+"""
+
+import csv
+import json
+import logging
+import os
+import sys
+from typing import NamedTuple
+
+import numpy as np
+
+from experiments import cli
+from experiments import flags as run_flags
+from experiments import main as main_lib
+from fedora_jax import algorithms
+from fedora_jax import checkpoint as checkpoint_lib
+from fedora_jax import metrics
+from fedora_jax import plots
+from fedora_jax import train as train_lib
+from fedora_jax.errors import ConfigError
+from fedora_jax.models import MODELS
+
+FLAGS = run_flags.FLAGS
+logger = logging.getLogger("experiments")
+PAPER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper")
+PAPER_FILES = ("coaching_tables.json", "fedala_tables.json", "confree_tables.json")
+
+# The flags that say which cell or row a run is: reproduce sets them, never the command.
+COLUMN_FLAGS = ("dataset", "partition", "dirichlet_alpha", "classes_per_client")
+ROW_FLAGS = ("algorithm", "ala", "aggregation")
+# Run flags that leave what a row computes alone (where files are, how fast, how loud);
+# any other one on the command line is reported as a departure from the paper.
+NEUTRAL_FLAGS = (*checkpoint_lib.NOT_IDENTITY, "seed", "data_dir", "data_source",
+                 "client_chunk", "eval_batch_size")
+REFERENCE_ROW = "local"
+
+
+def load_tables() -> dict[str, dict]:
+  """Table name -> the table as experiments/paper/*_tables.json hold it."""
+  tables = {}
+  for name in PAPER_FILES:
+    with open(os.path.join(PAPER_DIR, name)) as f:
+      tables.update({k: v for k, v in json.load(f).items() if not k.startswith("_")})
+  return tables
+
+
+TABLES = tuple(load_tables())
+
+
+def settings_flags(settings: list[dict]) -> dict[str, object]:
+  """flag -> value of the settings that map to a flag."""
+  return {s["flag"]: s["value"] for s in settings if "flag" in s}
+
+
+def cell_flags(table: dict, column: str) -> dict[str, object]:
+  """Every flag a run of the cell sets: the table's settings, then the column's."""
+  spec = table["columns"][column]
+  return {**settings_flags(table["settings"]), "dataset": spec["dataset"],
+          **settings_flags(spec["settings"])}
+
+
+def row_flags(table: dict, column: str, row: str) -> dict[str, object]:
+  """The row's own flags in the cell: its algorithm, its plug-ins, its hyperparameters."""
+  spec = table["rows"].get(row, {"algorithm": row})
+  return {"algorithm": spec["algorithm"], **spec.get("flags", {}),
+          **table["columns"][column].get("row_flags", {}).get(row, {})}
+
+
+def owned_flags(table: dict) -> tuple[str, ...]:
+  """Every flag the table sets in some cell or row."""
+  names = set(ROW_FLAGS)
+  for column in table["columns"]:
+    names.update(cell_flags(table, column))
+    for row in table_rows(table):
+      names.update(row_flags(table, column, row))
+  return tuple(sorted(names))
+
+
+def table_rows(table: dict) -> list[str]:
+  """The rows in the paper's order, the LOCAL reference first (ours where the paper has
+  no LOCAL row)."""
+  return [REFERENCE_ROW] + [r for r in table["rows"] if r != REFERENCE_ROW]
+
+
+def column_problem(table: dict, column: str) -> str | None:
+  """Why the column cannot run in this build (None: it can): no dataset here, or a model
+  not registered."""
+  spec = table["columns"][column]
+  if spec["dataset"] is None:
+    return spec.get("note", "no --dataset here")
+  model = cell_flags(table, column).get("model")
+  if model is not None and model not in MODELS:
+    return f"needs --model={model}, which this build does not register"
+  return None
+
+
+def row_problem(table: dict, row: str) -> str | None:
+  """Why the row cannot run in this build (None: it can): its algorithm is not registered,
+  or it does not take the row's plug-in."""
+  if row == REFERENCE_ROW and row not in table["rows"]:
+    return None
+  spec = table["rows"][row]
+  if spec["algorithm"] not in algorithms.REGISTRY:
+    return f"{spec['algorithm']} is not registered in this build"
+  flags = spec.get("flags", {})
+  try:
+    algorithms.check_plugins(spec["algorithm"], True if flags.get("ala") else None,
+                             True if flags.get("aggregation") == "confree" else None)
+  except ConfigError as e:
+    return str(e)
+  return None
+
+
+def why_not_run(table: dict, column: str) -> str:
+  """Why a column of the table was not run: it cannot run here, or its note, or it was
+  not asked for."""
+  return (column_problem(table, column) or table["columns"][column].get("note")
+          or "not asked for (--columns)")
+
+
+def pick_columns(table_name: str, table: dict, wanted: list[str]) -> list[str]:
+  """The columns to run, in the table's order: `wanted`, else its default columns; a
+  one-line ConfigError for an unknown column or one that cannot run here."""
+  known = list(table["columns"])
+  unknown = [c for c in wanted if c not in known]
+  if unknown:
+    raise ConfigError(f"--table={table_name} has no column {', '.join(unknown)}; its"
+                      f" columns: {', '.join(known)}")
+  for column in wanted:
+    problem = column_problem(table, column)
+    if problem:
+      raise ConfigError(f"--table={table_name} column {column} cannot run here: {problem}")
+  chosen = set(wanted) or {c for c in table["default_columns"]
+                           if column_problem(table, c) is None}
+  return [c for c in known if c in chosen]
+
+
+def pick_rows(table_name: str, table: dict, wanted: list[str]) -> list[str]:
+  """The rows to run, LOCAL first: `wanted`, else every row that runs here; a one-line
+  ConfigError for an unknown row or one that cannot run here."""
+  known = table_rows(table)
+  unknown = [r for r in wanted if r not in known]
+  if unknown:
+    raise ConfigError(f"--table={table_name} has no row {', '.join(unknown)}; its rows:"
+                      f" {', '.join(known)}")
+  for row in wanted:
+    problem = row_problem(table, row)
+    if problem:
+      raise ConfigError(f"--table={table_name} row {row} cannot run here: {problem}")
+  chosen = set(wanted) or {r for r in known if row_problem(table, r) is None}
+  return [REFERENCE_ROW] + [r for r in known if r in chosen and r != REFERENCE_ROW]
+
+
+def check_command_line(table_name: str, table: dict) -> dict[str, object]:
+  """The run flags the command line gives that override the table's settings (flag ->
+  value); a one-line ConfigError for a flag that picks a column or a row."""
+  given = [name for name in COLUMN_FLAGS + ROW_FLAGS if FLAGS[name].present]
+  if given:
+    raise ConfigError(
+        f"--table={table_name} sets {', '.join('--' + n for n in given)} itself, per column"
+        " and row; pick columns with --columns (its columns:"
+        f" {', '.join(table['columns'])}) and rows with --rows")
+  return {name: FLAGS[name].value for name in owned_flags(table)
+          if name not in COLUMN_FLAGS + ROW_FLAGS and FLAGS[name].present}
+
+
+def other_given_flags(table: dict) -> dict[str, object]:
+  """Run flags on the command line that the table does not set (flag -> value): each
+  changes every row (say --hidden, --data_fraction where the paper uses all the data)."""
+  owned = set(owned_flags(table))
+  return {flag.name: flag.value for flag in FLAGS.get_flags_for_module(run_flags.__name__)
+          if flag.present and flag.name not in owned and flag.name not in NEUTRAL_FLAGS}
+
+
+def use_row(table: dict, column: str, row: str, seed: int, workdir: str,
+            reference: str | None, overrides: dict[str, object],
+            defaults: dict[str, object]) -> None:
+  """Sets the flags of one row's experiments.main run in one cell: every flag the table
+  owns back to its default, then the cell's, the row's, and the command line's."""
+  values = {**defaults, **cell_flags(table, column), **row_flags(table, column, row),
+            **overrides}
+  for name, value in values.items():
+    setattr(FLAGS, name, value)
+  FLAGS.seed, FLAGS.reference = seed, reference
+  FLAGS.workdir = row_workdir(workdir, column, seed, row)
+
+
+def row_workdir(workdir: str, column: str, seed: int, row: str) -> str:
+  return os.path.join(workdir, column, f"seed{seed}", row)
+
+
+class RowRun(NamedTuple):
+  """One row's run in one cell, as its run directory holds it."""
+  per_round: np.ndarray   # [R] the metric's accuracy over clients each round
+  best: float             # the best over the sampled rounds (a fraction)
+  best_round: int         # 1-based
+  final: float            # the last round's
+  round_seconds: float
+  wall_seconds: float
+  results: str            # results.json
+
+
+def read_row_run(directory: str, weighting: str, sample_every: int) -> RowRun:
+  """The row's best-round accuracy from its per-round test accuracies (history.npz) and
+  clients' test sizes (results.json), with its timing."""
+  with open(os.path.join(directory, "results.json")) as f:
+    results = json.load(f)
+  with np.load(os.path.join(directory, "history.npz")) as history:
+    test_acc = history["test_acc"]
+  n_test = np.array([c["n_test"] for c in results["clients"]])
+  per_round = metrics.accuracy_per_round(test_acc, n_test, weighting)
+  best_round, best = metrics.best_sampled_round(per_round, sample_every)
+  with open(os.path.join(directory, "timing.json")) as f:
+    timing = json.load(f)
+  return RowRun(per_round=per_round, best=best, best_round=best_round,
+                final=float(per_round[-1]),
+                round_seconds=timing.get("round_seconds_all", timing["round_seconds"]),
+                wall_seconds=timing.get("seconds_all", timing["train_seconds"]),
+                results=os.path.join(directory, "results.json"))
+
+
+def _rounded(value: float | None, places: int = 2) -> float | None:
+  return None if value is None or not np.isfinite(value) else round(float(value) + 0.0, places)
+
+
+def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]]) -> list[dict]:
+  """Every row of the table in one cell, in its order: ours (percent, mean and population
+  std over seeds; None where it did not run) beside the paper's, with the improvement
+  over its host for a plug-in row."""
+  paper = table["columns"][column]["values"]
+  entries = []
+  for row in table_rows(table):
+    spec = table["rows"].get(row)
+    ours = [100 * r.best for r in runs.get(row, [])]
+    entry = {"row": row, "label": spec["label"] if spec else None,
+             "paper_row": spec is not None, "seeds": len(ours),
+             "acc": _rounded(np.mean(ours)) if ours else None,
+             "acc_std": _rounded(np.std(ours)) if len(ours) > 1 else None,
+             "acc_seeds": [_rounded(v) for v in ours],
+             "paper_acc": paper.get(row, {}).get("mean"),
+             "paper_std": paper.get(row, {}).get("std")}
+    entry["diff"] = (_rounded(entry["acc"] - entry["paper_acc"])
+                     if entry["acc"] is not None and entry["paper_acc"] is not None else None)
+    host = spec.get("improves") if spec else None
+    if host:
+      pairs = list(zip(runs.get(row, []), runs.get(host, [])))
+      entry["improves"] = host
+      entry["imp"] = (_rounded(np.mean([100 * (a.best - b.best) for a, b in pairs]))
+                      if pairs else None)
+      entry["paper_imp"] = paper.get(row, {}).get("imp")
+    if ours:
+      row_runs = runs[row]
+      entry.update(
+          best_round=[r.best_round for r in row_runs], rounds=len(row_runs[0].per_round),
+          final_acc=_rounded(100 * np.mean([r.final for r in row_runs])),
+          round_seconds=round(float(np.median([r.round_seconds for r in row_runs])), 4),
+          wall_seconds=round(float(sum(r.wall_seconds for r in row_runs)), 1),
+          results=[r.results for r in row_runs])
+    else:
+      entry["not_run"] = row_problem(table, row) or "not asked for (--rows)"
+    entries.append(entry)
+  return entries
+
+
+def _cell(mean, std=None, signed=False) -> str:
+  if mean is None:
+    return "—"
+  text = f"{mean:+.2f}" if signed else f"{mean:.2f}"
+  return text + (f" ± {std:.2f}" if std is not None else "")
+
+
+def _rounds_note(table: dict, column: str, rounds: int) -> str:
+  paper_rounds = cell_flags(table, column).get("rounds")
+  if paper_rounds is not None and rounds < paper_rounds:
+    return f"{rounds} rounds, FEWER than the paper's {paper_rounds}"
+  return f"{rounds} rounds (the paper's: {paper_rounds})"
+
+
+def column_heading(table: dict, column: str) -> str:
+  spec = table["columns"][column]
+  flags = ", ".join(f"--{k}={v}" for k, v in settings_flags(spec["settings"]).items())
+  return f"{spec['label']} (`--dataset={spec['dataset']}`, {flags})"
+
+
+def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
+                    settings: list[str], rounds: dict[str, int]) -> str:
+  """table.md: the settings, one table per column run (every row, ours beside the
+  paper), then the paper's numbers of the columns not run."""
+  lines = [f"# {title}", ""] + [f"- {s}" for s in settings] + [""]
+  has_imp = any("improves" in spec for spec in table["rows"].values())
+  for column, entries in summary.items():
+    lines += [f"## {column_heading(table, column)}", "",
+              f"{_rounds_note(table, column, rounds[column])}; paper:"
+              f" {table['columns'][column]['paper_column']}", "",
+              "| row | ours | paper | ours − paper |"
+              + (" ours imp | paper imp |" if has_imp else "")
+              + " best round | final | s/round | wall s | paper's row |",
+              "|---|---|---|---|" + ("---|---|" if has_imp else "") + "---|---|---|---|---|"]
+    for e in entries:
+      label = e["label"] or "— (ours: the LOCAL reference, not a paper row)"
+      if "not_run" in e:
+        label += f"; not run: {e['not_run']}"
+      imp = (f" {_cell(e.get('imp'), signed=True)} | {_cell(e.get('paper_imp'), signed=True)} |"
+             if has_imp else "")
+      best_round = ",".join(map(str, e.get("best_round", []))) or "—"
+      timing = (f"{e['round_seconds']:.3f} | {e['wall_seconds']:.0f}"
+                if "round_seconds" in e else "— | —")
+      lines.append(f"| {e['row']} | {_cell(e['acc'], e['acc_std'])} |"
+                   f" {_cell(e['paper_acc'], e['paper_std'])} | {_cell(e['diff'], signed=True)} |"
+                   f"{imp} {best_round} | {_cell(e.get('final_acc'))} | {timing} | {label} |")
+    lines.append("")
+  others = [c for c in table["columns"] if c not in summary]
+  if others:
+    lines += ["## The paper's numbers of the columns not run here", "",
+              "| row | " + " | ".join(table["columns"][c]["label"] for c in others) + " |",
+              "|---|" + "---|" * len(others)]
+    for row, spec in table["rows"].items():
+      cells = []
+      for c in others:
+        value = table["columns"][c]["values"].get(row, {})
+        text = _cell(value.get("mean"), value.get("std"))
+        if "imp" in value:
+          text += f" ({value['imp']:+.2f})"
+        cells.append(text)
+      lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    lines += [""] + [f"- {table['columns'][c]['label']}: {why_not_run(table, c)}"
+                     for c in others] + [""]
+  lines += [
+      f"ours: {table['metric']['name']} in %, the best over the rounds the paper sampled of"
+      f" the {'plain mean over clients' if table['metric']['clients'] == 'mean' else 'test-sample-weighted mean over clients'}"
+      " of per-client test accuracy (history.npz), mean ± population std over seeds; paper:"
+      f" {table['paper']}, {table['table']} (shared/papers/{table['text']}, lines"
+      f" {table['lines']}); imp: the row's accuracy minus its host's (ours: per seed, then"
+      " averaged); best round: per seed; final: the last round's, mean over seeds; s/round:"
+      " median round time; wall s: compile and training time, summed over seeds."]
+  return "\n".join(lines) + "\n"
+
+
+CSV_COLUMNS = ("column", "row", "label", "seeds", "acc", "acc_std", "paper_acc",
+               "paper_std", "diff", "imp", "paper_imp", "best_round", "rounds", "final_acc",
+               "round_seconds", "wall_seconds", "not_run")
+
+
+def write_csv(path: str, summary: dict[str, list[dict]]) -> None:
+  """table.csv: a line per (column, row), empty where there is no value."""
+  with open(path, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(CSV_COLUMNS)
+    for column, entries in summary.items():
+      for e in entries:
+        e = {**e, "column": column,
+             "best_round": ";".join(map(str, e.get("best_round", []))) or None}
+        writer.writerow(["" if e.get(c) is None else e[c] for c in CSV_COLUMNS])
+
+
+def table_title(table_name: str, table: dict, columns: list[str]) -> str:
+  not_run = [table["columns"][c]["label"] for c in table["columns"] if c not in columns]
+  title = f"{table['short']}, {table['table']} (--table={table_name}): {table['caption']}"
+  if not_run:
+    title += f" Run here: {', '.join(table['columns'][c]['label'] for c in columns)};" \
+             f" the paper's numbers only: {', '.join(not_run)}."
+  return title
+
+
+def setting_lines(table: dict, overrides: dict[str, object], others: dict[str, object],
+                  first_seed: int, seeds: int) -> list[str]:
+  """The table's settings with their sources, then what this run changed."""
+  lines = []
+  for s in table["settings"]:
+    value = f" -> `--{s['flag']}={s['value']}`" if "flag" in s else ""
+    lines.append(f"{s['setting']}: {s['paper'] if s['paper'] is not None else 'not stated'}"
+                 f"{value} ({s['source']})")
+  runs = table["metric"].get("runs")
+  lines.append(f"seeds: {seeds} from {first_seed}"
+               + (f" (the paper: {runs} runs)" if runs else ""))
+  for name, value in overrides.items():
+    lines.append(f"DEPARTURE from the table's settings: {_flag_text(name, value)} (command"
+                 " line)")
+  for name, value in others.items():
+    lines.append(f"DEPARTURE: {_flag_text(name, value)} (command line; the table leaves it"
+                 " at its default)")
+  lines.append(f"command: `{command_line()}`")
+  return lines
+
+
+def _flag_text(name: str, value) -> str:
+  if isinstance(value, (list, tuple)):
+    value = ",".join(map(str, value))
+  return f"--{name}={value}"
+
+
+def command_line() -> str:
+  return " ".join(["python -m experiments.reproduce", *sys.argv[1:]])
+
+
+def check_before_the_sweep(table: dict, plan: list[tuple[str, int, str]], workdir: str,
+                           overrides: dict, defaults: dict) -> None:
+  """Bad hyperparameters and row directories holding runs with other settings fail now,
+  before anything trains."""
+  identity_defaults = run_flags.identity_defaults()
+  for column, seed, row in plan:
+    use_row(table, column, row, seed, workdir, None, overrides, defaults)
+    train_lib.check_config(run_flags.experiment_config())
+    checkpoint_lib.check_workdir(FLAGS.workdir, run_flags.run_identity(FLAGS.algorithm),
+                                 identity_defaults)
+
+
+def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str],
+              seeds: int) -> dict:
+  """Runs the table's rows in its columns; writes and prints the table."""
+  table = load_tables()[table_name]
+  overrides = check_command_line(table_name, table)
+  columns = pick_columns(table_name, table, wanted_columns)
+  rows = pick_rows(table_name, table, wanted_rows)
+  workdir = FLAGS.workdir or os.path.join("runs", f"reproduce_{table_name}")
+  first_seed = FLAGS.seed
+  defaults = {name: FLAGS[name].default for name in owned_flags(table)}
+  plan = [(c, s, r) for c in columns for s in range(first_seed, first_seed + seeds)
+          for r in rows]
+  check_before_the_sweep(table, plan, workdir, overrides, defaults)
+  runs = {c: {r: [] for r in rows} for c in columns}
+  for number, (column, seed, row) in enumerate(plan, 1):
+    local = runs[column][REFERENCE_ROW]
+    reference = None if row == REFERENCE_ROW else local[-1].results
+    use_row(table, column, row, seed, workdir, reference, overrides, defaults)
+    label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
+    logger.info("%s -> %s", label, FLAGS.workdir)
+    main_lib.run(cli.progress_reporter(label))
+    spec = table["columns"][column]
+    runs[column][row].append(read_row_run(FLAGS.workdir, table["metric"]["clients"],
+                                          spec["sample_every"]))
+  summary = {c: summarize_cell(table, c, runs[c]) for c in columns}
+  rounds = {c: len(runs[c][REFERENCE_ROW][0].per_round) for c in columns}
+  title = table_title(table_name, table, columns)
+  settings = setting_lines(table, overrides, other_given_flags(table), first_seed, seeds)
+  document = {"table": table_name, "title": title, "settings": settings,
+              "seeds": list(range(first_seed, first_seed + seeds)),
+              "command": command_line(), "metric": table["metric"],
+              "columns": {c: {"label": table["columns"][c]["label"],
+                              "heading": column_heading(table, c), "rounds": rounds[c],
+                              "paper_rounds": cell_flags(table, c).get("rounds"),
+                              "rows": summary[c]} for c in columns},
+              "not_run": {c: why_not_run(table, c) for c in table["columns"]
+                          if c not in columns}}
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "table.json"), "w") as f:
+    json.dump(document, f, indent=2)
+  markdown = format_markdown(title, table, summary, settings, rounds)
+  with open(os.path.join(workdir, "table.md"), "w") as f:
+    f.write(markdown)
+  write_csv(os.path.join(workdir, "table.csv"), summary)
+  labels = {c: f"{column_heading(table, c).replace('`', '')}; {_rounds_note(table, c, rounds[c])}"
+            for c in columns}
+  plots.save_figure(plots.paper_cells_figure(summary, labels, title),
+                    os.path.join(workdir, "table.png"))
+  curves = {c: {r: np.mean([100 * run.per_round for run in runs[c][r]], axis=0)
+                for r in rows} for c in columns}
+  plots.save_figure(plots.table_curves_figure(curves, labels, title),
+                    os.path.join(workdir, "curves.png"))
+  print(markdown)
+  print(f"table in {workdir}")
+  return document
