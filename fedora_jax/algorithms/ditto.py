@@ -19,8 +19,8 @@ v_k lives in the stacked client state and is the personalised model (the code ev
 and trains for the run's local epochs with the run's optimizer and lr, like the global
 update: the code gives both models the same `local_iters` steps at the same
 `learning_rate` every round (on the same mini-batch, step by step; here each model
-draws its own shuffle of the client's data). Round metrics report the personal model's training;
-`global_train_loss` is the global update's.
+draws its own shuffle of the client's data). Round metrics report the personal model's
+training; `global_train_loss` is the global update's.
 
 lambda (`lambda_selection`):
   - "fixed" (default): one lambda, `lam`, for every client. The authors' released runs
@@ -46,9 +46,9 @@ Measured (docs/results.md, "Five low baselines", 2026-11-26; rotated MNIST, seed
 rounds, LOCAL 0.752): fixed 0.535, per_client 0.739, per_step 0.751. With the run's
 momentum SGD, lambda = 1 drags the personal model a large part of the way to a global
 model that is still poor early on, so fixed learns slowly (it reaches LOCAL's level,
-0.755, by round 500). Both selections pick the grid's smallest lambda almost always
-(per_client: 0.1 on 36 of 36 clients at round 100), so they track LOCAL; neither is above
-LOCAL at 100 rounds. "fixed" stays the default: it is the authors' released setting,
+0.755, by round 500). per_client picks the grid's smallest lambda almost always (0.1 on
+34-36 of the 36 clients in every round), and both selections track LOCAL; neither is
+above LOCAL at 100 rounds. "fixed" stays the default: it is the authors' released setting,
 and at the paper's 500 rounds the selections are not measured here.
 """
 
