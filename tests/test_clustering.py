@@ -58,6 +58,62 @@ def test_ifca_averages_each_cluster_over_the_clients_that_chose_it():
       [[3.0], [5.5], [3.0], [5.5]])
 
 
+def test_ifca_pick_draw_takes_the_first_draw_where_every_cluster_is_chosen():
+  # 5 clients, 3 draws of 2 clusters. Counts per draw: [5, 0], [1, 4], [2, 3].
+  choices = jnp.array([[0, 0, 1], [0, 1, 1], [0, 1, 0], [0, 1, 0], [0, 1, 1]])
+  assert int(ifca.pick_draw(choices, 2, min_clients=1)) == 1
+  assert int(ifca.pick_draw(choices, 2, min_clients=2)) == 2
+  # Nobody reaches 3: the draw whose smallest cluster is largest (2 clients).
+  assert int(ifca.pick_draw(choices, 2, min_clients=3)) == 2
+
+
+def test_ifca_first_choices_are_each_clients_lowest_loss_model_of_every_draw():
+  data, clients = tiny_data([6, 6, 20])  # two size buckets: client 2 sits in its own
+  assert len(data.buckets) == 2
+  model = tiny_model()
+  trainer = tiny_trainer(model)
+  models = [init_params(model, seed=s) for s in range(6)]
+  draws = _stack([_stack(models[:3]), _stack(models[3:])])  # [2 draws, 3 clusters]
+  choices = ifca.first_choices(trainer, draws, data)
+  for k, client in enumerate(clients):
+    for d in range(2):
+      losses = [float(mean_ce(model, m, client.x_train, client.y_train))
+                for m in models[3 * d:3 * d + 3]]
+      assert int(choices[k, d]) == int(np.argmin(losses))
+
+
+def test_ifca_init_redraws_until_no_cluster_is_left_empty():
+  data, _ = tiny_data([6, 6, 6, 6])
+  model = tiny_model()
+  trainer = tiny_trainer(model)
+  stacked = _stack([init_params(model, seed=0)] * 4)
+  key = jax.random.key(3)
+  single = ifca.ifca(ifca.IfcaConfig(num_clusters=3, init_draws=1), trainer).init(
+      InitContext(params=stacked, data=data, trainer=trainer, key=key))
+  # init_draws=1: the single draw, cluster 0 the shared initial model (the paper's start).
+  chex.assert_trees_all_close(single.server.clusters,
+                              tree.initial_centers(stacked, key, 3))
+  config = ifca.IfcaConfig(num_clusters=3, init_draws=8)
+  state = ifca.ifca(config, trainer).init(
+      InitContext(params=stacked, data=data, trainer=trainer, key=key))
+  # The draws, by hand: draw 0 from `key`, draw d from fold_in(key, d).
+  draws = _stack([tree.initial_centers(stacked, k, 3) for k in
+                  [key] + [jax.random.fold_in(key, d) for d in range(1, 8)]])
+  choices = np.asarray(ifca.first_choices(trainer, draws, data))
+  counts = np.stack([np.bincount(choices[:, d], minlength=3) for d in range(8)])
+  full = np.flatnonzero(counts.min(axis=1) >= 1)
+  assert counts[0].min() == 0 and len(full) > 0  # the case really redraws
+  chex.assert_trees_all_close(state.server.clusters, tree.take(draws, int(full[0])))
+
+
+def test_ifca_rejects_bad_init_settings():
+  trainer = tiny_trainer(tiny_model())
+  with pytest.raises(ConfigError, match="ifca: init_draws"):
+    ifca.ifca(ifca.IfcaConfig(init_draws=0), trainer)
+  with pytest.raises(ConfigError, match="ifca: min_share"):
+    ifca.ifca(ifca.IfcaConfig(num_clusters=4, min_share=0.3), trainer)
+
+
 def test_random_centers_are_distinct_redraws_of_the_initial_model():
   params = init_params(tiny_model())
   stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (5,) + a.shape), params)

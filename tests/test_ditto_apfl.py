@@ -8,6 +8,7 @@ import pytest
 
 from fedora_jax.algorithms import apfl, ditto
 from fedora_jax.algorithms.base import InitContext
+from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.errors import ConfigError
 from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
@@ -59,6 +60,102 @@ def test_ditto_server_averages_uploads_and_evaluates_personal_models():
   np.testing.assert_allclose(state.server["w"], [2.0])  # (2 * 1 + 1 * 4) / 3
   np.testing.assert_allclose(algorithm.personalized_params(state.server, state.clients)["w"],
                              personal["w"])
+
+
+def _val_loss(model, params, client):
+  return mean_ce(model, params, client.x_val, client.y_val)
+
+
+def _fitted_to_validation(model, client, steps=10):
+  """A global model that has seen the validation data: pulling towards it can pay."""
+  params = init_params(model, seed=0)
+  for _ in range(steps):
+    params = jax.tree.map(lambda p, g: p - 0.5 * g, params,
+                          jax.grad(lambda p: _val_loss(model, p, client))(params))
+  return params
+
+
+def test_ditto_per_client_lambda_keeps_the_grid_model_best_on_validation():
+  _, model, splits, client = _one_client_case()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=2)  # two full-batch steps
+  global_params, personal = _fitted_to_validation(model, client), init_params(model, seed=1)
+  grid = (5.0, 0.5, 0.0)
+  algorithm = ditto.ditto(ditto.DittoConfig(lam=1.0, lambda_selection="per_client",
+                                            lambdas="5,0.5,0"), trainer)
+  out = algorithm.client_update(personal, global_params, splits, jax.random.key(0))
+
+  by_lambda = {}
+  for lam in grid:
+    v = personal
+    for _ in range(2):
+      v = jax.tree.map(lambda v, g, w: v - LR * (g + lam * (v - w)), v,
+                       _grad(model, v, client), global_params)
+    by_lambda[lam] = v
+  val = {lam: float(_val_loss(model, v, client)) for lam, v in by_lambda.items()}
+  best = min(val, key=val.get)
+  assert len({round(v, 6) for v in val.values()}) == 3  # the choice is not a tie
+  chex.assert_trees_all_close(out.state, by_lambda[best], atol=1e-6)
+  np.testing.assert_allclose(out.metrics["lambda"], best)
+  np.testing.assert_allclose(out.train.loss,
+                             (mean_ce(model, personal, client.x_train, client.y_train)
+                              + mean_ce(model, jax.tree.map(
+                                  lambda v, g, w: v - LR * (g + best * (v - w)), personal,
+                                  _grad(model, personal, client), global_params),
+                                  client.x_train, client.y_train)) / 2, rtol=1e-5)
+
+
+def test_ditto_per_client_lambda_falls_back_to_lam_without_validation_data():
+  # Appendix C: fewer than 4 validation samples -> the fixed lambda (here not in the grid).
+  rng = np.random.default_rng(0)
+  def split(n):
+    return rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, 3, n).astype(np.int32)
+  client = Client(*split(6), *split(3), *split(6))
+  data = stack_clients([client], 3, 2.0)
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  model = tiny_model()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8)  # one full-batch step
+  global_params, personal = init_params(model, seed=0), init_params(model, seed=1)
+  algorithm = ditto.ditto(ditto.DittoConfig(lam=0.7, lambda_selection="per_client"),
+                          trainer)
+  out = algorithm.client_update(personal, global_params, splits, jax.random.key(0))
+  expected = jax.tree.map(lambda v, g, w: v - LR * (g + 0.7 * (v - w)), personal,
+                          _grad(model, personal, client), global_params)
+  chex.assert_trees_all_close(out.state, expected, atol=1e-6)
+  np.testing.assert_allclose(out.metrics["lambda"], 0.7, rtol=1e-6)
+
+
+def test_ditto_per_step_lambda_chooses_every_step_as_the_authors_code():
+  # dynamic_lam: one gradient g at v, candidates v - lr (g + lambda (v - w^t)), the best
+  # on validation kept, at every step (plain SGD: exactly the code's update).
+  _, model, splits, client = _one_client_case()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=3)  # three full-batch steps
+  global_params, personal = _fitted_to_validation(model, client), init_params(model, seed=1)
+  grid = (0.1, 1.0, 20.0)
+  algorithm = ditto.ditto(ditto.DittoConfig(lambda_selection="per_step", lambdas="0.1,1,20",
+                                            lr=LR), trainer)
+  out = algorithm.client_update(personal, global_params, splits, jax.random.key(0))
+
+  v, chosen = personal, []
+  for _ in range(3):
+    g = _grad(model, v, client)
+    steps = {lam: jax.tree.map(lambda v, g, w: v - LR * (g + lam * (v - w)), v, g,
+                               global_params) for lam in grid}
+    val = {lam: float(_val_loss(model, s, client)) for lam, s in steps.items()}
+    chosen.append(min(val, key=val.get))
+    v = steps[chosen[-1]]
+  assert len(set(chosen)) > 1  # the case really changes lambda between steps
+  chex.assert_trees_all_close(out.state, v, atol=1e-5)
+  assert "lambda" not in out.metrics
+
+
+def test_ditto_rejects_a_bad_lambda_grid_or_selection():
+  trainer = tiny_trainer(tiny_model())
+  with pytest.raises(ConfigError, match="ditto: lambdas"):
+    ditto.ditto(ditto.DittoConfig(lambdas="0.1,x"), trainer)
+  with pytest.raises(ConfigError, match="ditto: lambdas"):
+    ditto.ditto(ditto.DittoConfig(lambdas="0.1,-1"), trainer)
+  with pytest.raises(ConfigError, match="ditto: lambda_selection"):
+    ditto.ditto(ditto.DittoConfig(lambda_selection="dynamic"), trainer)
 
 
 def test_apfl_one_step_updates_w_v_and_alpha_as_the_paper():

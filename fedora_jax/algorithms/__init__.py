@@ -50,12 +50,12 @@ REGISTRY: dict[str, Registered] = {
                              fedprox_ft.FLAG_HELP),
     "fedavg_c": Registered(fedavg_c.FedAvgCConfig, fedavg_c.fedavg_c, fedavg_c.FLAG_HELP),
     "fedprox_c": Registered(fedprox_c.FedProxCConfig, fedprox_c.fedprox_c, fedprox_c.FLAG_HELP),
-    "ditto": Registered(ditto.DittoConfig, ditto.ditto, ditto.FLAG_HELP),
+    "ditto": Registered(ditto.DittoConfig, ditto.ditto, ditto.FLAG_HELP,
+                        train_fields=("lr",)),
     "apfl": Registered(apfl.ApflConfig, apfl.apfl, apfl.FLAG_HELP, train_fields=("lr",)),
     "lg_fedavg": Registered(lg_fedavg.LgFedAvgConfig, lg_fedavg.lg_fedavg, lg_fedavg.FLAG_HELP),
     "fedper": Registered(fedper.FedPerConfig, fedper.fedper, fedper.FLAG_HELP),
-    "ifca": Registered(ifca.IfcaConfig, ifca.ifca, {
-        "num_clusters": "Number of cluster models C"}),
+    "ifca": Registered(ifca.IfcaConfig, ifca.ifca, ifca.FLAG_HELP),
     "fesem": Registered(fesem.FesemConfig, fesem.fesem, {
         "num_clusters": "Number of centers C",
         "init": "kmeans: k-means on the local models of the first rounds; random: the paper's"
