@@ -31,7 +31,7 @@ def test_ditto_trains_a_fedavg_upload_and_a_regularised_personal_model():
   trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=2)  # two full-batch steps
   global_params, personal = init_params(model, seed=0), init_params(model, seed=1)
   lam = 0.7
-  algorithm = ditto.ditto(ditto.DittoConfig(lam=lam), trainer)
+  algorithm = ditto.ditto(ditto.DittoConfig(lam=lam, lambda_selection="fixed"), trainer)
   out = algorithm.client_update(personal, global_params, splits, jax.random.key(0))
 
   expected_upload, expected_personal = global_params, personal
