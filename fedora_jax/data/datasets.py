@@ -15,6 +15,7 @@ from fedora_jax.data import root as data_root
 from fedora_jax.data.cifar import load_cifar10, load_cifar100
 from fedora_jax.data.partitions import Partition, PartitionConfig, make_partition
 from fedora_jax.data.sources import ImageDataset, load_fashion_mnist, load_mnist
+from fedora_jax.data.tinyimagenet import load_tinyimagenet
 from fedora_jax.errors import ConfigError, FieldError
 
 logger = logging.getLogger("fedora_jax")
@@ -74,6 +75,17 @@ DATASETS.update({
         load_source=load_cifar100, num_clients=10, model="cnn", partition="dirichlet",
         paper_table="- (parameter coaching Table 1 uses ResNet-18, not shipped here)",
         tfds_name="cifar100"),
+})
+
+# FedALA's (Zhang et al., AAAI 2023) and ConFREE's columns whose data is not held here:
+# read from their official distributions in the data root (no download; docs/datasets.md).
+DATASETS.update({
+    "tinyimagenet": DatasetSpec(
+        description="Tiny-ImageNet (200 classes, 64x64 RGB; its val set is the test set),"
+                    " Dirichlet label skew (FedALA: 20 clients, alpha 0.1)",
+        load_source=load_tinyimagenet, num_clients=20, model="fedavg_cnn",
+        partition="dirichlet",
+        paper_table="FedALA Table 2 (Tiny-ImageNet, 4-layer CNN; ResNet-18: --model=resnet18)"),
 })
 
 # The remaining FEDORA datasets: no public source to download them from (see

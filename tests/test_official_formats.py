@@ -1,0 +1,119 @@
+"""Tiny-ImageNet, AG News and Flowers102 loaders on tiny files in their official formats."""
+
+import io
+import os
+import zipfile
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedora_jax.data import datasets, tinyimagenet
+from fedora_jax.errors import DataError
+from fedora_jax.models import build_model
+
+# A few distinct, flat colours: JPEG keeps a flat 64x64 block within a few levels.
+COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40)]
+
+
+def _jpeg(colour, size=(64, 64), mode="RGB") -> bytes:
+  buffer = io.BytesIO()
+  image = Image.new("RGB", size, colour)
+  (image.convert("L") if mode == "L" else image).save(buffer, format="JPEG", quality=95)
+  return buffer.getvalue()
+
+
+# --- Tiny-ImageNet ------------------------------------------------------------------------
+
+WNIDS = [f"n{i:08d}" for i in range(200)]
+
+
+def _tiny_files():
+  """tiny-imagenet-200/ member -> bytes: one training image of every class, two of class
+  199 (one greyscale), 3 validation images, and a test image without a label."""
+  files = {"wnids.txt": ("\n".join(WNIDS) + "\n").encode()}
+  for c in range(200):
+    for i in range(2 if c == 199 else 1):
+      mode = "L" if (c, i) == (199, 1) else "RGB"
+      files[f"train/{WNIDS[c]}/images/{WNIDS[c]}_{i}.JPEG"] = _jpeg(COLOURS[c % 4], mode=mode)
+    files[f"train/{WNIDS[c]}/{WNIDS[c]}_boxes.txt"] = b"x\t0\t0\t63\t63\n"
+  rows = []
+  for i, c in enumerate((1, 199, 0)):
+    files[f"val/images/val_{i}.JPEG"] = _jpeg(COLOURS[c % 4])
+    rows.append(f"val_{i}.JPEG\t{WNIDS[c]}\t0\t0\t63\t63")
+  files["val/val_annotations.txt"] = ("\n".join(rows) + "\n").encode()
+  files["test/images/test_0.JPEG"] = _jpeg(COLOURS[0])
+  return files
+
+
+def _write_tiny(root, as_zip):
+  files = _tiny_files()
+  if as_zip:
+    with zipfile.ZipFile(root / tinyimagenet.ARCHIVE, "w") as z:
+      for name, data in files.items():
+        z.writestr(f"tiny-imagenet-200/{name}", data)
+    return
+  for name, data in files.items():
+    path = root / "tiny-imagenet-200" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("as_zip", [False, True])
+def test_tinyimagenet_reads_the_official_layout(tmp_path, as_zip):
+  (tmp_path / "tinyimagenet").mkdir()
+  _write_tiny(tmp_path / "tinyimagenet", as_zip)
+  data = tinyimagenet.load_tinyimagenet(str(tmp_path))  # the data root
+  assert data.num_classes == 200 and data.name == "tinyimagenet"
+  assert data.x_train.shape == (201, 64, 64, 3) and data.x_train.dtype == np.uint8
+  np.testing.assert_array_equal(data.y_train, [*range(200), 199])  # wnids.txt order
+  np.testing.assert_array_equal(data.y_test, [1, 199, 0])  # val_annotations.txt order
+  # Each image decodes to its colour (JPEG: within a few levels); the grey one to grey.
+  assert np.abs(data.x_train[0].astype(int) - COLOURS[0]).max() <= 4
+  assert np.abs(data.x_test[1].astype(int) - COLOURS[3]).max() <= 4
+  assert np.abs(data.x_train[6].astype(int) - COLOURS[2]).max() <= 4
+  grey = data.x_train[200].astype(int)
+  assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
+
+
+def test_tinyimagenet_registry_builds_dirichlet_clients(tmp_path):
+  _write_tiny(tmp_path, as_zip=False)  # the dataset's own folder as --data_dir
+  spec = datasets.get_spec("tinyimagenet")
+  assert (spec.partition, spec.model, spec.num_clients) == ("dirichlet", "fedavg_cnn", 20)
+  federated = datasets.build_federated_dataset(
+      "tinyimagenet", str(tmp_path), num_clients=2, setting="balanced", seed=0)
+  assert federated.partition.kind == "dirichlet" and federated.data.num_classes == 200
+  assert federated.partition.class_counts.sum() + sum(
+      len(c.x_val) for c in federated.partition.clients) == 201
+  assert federated.data.input_shape == (64, 64, 3)
+
+
+def test_tinyimagenet_bad_files_are_one_line_errors(tmp_path):
+  with pytest.raises(DataError, match=r"tinyimagenet: no data in .*tiny-imagenet-200.zip"):
+    tinyimagenet.load_tinyimagenet(str(tmp_path))
+  _write_tiny(tmp_path, as_zip=False)
+  top = tmp_path / "tiny-imagenet-200"
+  (top / "val" / "images" / "val_1.JPEG").write_bytes(b"not a jpeg")
+  with pytest.raises(DataError, match=r"cannot decode image .*val_1.JPEG"):
+    tinyimagenet.load_tinyimagenet(str(tmp_path))
+  (top / "val" / "images" / "val_1.JPEG").unlink()
+  with pytest.raises(DataError, match=r"cannot read .*val_1.JPEG"):
+    tinyimagenet.load_tinyimagenet(str(tmp_path))
+  (top / "wnids.txt").write_text("n1\nn2\n")
+  with pytest.raises(DataError, match="wnids.txt lists 2 distinct class ids"):
+    tinyimagenet.load_tinyimagenet(str(tmp_path))
+  zip_path = tmp_path / "z" / tinyimagenet.ARCHIVE
+  zip_path.parent.mkdir()
+  zip_path.write_bytes(b"PK\x03\x04 truncated")
+  with pytest.raises(DataError, match=r"tiny-imagenet-200.zip: truncated or not a zip"):
+    tinyimagenet.load_tinyimagenet(str(zip_path))
+
+
+def test_fedavg_cnn_takes_64x64_images_as_fedalas_code():
+  # FedALA's main.py builds FedAvgCNN(dim=10816) for Tiny-ImageNet: 64 -> 60 -> 30 -> 26
+  # -> 13 with VALID 5x5 convolutions and 2x2 pools, 13*13*64 = 10816 features.
+  model = build_model("fedavg_cnn", num_outputs=200)
+  params = model.init(jax.random.key(0), np.zeros((1, 64, 64, 3), np.uint8))
+  assert params["params"]["Dense_0"]["kernel"].shape == (10816, 512)
+  assert model.apply(params, np.zeros((2, 64, 64, 3), np.uint8)).shape == (2, 200)
