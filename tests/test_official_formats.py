@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedora_jax.data import datasets, tinyimagenet
+from fedora_jax.data import datasets, flowers102, tinyimagenet
 from fedora_jax.errors import DataError
 from fedora_jax.models import build_model
 
@@ -117,3 +117,68 @@ def test_fedavg_cnn_takes_64x64_images_as_fedalas_code():
   params = model.init(jax.random.key(0), np.zeros((1, 64, 64, 3), np.uint8))
   assert params["params"]["Dense_0"]["kernel"].shape == (10816, 512)
   assert model.apply(params, np.zeros((2, 64, 64, 3), np.uint8)).shape == (2, 200)
+
+
+# --- Flowers102 ---------------------------------------------------------------------------
+
+# 8 images: classes (1-based, as imagelabels.mat) and the official splits (1-based ids).
+FLOWER_LABELS = [1, 2, 102, 1, 2, 102, 5, 1]
+TRNID, VALID, TSTID = [1, 2, 3], [4, 5], [8, 6, 7]
+
+
+def _write_flowers(folder, as_tgz=True):
+  import scipy.io
+  import tarfile
+  folder.mkdir(parents=True, exist_ok=True)
+  scipy.io.savemat(folder / flowers102.LABELS,
+                   {"labels": np.array([FLOWER_LABELS], np.uint8)})
+  scipy.io.savemat(folder / flowers102.SPLITS,
+                   {"trnid": np.array([TRNID], np.uint16), "valid": np.array([VALID], np.uint16),
+                    "tstid": np.array([TSTID], np.uint16)})
+  # Official images have varying sizes; each is resized to 64x64.
+  jpegs = {f"jpg/image_{i:05d}.jpg": _jpeg(COLOURS[i % 4], size=(80 + 10 * i, 60 + 5 * i))
+           for i in range(1, len(FLOWER_LABELS) + 1)}
+  if as_tgz:
+    with tarfile.open(folder / flowers102.ARCHIVE, "w:gz") as tar:
+      for name, data in jpegs.items():
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+  else:
+    for name, data in jpegs.items():
+      (folder / name).parent.mkdir(exist_ok=True)
+      (folder / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("as_tgz", [True, False])
+def test_flowers102_reads_the_official_files(tmp_path, as_tgz):
+  _write_flowers(tmp_path / "flowers102", as_tgz)
+  data = flowers102.load_flowers102(str(tmp_path))  # the data root
+  assert data.num_classes == 102 and data.name == "flowers102"
+  assert data.x_train.shape == (5, 64, 64, 3) and data.x_test.shape == (3, 64, 64, 3)
+  np.testing.assert_array_equal(data.y_train, [0, 1, 101, 0, 1])  # trnid then valid, 0-based
+  np.testing.assert_array_equal(data.y_test, [0, 101, 4])         # tstid 8, 6, 7
+  assert np.abs(data.x_test[0].astype(int) - COLOURS[8 % 4]).max() <= 4
+  assert np.abs(data.x_train[2].astype(int) - COLOURS[3 % 4]).max() <= 4
+  spec = datasets.get_spec("flowers102")
+  assert (spec.partition, spec.model, spec.num_clients) == ("dirichlet", "fedavg_cnn", 20)
+
+
+def test_flowers102_bad_files_are_one_line_errors(tmp_path):
+  folder = tmp_path / "flowers102"
+  with pytest.raises(DataError, match=r"flowers102: no data in .*102flowers.tgz"):
+    flowers102.load_flowers102(str(tmp_path))
+  _write_flowers(folder)
+  (folder / flowers102.SPLITS).write_bytes(b"MATLAB 5.0 truncated")
+  with pytest.raises(DataError, match=r"cannot read .*setid.mat"):
+    flowers102.load_flowers102(str(folder))
+  _write_flowers(folder)
+  raw = (folder / flowers102.ARCHIVE).read_bytes()
+  (folder / flowers102.ARCHIVE).write_bytes(raw[:len(raw) // 2])
+  with pytest.raises(DataError, match=r"cannot read .*102flowers.tgz"):
+    flowers102.load_flowers102(str(folder))
+  _write_flowers(folder, as_tgz=False)
+  (folder / flowers102.ARCHIVE).unlink()
+  (folder / "jpg" / "image_00007.jpg").unlink()
+  with pytest.raises(DataError, match=r"cannot read .*image_00007.jpg"):
+    flowers102.load_flowers102(str(folder))

@@ -16,6 +16,7 @@ from fedora_jax.data.cifar import load_cifar10, load_cifar100
 from fedora_jax.data.partitions import Partition, PartitionConfig, make_partition
 from fedora_jax.data.sources import ImageDataset, load_fashion_mnist, load_mnist
 from fedora_jax.data.tinyimagenet import load_tinyimagenet
+from fedora_jax.data.flowers102 import load_flowers102
 from fedora_jax.errors import ConfigError, FieldError
 
 logger = logging.getLogger("fedora_jax")
@@ -86,6 +87,13 @@ DATASETS.update({
         load_source=load_tinyimagenet, num_clients=20, model="fedavg_cnn",
         partition="dirichlet",
         paper_table="FedALA Table 2 (Tiny-ImageNet, 4-layer CNN; ResNet-18: --model=resnet18)"),
+    "flowers102": DatasetSpec(
+        description="Oxford Flowers102 (102 classes, resized to 64x64 RGB as PFLlib does;"
+                    " official train+val / test), Dirichlet label skew",
+        load_source=load_flowers102, num_clients=20, model="fedavg_cnn",
+        partition="dirichlet",
+        paper_table="ConFREE Table 2 (Flowers102, C = 20 and 60; the poster names no"
+                    " model: PFLlib's 4-layer CNN here)"),
 })
 
 # The remaining FEDORA datasets: no public source to download them from (see
