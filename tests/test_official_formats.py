@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedora_jax.data import datasets, flowers102, tinyimagenet
-from fedora_jax.errors import DataError
-from fedora_jax.models import build_model
+from fedora_jax.data import agnews, datasets, flowers102, tinyimagenet
+from fedora_jax.errors import DataError, FedoraError
+from fedora_jax.models import build_model, fasttext
 
 # A few distinct, flat colours: JPEG keeps a flat 64x64 block within a few levels.
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40)]
@@ -182,3 +182,82 @@ def test_flowers102_bad_files_are_one_line_errors(tmp_path):
   (folder / "jpg" / "image_00007.jpg").unlink()
   with pytest.raises(DataError, match=r"cannot read .*image_00007.jpg"):
     flowers102.load_flowers102(str(folder))
+
+
+# --- AG News and fastText ------------------------------------------------------------------
+
+AG_TRAIN = [
+    ("3", "Wall St. Bears Claw Back", "Short-sellers, Wall Street's dwindling band, are back."),
+    ("2", "Phelps wins gold", "Michael Phelps won the gold medal."),
+    ("1", "Talks in Gaza", "Leaders met in Gaza on Monday, \"talks\" resumed."),
+    ("4", "New chip", "A new chip from Intel; the chip is fast."),
+]
+AG_TEST = [("4", "Chip news", "Intel chip, unseen words."), ("2", "Gold", "")]
+
+
+def _write_agnews(folder):
+  import csv
+  folder.mkdir(parents=True, exist_ok=True)
+  for name, rows in (("train.csv", AG_TRAIN), ("test.csv", AG_TEST)):
+    with open(folder / name, "w", newline="") as f:
+      csv.writer(f, quoting=csv.QUOTE_ALL).writerows(rows)  # as distributed: all quoted
+
+
+def test_agnews_tokens_vocabulary_and_ids(tmp_path):
+  assert agnews.tokenize("Wall St. Bears' 2nd-try!") == ["wall", "st", "bears", "2nd", "try"]
+  _write_agnews(tmp_path / "ag_news")
+  data = agnews.load_agnews(str(tmp_path), vocab_size=6, max_len=5)
+  np.testing.assert_array_equal(data.y_train, [2, 1, 0, 3])
+  np.testing.assert_array_equal(data.y_test, [3, 1])
+  assert data.x_train.dtype == np.int32 and data.x_train.shape == (4, 5)
+  # Training counts by hand: "chip" 3; "wall", "back", "phelps", "the", "gold", "in",
+  # "gaza", "talks", "new" 2 each, in that order of first appearance (ties: first seen
+  # first); the rest once. V = 6: ids 2..5 for chip, wall, back, phelps.
+  vocabulary = agnews.build_vocabulary([f"{t} {d}" for _, t, d in AG_TRAIN], 6)
+  assert vocabulary == {"chip": 2, "wall": 3, "back": 4, "phelps": 5}
+  np.testing.assert_array_equal(data.x_train[0], [3, 1, 1, 1, 4])  # wall st bears claw back
+  # "chip news intel chip unseen" (cut at 5), "gold" (unknown, then padding).
+  np.testing.assert_array_equal(data.x_test, [[2, 1, 1, 2, 1], [1, 0, 0, 0, 0]])
+  spec = datasets.get_spec("agnews")
+  assert (spec.partition, spec.model, spec.num_clients) == ("dirichlet", "fasttext", 20)
+  assert agnews.VOCAB_SIZE == fasttext.VOCAB_SIZE and agnews.MAX_LEN == 200
+
+
+def test_agnews_bad_files_are_one_line_errors(tmp_path):
+  folder = tmp_path / "ag_news"
+  _write_agnews(folder)
+  (folder / "test.csv").write_text('"5","title","text"\n')
+  with pytest.raises(DataError, match=r"test.csv row 1: expected \"class index \(1-4\)\""):
+    agnews.load_agnews(str(folder))
+  (folder / "test.csv").write_bytes(b'"1","\xff\xfe","x"\n')
+  with pytest.raises(DataError, match=r"cannot read .*test.csv"):
+    agnews.load_agnews(str(folder))
+  (folder / "test.csv").unlink()
+  (folder / "train.csv").unlink()
+  # A folder without the CSVs: the offline download stops with one line naming them.
+  with pytest.raises(FedoraError, match="train.csv"):
+    agnews.load_agnews(str(folder))
+
+
+def test_fasttext_is_fedalas_model_and_the_bag_variant_averages_real_tokens():
+  x = np.array([[5, 7, 0, 0], [9, 0, 0, 0]], np.int32)
+  model, bag = build_model("fasttext", 4), build_model("fasttext_bag", 4)
+  params = model.init(jax.random.key(0), x)
+  shapes = jax.tree.map(lambda a: a.shape, params)["params"]
+  assert shapes["Embed_0"]["embedding"] == (98_635, 32)
+  assert shapes["Dense_0"]["kernel"] == (32, 32) and shapes["Dense_1"]["kernel"] == (32, 4)
+  # By hand: 98635*32 + 32*32 + 32 + 32*4 + 4 (FedALA's fastText, hidden_dim 32).
+  assert sum(a.size for a in jax.tree.leaves(params)) == 3_157_508
+  table = params["params"]["Embed_0"]["embedding"]
+  d0, d1 = params["params"]["Dense_0"], params["params"]["Dense_1"]
+  padded = np.stack([(table[5] + table[7]) / 4, table[9] / 4])  # mean over all 4 positions
+  np.testing.assert_allclose(model.apply(params, x),
+                             (padded @ d0["kernel"] + d0["bias"]) @ d1["kernel"] + d1["bias"],
+                             rtol=1e-5, atol=1e-5)
+  real = np.stack([(table[5] + table[7]) / 2, table[9]])  # mean over the real tokens
+  hidden = np.maximum(real @ d0["kernel"] + d0["bias"], 0)
+  np.testing.assert_allclose(bag.apply(params, x), hidden @ d1["kernel"] + d1["bias"],
+                             rtol=1e-5, atol=1e-5)
+  # Padding (id 0) is a zero vector that gets no gradient, as padding_idx=0 in PyTorch.
+  grad = jax.grad(lambda p: model.apply(p, x).sum())(params)["params"]["Embed_0"]["embedding"]
+  assert not np.asarray(grad[0]).any() and np.asarray(grad[5]).any()

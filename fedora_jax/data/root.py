@@ -8,7 +8,8 @@ their datasets:
   <root>/cifar10/        cifar-10-python.tar.gz (or it extracted, or an npz)
   <root>/cifar100/       cifar-100-python.tar.gz (or it extracted)
   <root>/gtsrb/ <root>/yearbook/ <root>/leaf/   see their loaders
-  <root>/ag_news/        train.csv, test.csv (fetched only; no dataset reads them yet)
+  <root>/ag_news/        train.csv, test.csv (--dataset=agnews)
+  <root>/tinyimagenet/ <root>/flowers102/   see their loaders (no download)
 
 Without `--data_dir` the root is $FEDORA_JAX_DATA, else $XDG_CACHE_HOME/fedora_jax, else
 ~/.cache/fedora_jax. A dataset with a public official source (fedora_jax/data/

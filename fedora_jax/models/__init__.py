@@ -7,6 +7,7 @@ import jax
 
 from fedora_jax.errors import ConfigError
 from fedora_jax.models.cnn import CNN
+from fedora_jax.models.fasttext import FastText
 from fedora_jax.models.mlp import MLP
 from fedora_jax.models.resnet import ResNet
 
@@ -53,7 +54,22 @@ def _resnet18(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
                 conv="im2col" if jax.default_backend() == "cpu" else "xla")
 
 
+def _fasttext(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
+  """FedALA's AG News model as its code defines it (models/fasttext.py): embeddings of
+  32 averaged over all 200 positions, Dense 32, Dense num_outputs, no activation."""
+  del hidden  # --hidden is the MLP's; the authors' widths are fixed
+  return FastText(num_outputs=num_outputs)
+
+
+def _fasttext_bag(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
+  """fasttext with EmbeddingBag's mean over the real tokens and a ReLU hidden layer."""
+  del hidden
+  return FastText(num_outputs=num_outputs, pooling="tokens", activation=True)
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
+                                               "fasttext": _fasttext,
+                                               "fasttext_bag": _fasttext_bag,
                                                "coaching_cnn": _coaching_cnn,
                                                "fedavg_cnn": _fedavg_cnn,
                                                "resnet18": _resnet18}
@@ -64,10 +80,11 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
 # (rank of the type here, n) orders any model's layers input to output: the CNN's are
 # Conv_0, Conv_1, Dense_0, Dense_1, Dense_2; ResNet-18's ConvBN_0 (stem), BasicBlock_0-7,
 # Dense_0 (a BatchNorm sits inside its convolution's module, so a layer holds both).
+# fasttext's Embed_0 comes before its Dense_0, Dense_1.
 # tests/test_split_layers.py checks this order against the forward pass of every
 # registered model; a model with other module types adds them here in the order its
 # forward pass meets them.
-LAYER_TYPE_ORDER: tuple[str, ...] = ("Conv", "ConvBN", "BasicBlock", "Dense")
+LAYER_TYPE_ORDER: tuple[str, ...] = ("Embed", "Conv", "ConvBN", "BasicBlock", "Dense")
 
 # Default --client_chunk per model on CPU devices (None: vmap over all clients). There a
 # few clients at a time keep their weights, gradients and momentum in cache: vmapping all
