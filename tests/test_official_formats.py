@@ -1,7 +1,6 @@
 """Tiny-ImageNet, AG News and Flowers102 loaders on tiny files in their official formats."""
 
 import io
-import os
 import zipfile
 
 import jax
