@@ -105,7 +105,7 @@ def test_presets_pick_their_fedora_variant(preset, variant):
   assert "--algorithm=fedora" in expanded
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_INPUT = [
     (["--algorithm=nope"], "--algorithm"),
     (["--dataset=nope"], "--dataset"),
     (["--num_clients=400"], "need"),
@@ -129,16 +129,29 @@ def test_presets_pick_their_fedora_variant(preset, variant):
      "NaN or Inf loss in round 1 at client(s) 0, 1, 2, 3"),
     (["stray_argument"], "unexpected arguments"),
     ("corrupt", "truncated or corrupt"),
-])
-def test_bad_input_gets_a_one_line_error(args, message, tmp_path):
-  if args == "corrupt":  # a data_dir whose training images are cut short
-    shutil.copytree(os.path.join(ROOT, "fedora_jax", "data", "mnist"), tmp_path / "mnist")
-    images = tmp_path / "mnist" / "train-images-idx3-ubyte.gz"
-    images.write_bytes(images.read_bytes()[:100000])
-    args = [f"--data_dir={tmp_path / 'mnist'}"]
-  proc = run_main(f"--workdir={tmp_path / 'run'}", "--rounds=1", *args)
-  assert proc.returncode != 0
-  assert "Traceback" not in proc.stderr
-  errors = [line for line in proc.stderr.splitlines()
-            if line.startswith(("error:", "FATAL"))]
-  assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+]
+
+
+def test_bad_input_gets_a_one_line_error(tmp_path):
+  """Every BAD_INPUT case: a non-zero exit and one `error:` line naming the problem, no
+  traceback. The cases run forked from one process that imported experiments.main once
+  (tests/main_cases.py), so each costs its own work, not a fresh interpreter's imports."""
+  # A data_dir whose training images are cut short.
+  shutil.copytree(os.path.join(ROOT, "fedora_jax", "data", "mnist"), tmp_path / "mnist")
+  images = tmp_path / "mnist" / "train-images-idx3-ubyte.gz"
+  images.write_bytes(images.read_bytes()[:100000])
+  cases = [[f"--workdir={tmp_path / f'run{i}'}", "--rounds=1",
+            *([f"--data_dir={tmp_path / 'mnist'}"] if args == "corrupt" else args)]
+           for i, (args, _) in enumerate(BAD_INPUT)]
+  (tmp_path / "cases.json").write_text(json.dumps(cases))
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "main_cases.py"),
+                         str(tmp_path / "cases.json")], cwd=ROOT, capture_output=True,
+                        text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  runs = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert len(runs) == len(BAD_INPUT)
+  for (args, message), (code, output) in zip(BAD_INPUT, runs):
+    errors = [line for line in output.splitlines() if line.startswith(("error:", "FATAL"))]
+    assert code != 0, (args, output[-2000:])
+    assert "Traceback" not in output, (args, output[-2000:])
+    assert len(errors) == 1 and message in errors[0], (args, output[-2000:])
