@@ -3,6 +3,7 @@
 import os
 import pickle
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ from fedora_jax.data.partitions import PartitionConfig, make_partition
 from fedora_jax.engine.buckets import map_over_buckets, over_clients
 from fedora_jax.errors import ConfigError, DataError
 from fedora_jax.models import build_model
-from fedora_jax.models.cnn import CNN
+from fedora_jax.models.cnn import CNN, max_pool_2x2
 
 SHARED_CIFAR = os.path.join(SHARED_DATA, "cifar10")
 
@@ -119,6 +120,23 @@ def test_im2col_convolution_equals_xla_convolution():
   params = CNN().init(jax.random.key(0), x)
   np.testing.assert_allclose(CNN().apply(params, x), CNN(conv="xla").apply(params, x),
                              rtol=1e-4, atol=1e-5)
+
+
+def test_max_pool_equals_flax_max_pool_in_values_and_gradients():
+  # Odd sizes (the last row and column dropped) and ties (the first maximum in row-major
+  # order takes the gradient, as in select-and-scatter and PyTorch).
+  x = jnp.asarray(np.random.default_rng(0).integers(0, 3, (2, 7, 5, 3)), jnp.float32)
+  def flax_pool(v):
+    return nn.max_pool(v, (2, 2), strides=(2, 2))
+  np.testing.assert_array_equal(max_pool_2x2(x), flax_pool(x))
+  weights = jnp.arange(2 * 3 * 2 * 3, dtype=jnp.float32).reshape(2, 3, 2, 3)
+  def grad_of(pool):
+    return jax.grad(lambda v: jnp.sum(pool(v) * weights))(x)
+  np.testing.assert_array_equal(grad_of(max_pool_2x2), grad_of(flax_pool))
+  # By hand: one window [[1, 2], [2, 0]] sends its gradient to its first 2 only.
+  window = jnp.asarray([[1.0, 2.0], [2.0, 0.0]]).reshape(1, 2, 2, 1)
+  grad = jax.grad(lambda v: max_pool_2x2(v).sum())(window)
+  np.testing.assert_array_equal(grad.reshape(2, 2), [[0.0, 1.0], [0.0, 0.0]])
 
 
 def test_lax_map_over_clients_equals_vmap():

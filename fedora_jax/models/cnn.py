@@ -54,6 +54,25 @@ def standardize_images(x: jax.Array) -> jax.Array:
   return (x - mean) / std
 
 
+def max_pool_2x2(x: jax.Array) -> jax.Array:
+  """[B, H, W, C] -> [B, H//2, W//2, C]: 2x2 max-pooling, stride 2, VALID (an odd last
+  row or column is dropped), the same values and gradients as `nn.max_pool` and PyTorch's
+  max_pool2d: the gradient goes to the first maximum of each window in row-major order.
+
+  The window's maximum is picked by a one-hot of its argmax, so the backward pass is an
+  elementwise product. `nn.max_pool`'s gradient is XLA's select-and-scatter, which the CPU
+  backend runs slowly inside the SGD `lax.scan`: one step of the LeNet-5 at batch 64 took
+  30.1 ms with it and 21.0 ms with this (2-core CPU, 2026-11-26, median of 5 x 40 steps;
+  the parameters after 40 steps bit-identical, ties in flat image regions included)."""
+  b, h, w, c = x.shape
+  x = x[:, :h // 2 * 2, :w // 2 * 2]
+  windows = x.reshape(b, h // 2, 2, w // 2, 2, c).transpose(0, 1, 3, 5, 2, 4)
+  windows = windows.reshape(b, h // 2, w // 2, c, 4)
+  first_max = jax.nn.one_hot(jnp.argmax(jax.lax.stop_gradient(windows), -1), 4,
+                             dtype=x.dtype)
+  return jnp.sum(windows * first_max, -1)
+
+
 def im2col(x: jax.Array, size: int) -> jax.Array:
   """[B, H, W, C] -> [B, H-size+1, W-size+1, size*size*C] patches, ordered (row, col, C)
   like a flax kernel [size, size, C, C_out] flattened."""
@@ -96,6 +115,6 @@ class CNN(nn.Module):
     x = standardize_images(x)
     for features in (self.kernels, 2 * self.kernels):
       x = Conv(features, 5, self.conv)(x)
-      x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+      x = max_pool_2x2(nn.relu(x))
     x = x.reshape((x.shape[0], -1))
     return dense_layers(x, (*self.dense, self.num_outputs))
