@@ -167,7 +167,8 @@ def map_over_sampled(fn: Callable[..., Any], per_client_args: tuple, buckets: tu
     bucket_of[ids], position[ids] = b, np.arange(len(ids))
   rank_of_bucket = np.argsort(order)
   # Largest bucket first, then client order: the static rank of each client.
-  priority = (len(buckets) - 1 - rank_of_bucket[bucket_of]) * num_clients + np.arange(num_clients)
+  priority = ((len(buckets) - 1 - rank_of_bucket[bucket_of]) * num_clients
+              + np.arange(num_clients))
   chosen_all = jnp.argsort(jnp.where(sampled, jnp.asarray(priority), np.iinfo(np.int32).max),
                            stable=True)[:num_sampled]
   slots = sampled_slots([len(client_ids[b]) for b in order], num_sampled)
