@@ -165,18 +165,25 @@ def why_not_run(table: dict, column: str) -> str:
           or "not asked for (--columns)")
 
 
+def _check_wanted(table_name: str, kind: str, wanted: list[str], known: list[str],
+                  problem_of) -> None:
+  """A one-line ConfigError for a wanted column or row (`kind`) the table lacks, or one
+  that `problem_of` says cannot run here."""
+  unknown = [w for w in wanted if w not in known]
+  if unknown:
+    raise ConfigError(f"--table={table_name} has no {kind} {', '.join(unknown)}; its"
+                      f" {kind}s: {', '.join(known)}")
+  for name in wanted:
+    problem = problem_of(name)
+    if problem:
+      raise ConfigError(f"--table={table_name} {kind} {name} cannot run here: {problem}")
+
+
 def pick_columns(table_name: str, table: dict, wanted: list[str]) -> list[str]:
   """The columns to run, in the table's order: `wanted`, else its default columns; a
   one-line ConfigError for an unknown column or one that cannot run here."""
   known = list(table["columns"])
-  unknown = [c for c in wanted if c not in known]
-  if unknown:
-    raise ConfigError(f"--table={table_name} has no column {', '.join(unknown)}; its"
-                      f" columns: {', '.join(known)}")
-  for column in wanted:
-    problem = column_problem(table, column)
-    if problem:
-      raise ConfigError(f"--table={table_name} column {column} cannot run here: {problem}")
+  _check_wanted(table_name, "column", wanted, known, lambda c: column_problem(table, c))
   chosen = set(wanted) or {c for c in table["default_columns"]
                            if column_problem(table, c) is None}
   return [c for c in known if c in chosen]
@@ -186,14 +193,7 @@ def pick_rows(table_name: str, table: dict, wanted: list[str]) -> list[str]:
   """The rows to run, LOCAL first: `wanted`, else every row that runs here; a one-line
   ConfigError for an unknown row or one that cannot run here."""
   known = table_rows(table)
-  unknown = [r for r in wanted if r not in known]
-  if unknown:
-    raise ConfigError(f"--table={table_name} has no row {', '.join(unknown)}; its rows:"
-                      f" {', '.join(known)}")
-  for row in wanted:
-    problem = row_problem(table, row)
-    if problem:
-      raise ConfigError(f"--table={table_name} row {row} cannot run here: {problem}")
+  _check_wanted(table_name, "row", wanted, known, lambda r: row_problem(table, r))
   chosen = set(wanted) or {r for r in known if row_problem(table, r) is None}
   return [REFERENCE_ROW] + [r for r in known if r in chosen and r != REFERENCE_ROW]
 
