@@ -61,7 +61,8 @@ _FOUR_DEVICES = textwrap.dedent("""
     train = TrainConfig(rounds=3, local_epochs=1, batch_size=4, lr=0.1, log_every=0)
     report = {{"default_mesh": [sharding.default_mesh(sizes).size
                                 for sizes in ([36], [5, 2], [35, 1])]}}
-    for name in ("fedavg", "fedora"):
+    # FedBN on a BatchNorm model: the running averages carried through shard_map chunks.
+    for name, model in (("fedavg", model), ("fedora", model), ("fedbn", tiny.TinyBN())):
       config = algorithms.get(name).config_class()
       runs = {{}}
       # vmap, and chunks of 2 clients (each device loops over its own: shard_map).
