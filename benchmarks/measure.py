@@ -47,14 +47,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedora_jax import tree
-from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.rounds import client_keys, num_sampled_clients
 from fedora_jax.engine import batch_stats, sharding
 from fedora_jax.engine.sharding import constrain_to_clients
 from fedora_jax.simulation import (PreparedRun, TrainConfig, to_host, prepare_run,
-                                   shared_initial_params)
+                                   initial_model, jitted_init)
 
 # Validation passes a round makes beyond the engine's own evaluation (one pass over
 # validation and test): FEDORA's client scores theta_k and theta_hat_k on its validation
@@ -373,9 +372,8 @@ def time_server(prepared: PreparedRun, state, data: FederatedData,
 def time_init(prepared: PreparedRun, model, data: FederatedData, repeats: int) -> float:
   """Median seconds of the algorithm's jitted init (FEDORA: subspaces and similarity)."""
   algorithm, trainer = prepared.algorithm, prepared.trainer
-  params = shared_initial_params(model, data, prepared.keys["init"])
-  init_state = jax.jit(lambda p, b, k: algorithm.init(
-      InitContext(params=p, data=data._replace(buckets=b), trainer=trainer, key=k)))
+  params = initial_model(model, data, prepared.keys["init"])
+  init_state = jitted_init(algorithm, trainer, data)
   return float(np.median(_median_seconds(
       lambda: init_state(params, prepared.buckets, prepared.keys["algorithm"]), repeats)))
 
@@ -442,13 +440,12 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   # The FLOPs and matmul shapes are the run's model's: its parameters as the run starts
   # them. (An algorithm's personalised model need not be one: FedCP's is the model with a
   # second head and a policy network, scored by its own evaluate.)
-  model_params = shared_initial_params(model, data, prepared.keys["init"])
-  layers = dense_layer_shapes(model_params)
-  one_client = tree.first(model_params)
+  one_client = initial_model(model, data, prepared.keys["init"])
+  layers = dense_layer_shapes(one_client, stacked=False)
   first = data.buckets[0].train
   apply = batch_stats.model_apply(model.apply)  # folded BatchNorm statistics, if any
   forward = model_forward_flops(apply, one_client, first.x[0, :1])
-  num_params = parameter_count(model_params)
+  num_params = parameter_count(one_client, stacked=False)
   propagation_products = 1
   if config.algorithm == "fedora" and getattr(config.algorithm_config, "propagation_steps", 0):
     propagation_products = config.algorithm_config.propagation_steps

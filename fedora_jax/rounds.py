@@ -41,13 +41,17 @@ def client_keys(round_key: jax.Array, num_clients: int) -> jax.Array:
 
 def evaluate_clients(trainer: ClientTrainer, params: Any, data: FederatedData,
                      buckets: tuple[ClientSplits, ...], client_chunk: int | None = None,
-                     evaluate=None):
+                     evaluate=None, shared: bool = False):
   """Validation and test (loss, score) of each client's model, all [K]; `evaluate`
-  (an Algorithm's own, if it has one) in place of trainer.evaluate."""
+  (an Algorithm's own, if it has one) in place of trainer.evaluate. shared: `params` is
+  one model (no client axis) that every client scores on its own data."""
   evaluate = trainer.evaluate if evaluate is None else evaluate
 
   def evaluate_one(params_k, splits: ClientSplits):
     return evaluate(params_k, splits.val), evaluate(params_k, splits.test)
+  if shared:
+    return map_over_buckets(lambda splits: evaluate_one(params, splits), (), buckets,
+                            data.client_ids, data.num_clients, client_chunk)
   return map_over_buckets(evaluate_one, (params,), buckets, data.client_ids,
                           data.num_clients, client_chunk)
 
@@ -78,14 +82,16 @@ def _filled(values: Any, num_clients: int, fill) -> Any:
 
 
 def _sampled_outputs(out: ClientOutput, slot_clients: jax.Array, clients: Any,
-                     num_clients: int) -> ClientOutput:
+                     num_clients: int, upload_slots: bool = False) -> ClientOutput:
   """The sampled clients' outputs put back in client order [K, ...]: the others keep their
-  state, upload zeros, report no steps and NaN train loss and metrics."""
+  state, upload zeros, report no steps and NaN train loss and metrics. upload_slots: the
+  uploads stay as they are, one per slot [S, ...]."""
   def scatter(template, values):
     return scatter_to_clients(template, slot_clients, values)
   return ClientOutput(
       state=scatter(clients, out.state),
-      upload=scatter(_filled(out.upload, num_clients, 0), out.upload),
+      upload=(out.upload if upload_slots else
+              scatter(_filled(out.upload, num_clients, 0), out.upload)),
       train=scatter(_filled(out.train, num_clients, jnp.nan), out.train),
       metrics=scatter(_filled(out.metrics, num_clients, jnp.nan), out.metrics))
 
@@ -103,8 +109,10 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
   their state, upload zeros, report zero local steps and NaN train loss and metrics, and
   carry zero weight into `aggregate` (so FedAvg-style averages are over the sampled
   clients; algorithms that read every client's state, like FEDORA's propagation, see the
-  non-sampled clients' last state). Every client is still evaluated every round: a
-  personalized model can change without its client training (FEDORA, pFedHN, FedAvg).
+  non-sampled clients' last state). Algorithms with `uploads_unordered` get the M slots'
+  uploads and weights instead. Every client is still evaluated every round: a
+  personalized model can change without its client training (FEDORA, pFedHN, FedAvg);
+  one `shared_model` is scored on every client's data without K copies of it.
   """
   num_clients = layout.num_clients
   train_weights = jnp.asarray(layout.split_sizes("train"), jnp.float32)
@@ -121,15 +129,22 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
       out, slot_clients = map_over_sampled(
           _client_step(algorithm), per_client, data, layout.client_ids, num_clients,
           active, num_sampled, client_chunk)
-      out = _sampled_outputs(out, slot_clients, clients, num_clients)
+      out = _sampled_outputs(out, slot_clients, clients, num_clients,
+                             upload_slots=algorithm.uploads_unordered)
       weights = jnp.where(active, train_weights, 0.0)
+      if algorithm.uploads_unordered:  # the slots' own weights; fillers (client K) weigh 0
+        weights = jnp.append(weights, 0.0)[slot_clients]
     else:
       out = map_over_buckets(_client_step(algorithm), per_client, data, layout.client_ids,
                              num_clients, client_chunk)
     new_state = algorithm.aggregate(server, out.state, out.upload, weights)
-    evaluated = algorithm.personalized_params(new_state.server, new_state.clients)
-    val, test = evaluate_clients(trainer, evaluated, layout, data, client_chunk,
-                                 algorithm.evaluate)
+    if algorithm.shared_model is not None:
+      val, test = evaluate_clients(trainer, algorithm.shared_model(new_state.server), layout,
+                                   data, client_chunk, algorithm.evaluate, shared=True)
+    else:
+      evaluated = algorithm.personalized_params(new_state.server, new_state.clients)
+      val, test = evaluate_clients(trainer, evaluated, layout, data, client_chunk,
+                                   algorithm.evaluate)
     metrics = RoundMetrics(
         train_loss=out.train.loss, local_steps=out.train.steps,
         val_loss=val.loss, val_score=val.score, test_loss=test.loss,

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedora_jax import algorithms
+from fedora_jax import algorithms, tree
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
@@ -58,12 +58,28 @@ def root_keys(seed: int) -> dict[str, jax.Array]:
           "train": jax.random.fold_in(root, 2), "new_clients": jax.random.fold_in(root, 3)}
 
 
-def shared_initial_params(model, data: FederatedData, key: jax.Array):
-  """One initial model copied to every client ([K, ...] leaves), as in the authors' code;
-  BatchNorm statistics folded into the parameters (engine/batch_stats.py)."""
+def initial_model(model, data: FederatedData, key: jax.Array):
+  """The run's one initial model (no client axis), BatchNorm statistics folded into the
+  parameters (engine/batch_stats.py)."""
   sample = jnp.asarray(data.buckets[0].train.x[0, :1])
-  params = batch_stats.fold(model.init(key, sample))
-  return jax.tree.map(lambda a: jnp.broadcast_to(a, (data.num_clients,) + a.shape), params)
+  return batch_stats.fold(model.init(key, sample))
+
+
+def shared_initial_params(model, data: FederatedData, key: jax.Array):
+  """One initial model copied to every client ([K, ...] leaves), as in the authors' code."""
+  return tree.broadcast_to_clients(initial_model(model, data, key), data.num_clients)
+
+
+def jitted_init(algorithm, trainer, data: FederatedData, out_shardings=None):
+  """algorithm.init, jitted: (one initial model, the placed buckets, key) -> its state.
+
+  The model is copied to the K clients inside the jit, so an algorithm that keeps no
+  per-client model (FedAvg) never holds K copies of it."""
+  def init(params, buckets, key):
+    return algorithm.init(InitContext(
+        params=tree.broadcast_to_clients(params, data.num_clients),
+        data=data._replace(buckets=buckets), trainer=trainer, key=key))
+  return jax.jit(init, out_shardings=out_shardings)
 
 
 def to_host(metrics: RoundMetrics) -> RoundMetrics:
@@ -113,10 +129,8 @@ def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
   # every process then holds all of them (for checkpoints, results and new clients).
   everywhere = sharding.replicated(mesh)
   with jax.set_mesh(mesh):
-    params = shared_initial_params(model, data, keys["init"])
-    init_state = jax.jit(lambda p, b, k: algorithm.init(
-        InitContext(params=p, data=data._replace(buckets=b), trainer=trainer, key=k)),
-        out_shardings=everywhere)
+    params = initial_model(model, data, keys["init"])
+    init_state = jitted_init(algorithm, trainer, data, out_shardings=everywhere)
     state = RoundState(round=jnp.zeros((), jnp.int32),
                        algorithm=init_state(params, buckets, keys["algorithm"]))
     train_round = jax.jit(build_train_round(algorithm, trainer, data, train.client_chunk,

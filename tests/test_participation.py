@@ -67,6 +67,30 @@ def test_fedavg_averages_only_the_sampled_clients_and_the_others_keep_their_stat
   chex.assert_trees_all_close(state.algorithm.server, expected, atol=1e-6)
 
 
+def test_fedavg_slot_uploads_and_shared_model_match_the_stacked_path():
+  # FedAvg aggregates the M slots' uploads and scores one shared model on every client;
+  # the generic path (a [K, ...] scatter of the uploads, K stacked copies to evaluate)
+  # must give the same run up to summation order.
+  data, _ = tiny_data([2, 3, 5, 4, 9, 12])  # two size buckets
+  model = tiny_model()
+  trainer = tiny_trainer(model, batch_size=2)
+  fast = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)
+  assert fast.uploads_unordered and fast.shared_model is not None
+  stacked = fast._replace(uploads_unordered=False, shared_model=None)
+  key = jax.random.key(2)
+  runs = []
+  for algorithm in (fast, stacked):
+    round_fn = jax.jit(build_train_round(algorithm, trainer, data, participation=0.5))
+    state = _start(algorithm, trainer, data, init_params(model))
+    for _ in range(2):
+      state, metrics = round_fn(state, data.buckets, key)
+    runs.append((state.algorithm.server, metrics))
+  chex.assert_trees_all_close(runs[0][0], runs[1][0], atol=1e-6)
+  for field in ("val_loss", "val_score", "test_loss", "test_score", "local_steps"):
+    np.testing.assert_allclose(getattr(runs[0][1], field), getattr(runs[1][1], field),
+                               atol=1e-6)
+
+
 def test_local_non_sampled_clients_are_untouched_and_nothing_retraces():
   data, _ = tiny_data([4, 4, 4, 4, 12])
   model = tiny_model()

@@ -10,6 +10,9 @@ carry a leading client axis [K, ...]. A round is
   evaluated = personalized_params(server, clients)          # [K, ...] model each client uses
                                                             # (scored by `evaluate` if set)
 
+`shared_model` and `uploads_unordered` (optional) let the engine skip [K, ...] copies that
+FedAvg-like algorithms never need; results are the same up to summation order.
+
 Algorithm files never loop over clients and never call `jit`; the engine does both
 (vmapping `client_update` over each size bucket, jitting the whole round once).
 """
@@ -59,6 +62,15 @@ class Algorithm(NamedTuple):
   # a model of the run (FedCP's gated heads; built with trainer.evaluate_with).
   # None: trainer.evaluate.
   evaluate: Callable[[PyTree, ClientData], EvalStats] | None = None
+  # Where every client's personalized model is one and the same (FedAvg's global model):
+  # that model, from the server state. The engine then scores it on every client's data
+  # without stacking K copies of it (what lets a run hold 10,000 clients in memory).
+  shared_model: Callable[[PyTree], Params] | None = None
+  # True where `aggregate` takes only weighted sums over the uploads, in any order, and
+  # reads no client state beside them: at participation < 1 the engine then hands it the
+  # sampled slots' uploads and weights [S, ...] (fillers weigh 0) in place of a [K, ...]
+  # scatter that is zero for every client that sat the round out.
+  uploads_unordered: bool = False
 
 
 def no_broadcast(server, clients):

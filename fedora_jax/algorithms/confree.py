@@ -295,7 +295,9 @@ def with_confree(host: Algorithm, config: ConfreeConfig, shared: SharedPart = WH
     moved = jax.tree.map(jnp.add, theta_g, step)
     return AlgorithmState(server=shared.replace(state.server, moved), clients=state.clients)
 
-  return host._replace(name=name or f"{host.name}+confree", aggregate=aggregate)
+  # Its projections run over the uploads one client at a time, in client order.
+  return host._replace(name=name or f"{host.name}+confree", aggregate=aggregate,
+                       uploads_unordered=False)
 
 
 # Hosts by registry name, and where each keeps theta_g.

@@ -43,4 +43,5 @@ def fedavg(config: FedAvgConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="fedavg", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params)
+                   personalized_params=personalized_params,
+                   shared_model=lambda global_params: global_params, uploads_unordered=True)
