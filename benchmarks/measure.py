@@ -458,7 +458,9 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   xla_per_sample = xla_flops_per_sample(
       apply, one_client, first.x[0, :min(train.batch_size, first.x.shape[1])])
 
-  peaks = matmul_peak(model_matmul_shapes(layers, data.num_clients, train.batch_size,
+  # The round's batched matmuls: the clients it trains side by side (all K would make
+  # this probe, not the round, the run's peak memory at 10,000 clients).
+  peaks = matmul_peak(model_matmul_shapes(layers, trained, train.batch_size,
                                           config.peak_size),
                       repeats=config.peak_repeats)
   peak = max(peaks.values())
