@@ -74,7 +74,7 @@ PAPER_FILES = ("coaching_tables.json", "fedala_tables.json", "confree_tables.jso
 
 # The flags that say which cell or row a run is: reproduce sets them, never the command.
 COLUMN_FLAGS = ("dataset", "partition", "dirichlet_alpha", "classes_per_client")
-ROW_FLAGS = ("algorithm", "ala", "aggregation")
+ROW_FLAGS = ("algorithm", "ala", "aggregation")  # and the row algorithm's own <name>_<field>
 # Run flags that leave what a row computes alone (where files are, how fast, how loud);
 # any other one on the command line is reported as a departure from the paper.
 NEUTRAL_FLAGS = (*checkpoint_lib.NOT_IDENTITY, "seed", "data_dir", "data_source",
@@ -372,6 +372,10 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
       lines.append(f"| {row} | " + " | ".join(cells) + " |")
     lines += [""] + [f"- {table['columns'][c]['label']}: {why_not_run(table, c)}"
                      for c in others] + [""]
+  row_notes = [f"- {row}: {spec['note']}" for row, spec in table["rows"].items()
+               if spec.get("note")]
+  if row_notes:
+    lines += ["Rows run other than at their algorithm's defaults:", ""] + row_notes + [""]
   lines += [
       f"ours: {table['metric']['name']} in %, the best over the rounds the paper sampled of"
       f" the {'plain mean over clients' if table['metric']['clients'] == 'mean' else 'test-sample-weighted mean over clients'}"

@@ -90,3 +90,39 @@ def test_fine_tuning_leaves_the_server_trajectory_alone(base_name):
                                           base_state.algorithm.clients)
   assert not jnp.allclose(personalized["params"]["Dense_0"]["kernel"],
                           global_model["params"]["Dense_0"]["kernel"], atol=1e-4)
+
+
+def test_local_evaluation_scores_each_clients_own_proximal_model():
+  # --fedprox_evaluate=local: the server is FedProx's (global) one, bit for bit; each
+  # sampled client is scored on the model it trained, the others on the one they hold
+  # (here the shared initial model: they have not trained yet).
+  data, clients = tiny_data([6, 6, 6, 6])
+  model = tiny_model()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=2)
+  params = init_params(model)
+  mu = 0.5
+  plain = fedprox.fedprox(fedprox.FedProxConfig(mu=mu), trainer)
+  local = fedprox.fedprox(fedprox.FedProxConfig(mu=mu, evaluate="local"), trainer)
+  assert local.shared_model is None
+  key = jax.random.key(4)
+  states = []
+  for algorithm in (plain, local):
+    round_fn = jax.jit(build_train_round(algorithm, trainer, data, participation=0.5))
+    states.append(round_fn(_start(algorithm, trainer, data, params), data.buckets, key))
+  (plain_state, _), (local_state, local_metrics) = states
+  chex.assert_trees_all_close(local_state.algorithm.server, plain_state.algorithm.server,
+                              atol=1e-6)
+  personal = local.personalized_params(local_state.algorithm.server,
+                                       local_state.algorithm.clients)
+  trained = jax.device_get(local_metrics.local_steps) > 0
+  assert trained.sum() == 2
+  for k, client in enumerate(clients):
+    expected = (_gd_steps(model, params, client, 2, mu=mu, anchor=params) if trained[k]
+                else params)
+    chex.assert_trees_all_close(jax.tree.map(lambda a, k=k: a[k], personal), expected,
+                                atol=1e-5)
+
+
+def test_unknown_evaluation_is_refused():
+  with pytest.raises(ConfigError, match="fedprox: evaluate"):
+    fedprox.fedprox(fedprox.FedProxConfig(evaluate="best"), tiny_trainer(tiny_model()))

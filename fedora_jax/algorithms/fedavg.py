@@ -28,7 +28,7 @@ def fedavg(config: FedAvgConfig, trainer: ClientTrainer) -> Algorithm:
     return AlgorithmState(server=global_params, clients=jnp.zeros((num_clients,)))
 
   def broadcast(global_params, clients):
-    return tree.broadcast_to_clients(global_params, clients.shape[0])
+    return tree.broadcast_to_clients(global_params, tree.leading_size(clients))
 
   def client_update(client_state, global_params, data, key):
     params, stats = trainer.train(global_params, data.train, key)
@@ -39,7 +39,7 @@ def fedavg(config: FedAvgConfig, trainer: ClientTrainer) -> Algorithm:
     return AlgorithmState(server=tree.weighted_mean(uploads, weights), clients=clients)
 
   def personalized_params(global_params, clients):
-    return tree.broadcast_to_clients(global_params, clients.shape[0])
+    return tree.broadcast_to_clients(global_params, tree.leading_size(clients))
 
   return Algorithm(name="fedavg", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
