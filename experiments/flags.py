@@ -46,9 +46,11 @@ flags.DEFINE_enum("partition", None, list(partitions.KINDS),
                   "How clients are cut (default: the dataset's; rotation for rmnist and"
                   " rfmnist, pathological for cifar10, iid for mnist).")
 flags.DEFINE_enum("split", None, list(partitions.SPLITS),
-                  "Rotation clients' sampling: ours (default) or authors, the FEDORA"
-                  " authors' loader draw for draw (NumPy's legacy RNG seeded with the data"
-                  " seed; their runs: --data_seed=42). Balanced setting only.")
+                  "Clients' sampling: ours (default) or authors, the FEDORA authors'"
+                  " loader draw for draw, seeded with the data seed (their runs:"
+                  " --data_seed=42): rotated clients (their rotated-MNIST loader), or"
+                  " pathological ones (CIFAR-10: their pFedHN loader, fixed class pairs,"
+                  " 20 training images a client). Balanced setting only.")
 flags.DEFINE_integer("classes_per_client", None, "pathological: classes per client"
                      " (default: the dataset's, 2).", lower_bound=1)
 flags.DEFINE_float("dirichlet_alpha", None, "dirichlet: concentration alpha (default 0.3;"

@@ -101,7 +101,7 @@ def test_36_rotated_clients_of_real_mnist(mnist):
     (PartitionConfig(split="authors", setting="imbalanced"), 36, FieldError,
      "no imbalanced clients"),
     (PartitionConfig("iid", split="authors"), 10, FieldError, "authors' sampling cuts"
-     " rotated clients"),
+     " rotated or pathological clients"),
     (PartitionConfig(split="theirs"), 10, FieldError, "must be one of ours, authors"),
     (PartitionConfig(split="authors"), 160, DataError, "need 10240 validation images,"
      " but their validation pool holds 10000"),

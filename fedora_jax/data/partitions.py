@@ -27,6 +27,25 @@ like torchvision's `rotate` defaults used by the authors (pixel for pixel but fo
     clients only: their loader has no imbalanced setting.
 Both draw without replacement: no index serves two clients or two splits.
 
+`split="authors"` with the pathological kind (CIFAR-10) is the loader the FEDORA code
+ships for it (utils/data_loader.py, pFedHN's `gen_random_loaders`; the released mains
+never call it, so that their CIFAR-10 run seeded it as their MNIST run does is our
+assumption), draw for draw (`authors_pathological_indices`):
+  1. `torch.utils.data.random_split` after `torch.manual_seed(seed)` cuts the training
+     set into a training pool and a validation pool of its last 10,000 (torch's CPU
+     randperm: Fisher-Yates over MT19937 outputs, u mod (n - i), emulated here);
+  2. client k holds the classes k*c .. k*c+c-1 (mod C) in class order, no permutation;
+     each class draws `uniform(0.4, 0.6)` for each of its holders from NumPy's global
+     RNG, normalised, handed out last first (their `.pop()`);
+  3. Python's `random` shuffles each class's positions, for the training pool, then the
+     validation pool, then the test set; client by client, each of its classes gives it
+     the next 10 training images (20 a client), and int(class count x its proportion)
+     validation and test images (about 1,000 each). `train_per_client` (the
+     --fixed_train_size flag), if set, takes train_per_client / c of each class instead:
+     the paper's CIFAR-10 numbers need not come from the 10 the released loader takes.
+Exact images need the official archive (cifar-10-python.tar.gz, torchvision's order);
+the JPEG copy, sorted by label, gives the same sizes and classes but other images.
+
 Label-skew partitions (`make_partition`, kinds iid / pathological / dirichlet) share one
 protocol, so that every kind gives each client train / validation / test splits the way
 the rotation protocol does:
@@ -54,6 +73,7 @@ one large client K // 2, weighted K - 1 times any other client wherever it holds
 An impossible request raises a one-line ConfigError before any client is built.
 """
 
+import random
 from typing import NamedTuple
 
 import numpy as np
@@ -88,7 +108,7 @@ class PartitionConfig(NamedTuple):
   val_per_client: int | None = None     # None: rotation 64, others train_per_client // 2
   val_fraction: float = 1 / 3           # validation share of a pool (no fixed sizes)
   max_redraws: int = 100                # dirichlet
-  split: str = "ours"                   # rotation: "ours" or "authors" (their sampling)
+  split: str = "ours"                   # "ours" or "authors" (rotation, pathological)
   # A random share of the official training set and of the test set, drawn before the
   # partition (parameter coaching's 10 clients hold "10% training data and test data
   # selected randomly from the dataset"); 1.0: all of it.
@@ -210,6 +230,69 @@ def authors_rotation_partition(dataset: ImageDataset, num_clients: int, seed: in
   return Partition(clients=clients, angles=angles, large_client=None)
 
 
+def torch_randperm(n: int, seed: int) -> np.ndarray:
+  """torch.randperm(n) right after torch.manual_seed(seed), on the CPU: Fisher-Yates over
+  the 32-bit outputs of MT19937 seeded with `seed` (swap r[i] with r[i + u_i mod (n-i)]).
+  NumPy's legacy seeding gives the same MT19937 state."""
+  generator = np.random.MT19937()
+  generator.state = np.random.RandomState(seed).get_state(legacy=False)
+  draws = generator.random_raw(max(n - 1, 0))
+  order = np.arange(n)
+  for i in range(n - 1):
+    j = i + int(draws[i]) % (n - i)
+    order[i], order[j] = order[j], order[i]
+  return order
+
+
+def authors_pathological_indices(y_train: np.ndarray, y_test: np.ndarray, num_clients: int,
+                                 seed: int, classes_per_client: int = 2,
+                                 val_pool: int = AUTHORS_VAL_POOL, train_per_class: int = 10
+                                 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """Per client, its (training, validation) training-set indices and its test indices,
+  drawn as the FEDORA code's pFedHN loader draws them (module docstring)."""
+  num_classes = int(max(y_train.max(), y_test.max())) + 1
+  if (classes_per_client * num_clients) % num_classes:
+    raise DataError(f"the authors' pathological split needs every class held equally"
+                    f" often: {num_clients} clients x {classes_per_client} classes is not"
+                    f" a multiple of {num_classes}")
+  if not 0 < val_pool < len(y_train):
+    raise DataError(f"the authors' split holds out {val_pool} training images for"
+                    f" validation; the training set has {len(y_train)}")
+  order = torch_randperm(len(y_train), seed)
+  pools = {"train": order[:-val_pool], "val": order[-val_pool:]}
+  labels = {"train": y_train[pools["train"]], "val": y_train[pools["val"]], "test": y_test}
+  holders_per_class = classes_per_client * num_clients // num_classes
+  numpy_rng = np.random.RandomState(seed)  # their global np.random after np.random.seed
+  proportions = []
+  for _ in range(num_classes):
+    draw = numpy_rng.uniform(0.4, 0.6, size=holders_per_class)
+    proportions.append(list(draw / draw.sum()))
+  classes = [[(k * classes_per_client + j) % num_classes for j in range(classes_per_client)]
+             for k in range(num_clients)]
+  shares = [[proportions[c].pop() for c in held] for held in classes]
+  python_rng = random.Random(seed)  # their `random` after random.seed(seed)
+  per_split = {}
+  for split in ("train", "val", "test"):
+    by_class = [np.flatnonzero(labels[split] == c) for c in range(num_classes)]
+    for positions in by_class:
+      python_rng.shuffle(positions)
+    counts = np.bincount(labels[split], minlength=num_classes)
+    taken = []
+    for held, share in zip(classes, shares):
+      mine = []
+      for c, p in zip(held, share):
+        n = train_per_class if split == "train" else int(counts[c] * p)
+        if n > len(by_class[c]):
+          raise DataError(f"the authors' split: class {c} has {len(by_class[c])} {split}"
+                          f" images left for a client that takes {n}")
+        mine.append(by_class[c][:n])
+        by_class[c] = by_class[c][n:]
+      taken.append(np.concatenate(mine))
+    per_split[split] = taken
+  return [(pools["train"][per_split["train"][k]], pools["val"][per_split["val"][k]],
+           per_split["test"][k]) for k in range(num_clients)]
+
+
 def random_subset(dataset: ImageDataset, fraction: float, seed: int) -> ImageDataset:
   """A seeded random `fraction` of the training set and of the test set (at least one
   sample each), in their original order; its own stream, apart from the partition's."""
@@ -254,6 +337,18 @@ def make_partition(dataset: ImageDataset, num_clients: int, config: PartitionCon
                                      train_per_client, val_per_client)
     return partition._replace(class_counts=class_counts(partition.clients,
                                                         dataset.num_classes))
+  if config.split == "authors":  # pathological (_validate)
+    per_class = (10 if config.train_per_client is None  # their end_idx = 10
+                 else config.train_per_client // config.classes_per_client)
+    indices = authors_pathological_indices(dataset.y_train, dataset.y_test, num_clients,
+                                           seed, config.classes_per_client,
+                                           train_per_class=per_class)
+    clients = [Client(x_train=dataset.x_train[t], y_train=dataset.y_train[t],
+                      x_val=dataset.x_train[v], y_val=dataset.y_train[v],
+                      x_test=dataset.x_test[e], y_test=dataset.y_test[e])
+               for t, v, e in indices]
+    return Partition(clients=clients, kind=config.kind,
+                     class_counts=class_counts(clients, dataset.num_classes))
   rng = np.random.default_rng(seed)
   large = num_clients // 2 if config.setting == "imbalanced" else None
   weights = np.ones(num_clients)
@@ -309,10 +404,22 @@ def _validate(dataset: ImageDataset, num_clients: int, config: PartitionConfig) 
   if config.split not in SPLITS:
     raise FieldError("partition", "split",
                      f"must be one of {', '.join(SPLITS)}, got {config.split!r}")
-  if config.split == "authors" and config.kind != "rotation":
+  if config.split == "authors" and config.kind not in ("rotation", "pathological"):
     raise FieldError("partition", "split",
-                     f"authors: the FEDORA authors' sampling cuts rotated clients; the"
-                     f" {config.kind} partition has only its own")
+                     f"authors: the FEDORA authors' sampling cuts rotated or pathological"
+                     f" clients; the {config.kind} partition has only its own")
+  if config.split == "authors" and config.kind == "pathological":
+    if config.data_fraction < 1 or config.val_per_client is not None:
+      raise FieldError("partition", "split",
+                       "authors: the authors' pathological clients have their own"
+                       " validation and test sizes; leave out --data_fraction and"
+                       " --fixed_val_size")
+    if (config.train_per_client is not None
+        and config.train_per_client % config.classes_per_client):
+      raise FieldError("partition", "train_per_client",
+                       f"({config.train_per_client}) must be a multiple of the"
+                       f" {config.classes_per_client} classes a client holds: the authors'"
+                       " loader takes the same number of each")
   if config.split == "authors" and config.setting != "balanced":
     raise FieldError("partition", "split",
                      f"authors: the FEDORA authors' loader has no {config.setting} clients;"
