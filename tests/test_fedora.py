@@ -111,6 +111,23 @@ def test_client_update_takes_the_regularised_step(variant, constant_lambda):
   chex.assert_trees_all_close(out.state, expected, atol=1e-6)
 
 
+def test_authors_validation_loss_sums_the_batch_means():
+  # ClientUpdate.get_loss: batches of B in order, each batch's mean, summed; a batch as
+  # large as the set gives the mean (so rotated MNIST's 64 images and B = 64 agree).
+  model, params, _, splits, client = _one_client_case()
+  trainer = tiny_trainer(model, batch_size=8)
+  n = len(client.y_val)
+  assert n == 4  # batches of 3: [0, 1, 2] and a short last one, [3]
+  by_hand = sum(mean_ce(model, params, client.x_val[i:i + 3], client.y_val[i:i + 3])
+                for i in range(0, n, 3))
+  np.testing.assert_allclose(fedora.authors_val_loss(trainer, params, splits.val, 3),
+                             by_hand, rtol=1e-5)
+  np.testing.assert_allclose(fedora.authors_val_loss(trainer, params, splits.val, n),
+                             mean_ce(model, params, client.x_val, client.y_val), rtol=1e-6)
+  assert fedora.config_for_variant("authors").val_loss == "batch_sum"
+  assert fedora.config_for_variant("paper").val_loss == "mean"
+
+
 @pytest.mark.parametrize("steps", [0, 80])
 def test_broadcast_propagates_every_parameter(steps):
   data, _ = tiny_data([6, 6, 6, 6])
