@@ -89,7 +89,7 @@ def test_new_clients_are_held_out_and_served(tmp_path):
 
 @pytest.mark.parametrize("preset,variant", [
     ("rmnist", "authors"), ("rmnist_paper", "paper"), ("rmnist_imbalanced", "authors"),
-    ("rfmnist", "authors"), ("rfmnist_paper", "paper")])
+    ("rfmnist", "authors"), ("rfmnist_paper", "paper"), ("cifar10_authors", "authors")])
 def test_presets_pick_their_fedora_variant(preset, variant):
   # The flags a preset expands to, nested --flagfile included, as the command reads them.
   flag_values = flags.FlagValues()
