@@ -18,7 +18,7 @@ from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import confree as confree_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError, FieldError
-from fedora_jax.models import MODELS, default_client_chunk
+from fedora_jax.models import MODELS, default_client_chunk, default_eval_batch_size
 from fedora_jax.simulation import TrainConfig
 from fedora_jax.train import ExperimentConfig
 
@@ -122,7 +122,9 @@ flags.DEFINE_float("weight_decay", 5e-5, "Client weight decay (PyTorch-style, co
 flags.DEFINE_float("participation", 1.0, "Fraction of clients sampled each round (the"
                    " same clients in the same rounds for every algorithm, from --seed);"
                    " the others keep their state.", lower_bound=0.0, upper_bound=1.0)
-flags.DEFINE_integer("eval_batch_size", 1024, "Evaluation chunk size.", lower_bound=1)
+flags.DEFINE_integer("eval_batch_size", None, "Samples a client's evaluation forwards at"
+                     " once (default on CPUs: 64 for the CNNs, else 1024; see"
+                     " models.default_eval_batch_size).", lower_bound=1)
 flags.DEFINE_integer("client_chunk", None, "Clients trained together: 0 vmaps all of them,"
                      " n > 0 runs lax.map over chunks of n on each device (default on CPUs:"
                      " cnn 1, mlp 2; elsewhere 0; see models.default_client_chunk).",
@@ -238,11 +240,19 @@ def client_chunk() -> int | None:
   return default_client_chunk(model, jax.default_backend())
 
 
+def eval_batch_size() -> int:
+  """--eval_batch_size, else models.default_eval_batch_size for this platform."""
+  if FLAGS.eval_batch_size is not None:
+    return FLAGS.eval_batch_size
+  model = FLAGS.model or datasets.get_spec(FLAGS.dataset).model
+  return default_eval_batch_size(model, jax.default_backend())
+
+
 def train_config() -> TrainConfig:
   return TrainConfig(rounds=FLAGS.rounds, local_epochs=FLAGS.local_epochs,
                      batch_size=FLAGS.batch_size, lr=FLAGS.lr, momentum=FLAGS.momentum,
                      weight_decay=FLAGS.weight_decay, seed=FLAGS.seed,
-                     eval_batch_size=FLAGS.eval_batch_size, log_every=FLAGS.log_every,
+                     eval_batch_size=eval_batch_size(), log_every=FLAGS.log_every,
                      client_chunk=client_chunk(), participation=FLAGS.participation)
 
 

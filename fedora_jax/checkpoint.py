@@ -161,11 +161,15 @@ NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "checkpoint_every
 # run_config.json records every identity setting's value, default or not, so such a run
 # holds the old value and is refused by the new default (never resumed as the other
 # variant); this entry keeps that true even for a record that lacks the setting.
-ABSENT_MEANS = {"fedora_variant": "paper"}  # the default until 2026-11-26
+# eval_batch_size was 1024 for every model until 2026-11-26 (now unset: 64 for the CNNs
+# on CPUs); a recorded 1024 counts as unset, so older runs resume: the chunking changes
+# only the rounding of the evaluation sums.
+ABSENT_MEANS = {"fedora_variant": "paper",  # the default until 2026-11-26
+                "eval_batch_size": 1024}
 # Left out of the identity when unset (None), so runs from before they existed resume.
 OPTIONAL = ("partition", "classes_per_client", "dirichlet_alpha", "min_client_size",
-            "fixed_train_size", "fixed_val_size", "client_chunk", "split", "val_fraction",
-            "data_fraction")
+            "fixed_train_size", "fixed_val_size", "client_chunk", "eval_batch_size", "split",
+            "val_fraction", "data_fraction")
 
 
 def identity_defaults(defaults: dict[str, Any]) -> dict[str, Any]:

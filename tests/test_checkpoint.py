@@ -20,7 +20,8 @@ from fedora_jax import tree
 from fedora_jax import results as results_lib
 from fedora_jax.algorithms import fedora
 from fedora_jax.algorithms.base import AlgorithmState
-from fedora_jax.checkpoint import Checkpointer, check_workdir, claim_workdir, open_run
+from fedora_jax.checkpoint import (Checkpointer, check_workdir, claim_workdir,
+                                   identity_defaults, open_run)
 from fedora_jax.rounds import RoundMetrics, RoundState
 from fedora_jax.errors import ConfigError
 from fedora_jax.simulation import TrainConfig, run_algorithm
@@ -184,6 +185,19 @@ def _assert_same_results(workdir, reference):
 def _committed_checkpoint(directory) -> bool:
   # orbax renames a checkpoint to its bare round number only once it is complete.
   return directory.is_dir() and any(name.isdigit() for name in os.listdir(directory))
+
+
+def test_runs_recorded_with_the_old_eval_batch_default_resume(tmp_path):
+  # --eval_batch_size was 1024 for every model until 2026-11-26; now unset by default
+  # (None: 64 for the CNNs on CPUs), left out of the identity. Chunking changes only
+  # the rounding of the evaluation sums, so a run recorded with 1024 resumes.
+  identity = {"algorithm": "fedora", "seed": 0}
+  claim_workdir(str(tmp_path), {**identity, "eval_batch_size": 1024})
+  (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+  defaults = identity_defaults({"seed": 0, "eval_batch_size": None})
+  assert check_workdir(str(tmp_path), identity, defaults)
+  with pytest.raises(ConfigError, match=r"eval_batch_size=1024 \(now 32\)"):
+    check_workdir(str(tmp_path), {**identity, "eval_batch_size": 32}, defaults)
 
 
 def test_a_run_of_the_old_default_variant_is_not_resumed_as_the_new(straight, cli_env,

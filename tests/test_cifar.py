@@ -139,6 +139,27 @@ def test_max_pool_equals_flax_max_pool_in_values_and_gradients():
   np.testing.assert_array_equal(grad.reshape(2, 2), [[0.0, 1.0], [0.0, 0.0]])
 
 
+def test_cnn_evaluation_in_small_chunks_equals_one_chunk():
+  # The CNNs evaluate in chunks of 64 on CPUs (models.default_eval_batch_size); 130
+  # images are two full chunks and a padded third.
+  from fedora_jax.data.client_data import ClientData
+  from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
+  model = CNN()
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 256, (140, 32, 32, 3), np.uint8)
+  data = ClientData(x=x, y=rng.integers(0, 10, 140).astype(np.int32),
+                    mask=np.arange(140) < 130, n=np.int32(130))
+  params = model.init(jax.random.key(0), x[:1])
+  stats = {size: make_client_trainer(model.apply, make_optimizer(0.1), 1, 64,
+                                     eval_batch_size=size).evaluate(params, data)
+           for size in (64, 1024)}
+  np.testing.assert_allclose(stats[64].loss, stats[1024].loss, rtol=1e-5)
+  assert stats[64].score == stats[1024].score
+  logits = model.apply(params, x[:130])
+  np.testing.assert_allclose(stats[64].score,
+                             np.mean(np.argmax(logits, -1) == data.y[:130]), rtol=1e-6)
+
+
 def test_lax_map_over_clients_equals_vmap():
   def fn(w, key, data):
     return jnp.tanh(data @ w).sum() + jax.random.normal(key)

@@ -13,7 +13,7 @@ from fedora_jax.rounds import RoundMetrics, RoundState, build_train_round
 from fedora_jax.errors import TrainingDivergedError
 from fedora_jax.simulation import check_finite
 from fedora_jax.engine import sharding
-from fedora_jax.models import default_client_chunk
+from fedora_jax.models import default_client_chunk, default_eval_batch_size
 from tiny import TraceCounter, init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
 
@@ -149,6 +149,13 @@ def test_default_client_chunk_on_cpus_only():
   assert default_client_chunk("cnn", "cpu") == 1
   assert default_client_chunk("mlp", "gpu") is None
   assert default_client_chunk("cnn", "tpu") is None
+
+
+def test_default_eval_batch_is_small_for_the_cnns_on_cpus_only():
+  assert default_eval_batch_size("mlp", "cpu") == 1024
+  for model in ("cnn", "coaching_cnn", "fedavg_cnn", "resnet18"):
+    assert default_eval_batch_size(model, "cpu") == 64
+    assert default_eval_batch_size(model, "gpu") == 1024
 
 
 def test_default_mesh_spans_no_more_cpu_devices_than_the_smallest_bucket():
