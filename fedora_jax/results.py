@@ -219,8 +219,10 @@ def _signed(value: float | None, width: int = 0) -> str:
   return format("n/a" if value is None else format(value, "+.4f"), f">{width}")
 
 
-def _relative_mean(name: str, mean: float | None, per_client: list) -> str:
-  """`name` and its mean, saying over how many clients where it is not defined for all."""
+def _relative_mean(name: str, mean: float | None, results: dict, key: str) -> str:
+  """`name` and its mean, saying over how many clients where the per-client `key` of
+  `results` is not defined for all."""
+  per_client = [c[key] for c in results["clients"]]
   text = f"{name} {_signed(mean)}"
   defined = metrics.defined_count(per_client)
   if defined < len(per_client):
@@ -239,16 +241,15 @@ def format_table(results: dict) -> str:
                  f" {_signed(c['r_acc'], 8)} {c['best_val_acc']:>7.4f}"
                  f" {c['local_best_val_acc']:>8.4f}")
   best = results["best_val"]
-  column = lambda key: [c[key] for c in results["clients"]]
   name = results["algorithm"]
   lines += [
       f"{name} on {results['dataset']} ({results['setting']}, {results['num_clients']}"
       f" clients, seed {results['seed']}, {results['rounds']} rounds):",
       f"  final round {results['rounds']}:        Acc {results['acc']:.4f}"
-      f"  {_relative_mean('R-Acc', results['r_acc'], column('r_acc'))}  PTR {results['ptr']:.4f}"
+      f"  {_relative_mean('R-Acc', results['r_acc'], results, 'r_acc')}  PTR {results['ptr']:.4f}"
       f"  (LOCAL Acc {results['local_acc']:.4f})",
       f"  best-validation round {best['round']}: Acc {best['acc']:.4f}"
-      f"  {_relative_mean('R-Acc', best['r_acc'], column('best_val_r_acc'))}"
+      f"  {_relative_mean('R-Acc', best['r_acc'], results, 'best_val_r_acc')}"
       f"  PTR {best['ptr']:.4f}"
       f"  (LOCAL Acc {best['local_acc']:.4f}, its round {best['local_round']})",
   ]
@@ -264,7 +265,6 @@ def _format_regression_table(results: dict) -> str:
                  f" {_signed(c['r_mae'], 8)} {c['best_val_mae']:>9.4f}"
                  f" {c['local_best_val_mae']:>9.4f}")
   best = results["best_val"]
-  column = lambda key: [c[key] for c in results["clients"]]
   fmt = lambda x, spec: format(nan if x is None else x, spec)
   lines += [
       f"{results['algorithm']} on {results['dataset']} (regression,"
@@ -272,11 +272,11 @@ def _format_regression_table(results: dict) -> str:
       " rounds; MAE: lower is better, R-MAE = (MAE_LOCAL - MAE) / MAE_LOCAL,"
       " PTR = share of clients with MAE <= LOCAL's):",
       f"  final round {results['rounds']}:        MAE {fmt(results['mae'], '.4f')}"
-      f"  {_relative_mean('R-MAE', results['r_mae'], column('r_mae'))}"
+      f"  {_relative_mean('R-MAE', results['r_mae'], results, 'r_mae')}"
       f"  PTR {fmt(results['ptr'], '.4f')}"
       f"  (LOCAL MAE {fmt(results['local_mae'], '.4f')})",
       f"  best-validation round {best['round']}: MAE {fmt(best['mae'], '.4f')}"
-      f"  {_relative_mean('R-MAE', best['r_mae'], column('best_val_r_mae'))}"
+      f"  {_relative_mean('R-MAE', best['r_mae'], results, 'best_val_r_mae')}"
       f"  PTR {fmt(best['ptr'], '.4f')}"
       f"  (LOCAL MAE {fmt(best['local_mae'], '.4f')}, its round {best['local_round']})",
   ]

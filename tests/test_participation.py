@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedora_jax.algorithms import fedavg, local
+from fedora_jax.algorithms import fedavg, fedavg_ft, local
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.engine import buckets
 from fedora_jax.rounds import (RoundState, build_train_round, num_sampled_clients,
@@ -67,15 +67,20 @@ def test_fedavg_averages_only_the_sampled_clients_and_the_others_keep_their_stat
   chex.assert_trees_all_close(state.algorithm.server, expected, atol=1e-6)
 
 
-def test_fedavg_slot_uploads_and_shared_model_match_the_stacked_path():
+@pytest.mark.parametrize("name", ["fedavg", "fedavg_ft"])
+def test_fedavg_slot_uploads_and_shared_model_match_the_stacked_path(name):
   # FedAvg aggregates the M slots' uploads and scores one shared model on every client;
   # the generic path (a [K, ...] scatter of the uploads, K stacked copies to evaluate)
-  # must give the same run up to summation order.
+  # must give the same run up to summation order. FedAvg-FT keeps the slot uploads.
   data, _ = tiny_data([2, 3, 5, 4, 9, 12])  # two size buckets
   model = tiny_model()
   trainer = tiny_trainer(model, batch_size=2)
-  fast = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)
-  assert fast.uploads_unordered and fast.shared_model is not None
+  if name == "fedavg":
+    fast = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)
+    assert fast.uploads_unordered and fast.shared_model is not None
+  else:
+    fast = fedavg_ft.fedavg_ft(fedavg_ft.FedAvgFTConfig(), trainer)
+    assert fast.uploads_unordered and fast.shared_model is None
   stacked = fast._replace(uploads_unordered=False, shared_model=None)
   key = jax.random.key(2)
   runs = []

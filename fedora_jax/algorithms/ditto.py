@@ -108,12 +108,17 @@ def validate(config: DittoConfig) -> DittoConfig:
   return config
 
 
+def validation_losses(trainer: ClientTrainer, candidates, val_data) -> jax.Array:
+  """[n] each stacked candidate model's validation loss on the client's data."""
+  return jax.vmap(lambda params: trainer.evaluate(params, val_data).loss)(candidates)
+
+
 def select_on_validation(trainer: ClientTrainer, candidates, num_grid: int, val_data,
                          fallback: int) -> jax.Array:
   """[] int32: the candidate model with the lowest validation loss among the first
   `num_grid` (the grid), or `fallback` (the fixed lambda's) where the client has fewer
   than MIN_VAL_SAMPLES validation samples."""
-  losses = jax.vmap(lambda params: trainer.evaluate(params, val_data).loss)(candidates)
+  losses = validation_losses(trainer, candidates, val_data)
   losses = jnp.where(jnp.arange(losses.shape[0]) < num_grid, losses, jnp.inf)
   return jnp.where(val_data.n >= MIN_VAL_SAMPLES, jnp.argmin(losses), fallback).astype(
       jnp.int32)
@@ -127,8 +132,7 @@ def proximal_step_chooser(trainer: ClientTrainer, lambdas: jax.Array, lr: float,
   def choose(stepped, old):
     candidates = jax.vmap(lambda lam: jax.tree.map(
         lambda s, o, w: s - lr * lam * (o - w), stepped, old, global_params))(lambdas)
-    losses = jax.vmap(lambda params: trainer.evaluate(params, val_data).loss)(candidates)
-    return tree.take(candidates, jnp.argmin(losses))
+    return tree.take(candidates, jnp.argmin(validation_losses(trainer, candidates, val_data)))
   return choose
 
 

@@ -80,7 +80,10 @@ def with_fine_tuning(base: Algorithm, name: str, fine_tune: FineTune) -> Algorit
   return Algorithm(name=name, init=init, broadcast=broadcast, client_update=client_update,
                    aggregate=aggregate,
                    personalized_params=lambda server, clients: clients.fine_tuned,
-                   artifacts=base.artifacts)
+                   artifacts=base.artifacts,
+                   # the base's aggregate sees the same uploads; the fine-tuned models
+                   # differ per client, so no shared_model
+                   uploads_unordered=base.uploads_unordered)
 
 
 def fedavg_ft(config: FedAvgFTConfig, trainer: ClientTrainer) -> Algorithm:
