@@ -46,16 +46,25 @@ PATHS = (Path(1, None, PARTIAL), Path(2, 1, PARTIAL))
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
+# Options that take an algorithm off its engine fast path (shared_model, uploads_unordered:
+# rounds.py), as "field=value", run as their own rows.
+OPTION_ROWS = (("fedprox", "evaluate=local"),)
+
+
 def pairings() -> list[tuple[str, str]]:
-  """(algorithm, plug-in) for every algorithm alone and every plug-in on every host."""
+  """(algorithm, plug-in) for every algorithm alone and every plug-in on every host, and
+  the OPTION_ROWS (algorithm, "field=value")."""
   pairs = [(name, "") for name in sorted(algorithms.REGISTRY)]
   pairs += [(host, "ala") for host in sorted(ala.HOOKS)]
   pairs += [(host, "confree") for host in sorted(confree.HOSTS)]
-  return pairs
+  return pairs + list(OPTION_ROWS)
 
 
 def config_of(name: str, plugin: str):
   config = tiny.default_config(name)
+  if "=" in plugin:
+    field, value = plugin.split("=")
+    return config._replace(**{field: value})
   if plugin == "ala":
     return algorithms.Plugged(config, ala=ala.AlaConfig())
   if plugin == "confree":

@@ -1,4 +1,5 @@
-"""Every algorithm and plug-in pairing on every engine path (issue 13): vmap on one
+"""Every algorithm and plug-in pairing (and the options that leave the engine's fast
+paths: algorithm_matrix.OPTION_ROWS) on every engine path (issue 13): vmap on one
 device and client chunks on 2 CPU devices (chunks under shard_map), both with partial
 participation. Two rounds each: finite metrics, the right shapes, only the sampled
 clients trained, and the same per-client numbers on one and two devices."""
