@@ -6,6 +6,7 @@
   python -m experiments.benchmark --imbalance_check                  # balanced vs imbalanced
   python -m experiments.benchmark --client_chunks=vmap,1,2,4,8      # clients per lax.map chunk
   python -m experiments.benchmark --participations=1.0,0.1          # full vs sampled rounds
+  python -m experiments.benchmark --dataset=cifar10 --cnn_convs=im2col,banded   # CNN convs
 
 Takes every flag of experiments.main (same flags, same flagfiles) plus the ones below.
 Reports seconds per round (median over --repeats after --warmup rounds), client updates
@@ -29,7 +30,7 @@ import math
 import os
 import subprocess
 import sys
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from absl import app, flags
 
@@ -44,6 +45,8 @@ from fedora_jax.data import datasets
 from fedora_jax.simulation import prepare_run
 from fedora_jax.errors import ConfigError, FedoraError
 from fedora_jax.models import build_model
+from fedora_jax.models.cnn import CONVS
+from fedora_jax.models.resnet import ResNet
 
 FLAGS = run_flags.FLAGS
 
@@ -88,6 +91,10 @@ _CLIENT_CHUNKS = flags.DEFINE_list(
 _PARTICIPATIONS = flags.DEFINE_list(
     "participations", [], "Sweep: compile the round once per --participation value in"
     " this list and time them in turn in one process (ratios to the first).")
+
+_CNN_CONVS = flags.DEFINE_list(
+    "cnn_convs", [], "Sweep: compile the round once per convolution of the CNN"
+    " (models/cnn.py: im2col, banded, xla) and time them in turn in one process.")
 
 _SWEEP_FLAGS = ("profile_dir", "scale_clients", "imbalance_check", "json", "num_clients", "setting",
                 "torch", "notorch", "noimbalance_check")
@@ -286,13 +293,17 @@ def _positive_int(text: str) -> int:
   return int(text)
 
 
-def _interleaved_sweep(field: str, trains: dict[str, Any]) -> dict:
+def _interleaved_sweep(field: str, trains: dict[str, Any],
+                       models: Callable[[Any], dict] | None = None) -> dict:
   """The same round compiled once per TrainConfig in `trains` (labelled by the value of
-  its `field`), timed in turn in one process so every variant sees the same load."""
+  its `field`; `models(the run's model)` -> value -> that value's model), timed in turn
+  in one process so every variant sees the same load."""
   setup = _setup()
+  variants = None if models is None else models(setup.model)
   runs = {}
   for value, train in trains.items():
-    runs[value] = prepare_run(FLAGS.algorithm, setup.config, setup.model, setup.data,
+    model = setup.model if variants is None else variants[value]
+    runs[value] = prepare_run(FLAGS.algorithm, setup.config, model, setup.data,
                               dataclasses.replace(setup.train, **train))
     log(f"{field}={value}: compiled in {runs[value].compile_seconds:.2f} s")
   durations = measure.interleaved_rounds(runs, _REPEATS.value, _WARMUP.value)
@@ -316,6 +327,18 @@ def _interleaved_sweep(field: str, trains: dict[str, Any]) -> dict:
 def client_chunk_sweep(values: list[str]) -> dict:
   return _interleaved_sweep("client_chunk", {
       v: {"client_chunk": None if v in ("0", "vmap") else _positive_int(v)} for v in values})
+
+
+def cnn_conv_sweep(values: list[str]) -> dict:
+  def models(model):
+    if not hasattr(model, "conv") or isinstance(model, ResNet):
+      raise ConfigError("--cnn_convs compares the convolutions of the CNNs (cnn,"
+                        " coaching_cnn, fedavg_cnn); this run's model has none")
+    return {v: model.clone(conv=v) for v in values}
+  unknown = set(values) - set(CONVS)
+  if unknown:
+    raise ConfigError(f"--cnn_convs takes {', '.join(CONVS)}, got {', '.join(sorted(unknown))}")
+  return _interleaved_sweep("conv", {v: {} for v in values}, models)
 
 
 def participation_sweep(values: list[str]) -> dict:
@@ -342,6 +365,8 @@ def run() -> dict:
     report = client_chunk_sweep(_CLIENT_CHUNKS.value)
   elif _PARTICIPATIONS.value:
     report = participation_sweep(_PARTICIPATIONS.value)
+  elif _CNN_CONVS.value:
+    report = cnn_conv_sweep(_CNN_CONVS.value)
   else:
     report = single_run()
     log(summary(report))

@@ -14,8 +14,8 @@ from fedora_jax.data import cifar, datasets
 from fedora_jax.data.partitions import PartitionConfig, make_partition
 from fedora_jax.engine.buckets import map_over_buckets, over_clients
 from fedora_jax.errors import ConfigError, DataError
-from fedora_jax.models import build_model
-from fedora_jax.models.cnn import CNN, max_pool_2x2
+from fedora_jax.models import build_model, cnn_conv
+from fedora_jax.models.cnn import CNN, banded_block_width, banded_conv, max_pool_2x2
 
 SHARED_CIFAR = os.path.join(SHARED_DATA, "cifar10")
 
@@ -115,11 +115,44 @@ def test_cnn_is_the_authors_lenet():
   assert gray.apply(gray_params, np.zeros((2, 28, 28), np.uint8)).shape == (2, 43)
 
 
-def test_im2col_convolution_equals_xla_convolution():
+def test_im2col_and_banded_convolutions_equal_xla_convolution():
   x = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3), np.uint8)
   params = CNN().init(jax.random.key(0), x)
-  np.testing.assert_allclose(CNN().apply(params, x), CNN(conv="xla").apply(params, x),
-                             rtol=1e-4, atol=1e-5)
+  expected = CNN(conv="xla").apply(params, x)
+  for conv in ("im2col", "banded"):
+    np.testing.assert_allclose(CNN(conv=conv).apply(params, x), expected,
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, size, block", [
+    ((2, 9, 11, 3), 5, 7), ((2, 9, 11, 3), 5, 1), ((3, 8, 12, 4), 3, 5), ((1, 6, 6, 2), 2, 5)])
+def test_banded_convolution_and_its_gradients_equal_xla(shape, size, block):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(size, size, shape[-1], 3)), jnp.float32)
+  def xla(x, kernel):
+    return jax.lax.conv_general_dilated(x, kernel, (1, 1), "VALID",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  out, xla_vjp = jax.vjp(xla, x, kernel)
+  banded, banded_vjp = jax.vjp(lambda x, k: banded_conv(x, k, block), x, kernel)
+  np.testing.assert_allclose(banded, out, rtol=1e-5, atol=1e-5)
+  cotangent = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+  for got, want in zip(banded_vjp(cotangent), xla_vjp(cotangent)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_banded_block_width_divides_the_output_width():
+  assert banded_block_width(28, 3) == 4   # the LeNet-5's first layer: 7 blocks of 4
+  assert banded_block_width(10, 16) == 2  # its second: 5 blocks of 2
+  assert banded_block_width(24, 1) == 4   # MNIST CNNs
+  assert banded_block_width(7, 3) == 1    # a prime width: im2col
+  assert banded_block_width(9, 1) == 3
+
+
+def test_registered_cnns_use_banded_convolutions_on_cpus():
+  assert cnn_conv("cpu") == "banded" and cnn_conv("gpu") == "im2col"
+  for name in ("cnn", "coaching_cnn", "fedavg_cnn"):
+    assert build_model(name, 10).conv == cnn_conv(jax.default_backend())
 
 
 def test_max_pool_equals_flax_max_pool_in_values_and_gradients():

@@ -16,9 +16,15 @@ def _mlp(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   return MLP(hidden=tuple(hidden), num_outputs=num_outputs)
 
 
+def cnn_conv(platform: str) -> str:
+  """The registered CNNs' convolution (models/cnn.py): banded matmuls on CPUs, where they
+  beat im2col (docs/performance.md); im2col elsewhere, as measured on an H100."""
+  return "banded" if platform == "cpu" else "im2col"
+
+
 def _cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   del hidden  # --hidden is the MLP's; the CNN is the authors' fixed LeNet-5 shape.
-  return CNN(num_outputs=num_outputs)
+  return CNN(num_outputs=num_outputs, conv=cnn_conv(jax.default_backend()))
 
 
 def _coaching_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
@@ -32,7 +38,8 @@ def _coaching_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   Same layer names as the CNN (Conv_0, Conv_1, Dense_0, Dense_1, Dense_2): body = all
   but Dense_2, whose input (the 128 features) is the representation."""
   del hidden  # --hidden is the MLP's
-  return CNN(num_outputs=num_outputs, kernels=32, dense=(512, 128))
+  return CNN(num_outputs=num_outputs, kernels=32, dense=(512, 128),
+             conv=cnn_conv(jax.default_backend()))
 
 
 def _fedavg_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
@@ -42,7 +49,8 @@ def _fedavg_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   582,026 parameters on MNIST, 878,538 on CIFAR-10). Inputs are standardised per channel
   as every registered CNN's are (PFLlib normalises with mean 0.5, std 0.5)."""
   del hidden  # --hidden is the MLP's
-  return CNN(num_outputs=num_outputs, kernels=32, dense=(512,))
+  return CNN(num_outputs=num_outputs, kernels=32, dense=(512,),
+             conv=cnn_conv(jax.default_backend()))
 
 
 def _resnet18(num_outputs: int, hidden: Sequence[int]) -> nn.Module:

@@ -18,21 +18,32 @@ channel with the statistics the authors' CIFAR-10 loader uses (pFedHN's
 Normalize((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010))); single-channel images
 use MNIST's (0.1307, 0.3081). Float inputs pass through unscaled.
 
-Convolutions are computed as im2col + matmul by default (`conv="im2col"`): the 25
-shifted slices of the input are concatenated and multiplied by the [25*C_in, C_out]
-kernel. Same parameters, same result as `lax.conv_general_dilated` (`conv="xla"`), but
-XLA's CPU backend runs convolutions inside a while loop (our `lax.scan` over SGD steps)
-through a slow generic path (github.com/jax-ml/jax/issues/12868): measured here, 8 SGD
-steps of batch 64 took 8.9 s with `lax.conv` in a scan and 1.1 s with im2col. Vmapped
-over clients, im2col becomes a batched matmul rather than a grouped convolution.
+Convolutions are matmuls, in one of three formulations with the same parameters and
+the same result up to float rounding:
+- `conv="im2col"`: the 25 shifted slices of the input are concatenated and multiplied
+  by the [25*C_in, C_out] kernel;
+- `conv="banded"`: the output's columns in blocks of a few (`banded_block_width`); each
+  block's input window (5 rows x (block + 4) columns x C_in) is one row of the patches,
+  multiplied by a banded [5 (block + 4) C_in, block C_out] matrix that holds the kernel
+  at each output column's offset. Fewer, larger patches than im2col for a few
+  multiplications by zero: the registry's default on CPUs (docs/performance.md: the
+  LeNet-5's SGD step about 12 % faster, its evaluation 1.5x);
+- `conv="xla"`: `lax.conv_general_dilated`. XLA's CPU backend runs convolutions inside a
+  while loop (our `lax.scan` over SGD steps) through a slow generic path
+  (github.com/jax-ml/jax/issues/12868): 8 SGD steps of batch 64 took 8.9 s with
+  `lax.conv` in a scan and 1.1 s with im2col.
+Vmapped over clients, the matmuls become batched matmuls rather than grouped
+convolutions.
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedora_jax.models.mlp import _torch_uniform, dense_layers
 
+CONVS = ("im2col", "banded", "xla")  # Conv's formulations; see the module docstring
 # channels -> (mean, std) of [0, 1] pixels.
 CHANNEL_STATS = {
     3: ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
@@ -81,11 +92,40 @@ def im2col(x: jax.Array, size: int) -> jax.Array:
                           for i in range(size) for j in range(size)], axis=-1)
 
 
+def banded_block_width(out_width: int, in_channels: int) -> int:
+  """Output columns per block of the banded convolution: about 4 for a thin input (the
+  first layer's 1-3 channels), 2 for a wide one, the largest such divisor of the output
+  width (1 is im2col). Measured on the LeNet-5 (docs/performance.md): blocks of 4 and 2
+  beat 2 / 7 / 14 and 5 for its two layers."""
+  target = 4 if in_channels <= 4 else 2
+  return max(d for d in range(1, target + 1) if out_width % d == 0)
+
+
+def banded_conv(x: jax.Array, kernel: jax.Array, block: int) -> jax.Array:
+  """[B, H, W, C] x [k, k, C, O] -> [B, H-k+1, W-k+1, O], VALID and stride 1, with the
+  output's columns in blocks of `block` (which divides W-k+1); see the module docstring."""
+  b, h, w, c = x.shape
+  size, out_c = kernel.shape[0], kernel.shape[-1]
+  out_h, out_w = h - size + 1, w - size + 1
+  window = block + size - 1
+  rows = jnp.stack([x[:, i:i + out_h] for i in range(size)], axis=2)  # [B, Ho, k, W, C]
+  patches = jnp.stack([rows[:, :, :, j:j + window] for j in range(0, out_w, block)],
+                      axis=2)  # [B, Ho, blocks, k, window, C]
+  patches = patches.reshape(b, out_h, out_w // block, size * window * c)
+  # banded[i, u, c, v, o] = kernel[i, u - v, c, o] where 0 <= u - v < k: input column u
+  # of the window feeds output column v of the block through kernel column u - v.
+  offset = np.arange(window)[:, None] - np.arange(block)[None, :]
+  inside = ((offset >= 0) & (offset < size)).astype(np.float32)
+  banded = kernel[:, np.clip(offset, 0, size - 1)] * inside[None, :, :, None, None]
+  banded = banded.transpose(0, 1, 3, 2, 4).reshape(size * window * c, block * out_c)
+  return (patches @ banded).reshape(b, out_h, out_w, out_c)
+
+
 class Conv(nn.Module):
   """A VALID, stride-1 convolution with nn.Conv's parameters; see the module docstring."""
   features: int
   size: int = 5
-  conv: str = "im2col"  # or "xla": lax.conv_general_dilated
+  conv: str = "im2col"  # or "banded", or "xla": lax.conv_general_dilated
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -95,11 +135,14 @@ class Conv(nn.Module):
     bias = self.param("bias", _torch_uniform(fan_in), (self.features,))
     if self.conv == "im2col":
       y = im2col(x, self.size) @ kernel.reshape(-1, self.features)
+    elif self.conv == "banded":
+      block = banded_block_width(x.shape[2] - self.size + 1, x.shape[-1])
+      y = banded_conv(x, kernel, block)
     elif self.conv == "xla":
       y = jax.lax.conv_general_dilated(x, kernel, (1, 1), "VALID",
                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
     else:
-      raise ValueError(f"unknown conv implementation {self.conv!r}")
+      raise ValueError(f"unknown conv implementation {self.conv!r}; known: {CONVS}")
     return y + bias
 
 
