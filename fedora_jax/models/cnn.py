@@ -25,9 +25,9 @@ the same result up to float rounding:
 - `conv="banded"`: the output's columns in blocks of a few (`banded_block_width`); each
   block's input window (5 rows x (block + 4) columns x C_in) is one row of the patches,
   multiplied by a banded [5 (block + 4) C_in, block C_out] matrix that holds the kernel
-  at each output column's offset. Fewer, larger patches than im2col for a few
-  multiplications by zero: the registry's default on CPUs (docs/performance.md: the
-  LeNet-5's SGD step about 12 % faster, its evaluation 1.5x);
+  at each output column's offset. Smaller patches and wider matmuls than im2col for
+  some multiplications by zero: the registry's default on CPUs (docs/performance.md: a
+  FEDORA CIFAR-10 round on 2 CPU cores 0.74x im2col's, its compilation half);
 - `conv="xla"`: `lax.conv_general_dilated`. XLA's CPU backend runs convolutions inside a
   while loop (our `lax.scan` over SGD steps) through a slow generic path
   (github.com/jax-ml/jax/issues/12868): 8 SGD steps of batch 64 took 8.9 s with
