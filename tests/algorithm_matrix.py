@@ -47,8 +47,10 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 
 
 # Options that take an algorithm off its engine fast path (shared_model, uploads_unordered:
-# rounds.py), as "field=value", run as their own rows.
-OPTION_ROWS = (("fedprox", "evaluate=local"),)
+# rounds.py), as "field=value", and the CNN with its CPU convolutions (FedAvg's shared
+# model, FEDORA's propagation) on 16x16 images, run as their own rows.
+OPTION_ROWS = (("fedprox", "evaluate=local"), ("fedavg", "model=cnn"),
+               ("fedora", "model=cnn"))
 
 
 def pairings() -> list[tuple[str, str]]:
@@ -62,6 +64,8 @@ def pairings() -> list[tuple[str, str]]:
 
 def config_of(name: str, plugin: str):
   config = tiny.default_config(name)
+  if plugin == "model=cnn":
+    return config
   if "=" in plugin:
     field, value = plugin.split("=")
     return config._replace(**{field: value})
@@ -74,13 +78,14 @@ def config_of(name: str, plugin: str):
 
 def run_path(name: str, plugin: str, path: Path) -> dict:
   """Two rounds on `path`: the per-client metrics of both, as lists."""
-  data, _ = tiny.tiny_data(SIZES)
+  cnn = plugin == "model=cnn"
+  data, _ = tiny.tiny_data(SIZES, x_shape=tiny.CNN_X_SHAPE if cnn else None)
+  model = tiny.tiny_cnn(conv="banded") if cnn else tiny.tiny_model()
   train = TrainConfig(rounds=2, local_epochs=2, batch_size=4, lr=0.1, momentum=0.9,
                       log_every=0, client_chunk=path.client_chunk,
                       participation=path.participation)
   mesh = sharding.client_mesh(jax.devices()[:path.devices])
-  result = run_algorithm(name, config_of(name, plugin), tiny.tiny_model(), data, train,
-                         mesh=mesh)
+  result = run_algorithm(name, config_of(name, plugin), model, data, train, mesh=mesh)
   history = result.history
   return {"val_loss": history.val_loss.tolist(), "test_acc": history.test_score.tolist(),
           "train_loss": history.train_loss.tolist(),

@@ -42,9 +42,9 @@ def tiny_trainer(model, lr=0.1, momentum=0.0, weight_decay=0.0, epochs=1, batch_
 CNN_X_SHAPE = (16, 16, 1)
 
 
-def tiny_cnn(num_classes=3):
+def tiny_cnn(num_classes=3, conv="im2col"):
   """The registered CNN's layers (Conv_0, Conv_1, Dense_0..2) at toy widths."""
-  return CNN(num_outputs=num_classes, kernels=2, dense=(6, 5))
+  return CNN(num_outputs=num_classes, kernels=2, dense=(6, 5), conv=conv)
 
 
 class TinyBN(nn.Module):

@@ -39,7 +39,6 @@ convolutions.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedora_jax.models.mlp import _torch_uniform, dense_layers
 
@@ -113,11 +112,12 @@ def banded_conv(x: jax.Array, kernel: jax.Array, block: int) -> jax.Array:
                       axis=2)  # [B, Ho, blocks, k, window, C]
   patches = patches.reshape(b, out_h, out_w // block, size * window * c)
   # banded[i, u, c, v, o] = kernel[i, u - v, c, o] where 0 <= u - v < k: input column u
-  # of the window feeds output column v of the block through kernel column u - v.
-  offset = np.arange(window)[:, None] - np.arange(block)[None, :]
-  inside = ((offset >= 0) & (offset < size)).astype(np.float32)
-  banded = kernel[:, np.clip(offset, 0, size - 1)] * inside[None, :, :, None, None]
-  banded = banded.transpose(0, 1, 3, 2, 4).reshape(size * window * c, block * out_c)
+  # of the window feeds output column v of the block through kernel column u - v. Built
+  # by padding, not indexing: a gather of the kernel would carry a sharding that
+  # shard_map's manual mesh refuses.
+  banded = jnp.stack([jnp.pad(kernel, ((0, 0), (v, block - 1 - v), (0, 0), (0, 0)))
+                      for v in range(block)], axis=3)  # [k, window, C, block, O]
+  banded = banded.reshape(size * window * c, block * out_c)
   return (patches @ banded).reshape(b, out_h, out_w, out_c)
 
 
