@@ -48,6 +48,32 @@ def test_client_fine_tunes_the_classifier_of_the_global_model_only():
                           global_params["params"]["Dense_1"]["kernel"])
 
 
+def test_model_reading_keeps_the_whole_locally_trained_model():
+  # fine_tune="model" (PFLlib's "evaluate personalized models, ie FedAvg-C"): the
+  # personalised model is the round's local model, two full-batch SGD steps on the whole
+  # model from the global one, which is also the upload.
+  data, clients = tiny_data([6, 6])
+  model = tiny_model()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=2)
+  global_params = init_params(model)
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  algorithm = fedavg_c.fedavg_c(fedavg_c.FedAvgCConfig(fine_tune="model"), trainer)
+  state = algorithm.init(InitContext(
+      params=jax.tree.map(lambda a: a[None].repeat(2, 0), global_params), data=data,
+      trainer=trainer, key=jax.random.key(0)))
+  out = algorithm.client_update(jax.tree.map(lambda a: a[0], state.clients), global_params,
+                                splits, jax.random.key(3))
+  expected = global_params
+  for _ in range(2):
+    grads = jax.grad(lambda p: mean_ce(model, p, clients[0].x_train,
+                                       clients[0].y_train))(expected)
+    expected = jax.tree.map(lambda p, g: p - LR * g, expected, grads)
+  chex.assert_trees_all_close(out.state.fine_tuned, expected, atol=1e-6)
+  chex.assert_trees_all_equal(out.state.fine_tuned, out.upload)
+  with pytest.raises(ConfigError, match="fedavg_c: fine_tune must be one of head, model"):
+    fedavg_c.fedavg_c(fedavg_c.FedAvgCConfig(fine_tune="all"), trainer)
+
+
 def test_head_layers_must_leave_a_body():
   trainer = tiny_trainer(tiny_model())
   with pytest.raises(ConfigError, match="fedavg_c: head_layers"):

@@ -30,6 +30,17 @@ sits a round out keeps its last fine-tuned copy.
 
 head_layers: PFLlib's (and the authors') models split off `fc`, the last Linear layer,
 as the head; 1 is that layer here.
+
+The other reading (`fine_tune="model"`). The only code that names FedAvg-C is a comment
+in PFLlib's `serveras.py` (copied in 2025 from FedAS, github.com/xiyuanyang45/FedAS,
+whose `serveravg.py` reads "# FedAvg-C, test the personalized model then train"): each
+client is scored, before the next global model arrives, on the model its last local
+training left, i.e. the whole received global model trained for the round's local
+epochs. That is the client's own upload, kept as its personalised model: for FedAvg-C the
+same computation as fedavg_ft, for FedProx-C FedProx's proximal local model (as
+`--fedprox_evaluate=local`). The FedALA paper's own definition would settle which one its
+tables report; its text is not reachable here, so "head" stays the default and "model"
+is one flag away (`--fedavg_c_fine_tune=model`, `--fedprox_c_fine_tune=model`).
 """
 
 from typing import NamedTuple
@@ -43,12 +54,18 @@ from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError
 
 
+FINE_TUNES = ("head", "model")
+
+
 class FedAvgCConfig(NamedTuple):
   head_layers: int = 1  # top layers forming the classifier each client fine-tunes
+  fine_tune: str = "head"  # "head": the classifier; "model": the round's local model
 
 
 FLAG_HELP = {"head_layers": "FedAvg-C: number of top layers (the classifier) each client"
-                            " fine-tunes on the received global model, the rest frozen"}
+                            " fine-tunes on the received global model, the rest frozen",
+             "fine_tune": "FedAvg-C: head (the classifier fine-tuned, default) or model (the"
+                          " client's locally trained model of the round, PFLlib's comment)"}
 
 
 def head_fine_tune(trainer: ClientTrainer, head_layers: int, role: str) -> FineTune:
@@ -67,13 +84,25 @@ def head_fine_tune(trainer: ClientTrainer, head_layers: int, role: str) -> FineT
   return fine_tune
 
 
+def upload_is_personal(global_params, data, key, base_output):
+  """fine_tune="model": the client's locally trained model of the round, its upload."""
+  del global_params, data, key
+  return base_output.upload
+
+
 def with_head_fine_tuning(base: Algorithm, name: str, trainer: ClientTrainer,
-                          head_layers: int) -> Algorithm:
+                          head_layers: int, fine_tune: str = "head") -> Algorithm:
   """`base` with each client's global model under its fine-tuned classifier as its
-  personalised model (`base`'s broadcast must be its global model)."""
+  personalised model (`base`'s broadcast must be its global model); with
+  fine_tune="model", its locally trained model of the round."""
   role = f"{name}_head_layers"
   if head_layers < 1:
     raise FieldError(name, "head_layers", f"must be >= 1, got {head_layers}")
+  if fine_tune not in FINE_TUNES:
+    raise FieldError(name, "fine_tune",
+                     f"must be one of {', '.join(FINE_TUNES)}, got {fine_tune!r}")
+  if fine_tune == "model":
+    return with_fine_tuning(base, name, upload_is_personal)
   algorithm = with_fine_tuning(base, name, head_fine_tune(trainer, head_layers, role))
 
   def init(context: InitContext):
@@ -84,4 +113,4 @@ def with_head_fine_tuning(base: Algorithm, name: str, trainer: ClientTrainer,
 
 def fedavg_c(config: FedAvgCConfig, trainer: ClientTrainer) -> Algorithm:
   return with_head_fine_tuning(fedavg.fedavg(fedavg.FedAvgConfig(), trainer), "fedavg_c",
-                               trainer, config.head_layers)
+                               trainer, config.head_layers, config.fine_tune)

@@ -11,7 +11,8 @@ written down) on FedProx's server trajectory: each client trains the received gl
 model with FedProx's proximal term and uploads it; alongside, it fine-tunes the top
 `head_layers` layers of the received global model on its plain cross-entropy (no
 proximal term: the fine-tuned classifier is the client's own) and keeps that copy as its
-personalised model.
+personalised model. `fine_tune="model"` keeps the proximal local model itself instead
+(the other reading of "-C", fedavg_c.py).
 
 mu: FedALA's value for its FedProx baselines is not in any source we hold; the default is
 FedProx's own best value on MNIST, as for fedprox and fedprox_ft.
@@ -28,15 +29,19 @@ from fedora_jax.engine.local_training import ClientTrainer
 class FedProxCConfig(NamedTuple):
   mu: float = 1.0        # FedProx's proximal strength during global training (paper, MNIST)
   head_layers: int = 1   # top layers forming the classifier each client fine-tunes
+  fine_tune: str = "head"  # "head": the classifier; "model": the round's local model
 
 
 FLAG_HELP = {
     "mu": "FedProx-C: proximal strength of the global training (not of the fine-tuning)",
     "head_layers": "FedProx-C: number of top layers (the classifier) each client fine-tunes"
                    " on the received global model, the rest frozen",
+    "fine_tune": "FedProx-C: head (the classifier fine-tuned, default) or model (the"
+                 " client's proximal local model of the round; fedavg_c.py)",
 }
 
 
 def fedprox_c(config: FedProxCConfig, trainer: ClientTrainer) -> Algorithm:
   base = fedprox.fedprox(fedprox.FedProxConfig(mu=config.mu), trainer)
-  return with_head_fine_tuning(base, "fedprox_c", trainer, config.head_layers)
+  return with_head_fine_tuning(base, "fedprox_c", trainer, config.head_layers,
+                               config.fine_tune)
