@@ -112,10 +112,10 @@ def default_client_chunk(model: str, platform: str) -> int | None:
 
 
 # Default --eval_batch_size: images (rows) a client's evaluation forwards at once. On CPUs
-# the CNNs' im2col patches must stay near the caches: at 1,000 CIFAR-10 test images the
-# LeNet-5's first patches are 235 MB. Forward pass of the LeNet-5 over 1,024 CIFAR-10
-# images in a lax.scan over chunks, 2-core CPU, medians of 5: 230 ms in chunks of 1,024,
-# 171 (256), 111 (128), 97 (64), 96 (32). The MLP and accelerators take large chunks.
+# the CNNs' convolution patches must stay near the caches: at 1,000 CIFAR-10 test images
+# the LeNet-5's first im2col patches are 235 MB. Its forward pass over 1,024 CIFAR-10
+# images in a lax.scan over chunks (im2col, 2-core CPU, medians of 5): 230 ms in chunks of
+# 1,024, 171 (256), 111 (128), 97 (64), 96 (32). The MLP and accelerators take large ones.
 EVAL_BATCH = 1024
 CPU_EVAL_BATCH: dict[str, int] = {"cnn": 64, "coaching_cnn": 64, "fedavg_cnn": 64,
                                   "resnet18": 64}
