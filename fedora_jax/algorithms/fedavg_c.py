@@ -48,10 +48,10 @@ from typing import NamedTuple
 from fedora_jax import tree
 from fedora_jax.algorithms import fedavg
 from fedora_jax.algorithms.base import Algorithm, InitContext
-from fedora_jax.algorithms.fedavg_ft import FineTune, with_fine_tuning
+from fedora_jax.algorithms.fedavg_ft import FineTune, upload_is_fine_tuned, with_fine_tuning
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import FieldError, check_one_of
 
 
 FINE_TUNES = ("head", "model")
@@ -84,12 +84,6 @@ def head_fine_tune(trainer: ClientTrainer, head_layers: int, role: str) -> FineT
   return fine_tune
 
 
-def upload_is_personal(global_params, data, key, base_output):
-  """fine_tune="model": the client's locally trained model of the round, its upload."""
-  del global_params, data, key
-  return base_output.upload
-
-
 def with_head_fine_tuning(base: Algorithm, name: str, trainer: ClientTrainer,
                           head_layers: int, fine_tune: str = "head") -> Algorithm:
   """`base` with each client's global model under its fine-tuned classifier as its
@@ -98,11 +92,8 @@ def with_head_fine_tuning(base: Algorithm, name: str, trainer: ClientTrainer,
   role = f"{name}_head_layers"
   if head_layers < 1:
     raise FieldError(name, "head_layers", f"must be >= 1, got {head_layers}")
-  if fine_tune not in FINE_TUNES:
-    raise FieldError(name, "fine_tune",
-                     f"must be one of {', '.join(FINE_TUNES)}, got {fine_tune!r}")
   if fine_tune == "model":
-    return with_fine_tuning(base, name, upload_is_personal)
+    return with_fine_tuning(base, name, upload_is_fine_tuned)
   algorithm = with_fine_tuning(base, name, head_fine_tune(trainer, head_layers, role))
 
   def init(context: InitContext):
@@ -112,5 +103,6 @@ def with_head_fine_tuning(base: Algorithm, name: str, trainer: ClientTrainer,
 
 
 def fedavg_c(config: FedAvgCConfig, trainer: ClientTrainer) -> Algorithm:
+  check_one_of("fedavg_c", config, "fine_tune", FINE_TUNES)
   return with_head_fine_tuning(fedavg.fedavg(fedavg.FedAvgConfig(), trainer), "fedavg_c",
                                trainer, config.head_layers, config.fine_tune)

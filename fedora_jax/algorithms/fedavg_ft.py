@@ -86,14 +86,15 @@ def with_fine_tuning(base: Algorithm, name: str, fine_tune: FineTune) -> Algorit
                    uploads_unordered=base.uploads_unordered)
 
 
+def upload_is_fine_tuned(global_params, data, key, base_output):
+  """The client's upload, its locally trained model of the round, as its fine-tuned one."""
+  del global_params, data, key
+  return base_output.upload
+
+
 def fedavg_ft(config: FedAvgFTConfig, trainer: ClientTrainer) -> Algorithm:
   del config
-
-  def upload_is_fine_tuned(global_params, data, key, base_output):
-    # FedAvg's local update is plain SGD on the client's loss from the global model with
-    # this very key: the same computation as plain_fine_tune, so reuse its result.
-    del global_params, data, key
-    return base_output.upload
-
+  # FedAvg's local update is plain SGD on the client's loss from the global model with
+  # the round's key: the same computation as plain_fine_tune, so reuse its result.
   return with_fine_tuning(fedavg.fedavg(fedavg.FedAvgConfig(), trainer), "fedavg_ft",
                           upload_is_fine_tuned)

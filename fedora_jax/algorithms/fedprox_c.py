@@ -22,8 +22,9 @@ from typing import NamedTuple
 
 from fedora_jax.algorithms import fedprox
 from fedora_jax.algorithms.base import Algorithm
-from fedora_jax.algorithms.fedavg_c import with_head_fine_tuning
+from fedora_jax.algorithms.fedavg_c import FINE_TUNES, with_head_fine_tuning
 from fedora_jax.engine.local_training import ClientTrainer
+from fedora_jax.errors import check_one_of
 
 
 class FedProxCConfig(NamedTuple):
@@ -42,6 +43,7 @@ FLAG_HELP = {
 
 
 def fedprox_c(config: FedProxCConfig, trainer: ClientTrainer) -> Algorithm:
+  check_one_of("fedprox_c", config, "fine_tune", FINE_TUNES)
   base = fedprox.fedprox(fedprox.FedProxConfig(mu=config.mu), trainer)
   return with_head_fine_tuning(base, "fedprox_c", trainer, config.head_layers,
                                config.fine_tune)
