@@ -22,9 +22,14 @@ def cnn_conv(platform: str) -> str:
   return "banded" if platform == "cpu" else "im2col"
 
 
+def _registered_cnn(num_outputs: int, **widths) -> nn.Module:
+  """models/cnn.py's CNN with this platform's convolution."""
+  return CNN(num_outputs=num_outputs, conv=cnn_conv(jax.default_backend()), **widths)
+
+
 def _cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   del hidden  # --hidden is the MLP's; the CNN is the authors' fixed LeNet-5 shape.
-  return CNN(num_outputs=num_outputs, conv=cnn_conv(jax.default_backend()))
+  return _registered_cnn(num_outputs)
 
 
 def _coaching_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
@@ -38,8 +43,7 @@ def _coaching_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   Same layer names as the CNN (Conv_0, Conv_1, Dense_0, Dense_1, Dense_2): body = all
   but Dense_2, whose input (the 128 features) is the representation."""
   del hidden  # --hidden is the MLP's
-  return CNN(num_outputs=num_outputs, kernels=32, dense=(512, 128),
-             conv=cnn_conv(jax.default_backend()))
+  return _registered_cnn(num_outputs, kernels=32, dense=(512, 128))
 
 
 def _fedavg_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
@@ -49,8 +53,7 @@ def _fedavg_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   582,026 parameters on MNIST, 878,538 on CIFAR-10). Inputs are standardised per channel
   as every registered CNN's are (PFLlib normalises with mean 0.5, std 0.5)."""
   del hidden  # --hidden is the MLP's
-  return CNN(num_outputs=num_outputs, kernels=32, dense=(512,),
-             conv=cnn_conv(jax.default_backend()))
+  return _registered_cnn(num_outputs, kernels=32, dense=(512,))
 
 
 def _resnet18(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
