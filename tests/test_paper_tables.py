@@ -14,7 +14,7 @@ from experiments import paper_tables
 from experiments import reproduce
 from fedora_jax import algorithms, metrics
 from fedora_jax.data import datasets, partitions
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FedoraError
 from fedora_jax.models import MODELS
 from test_main import ROOT
 
@@ -230,8 +230,8 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
     (["--table=confree2", "--aggregation=confree"], "--table=confree2 sets --aggregation"),
     (["--table=coaching2", "--columns=mnist_0.5"],
      "--table=coaching2 has no column mnist_0.5; its columns: mnist_0.1,"),
-    (["--table=fedala1", "--columns=mnist_pat,tiny_dir"],
-     "--table=fedala1 column tiny_dir cannot run here: Tiny-ImageNet is not a --dataset"),
+    (["--table=fedala1", "--columns=mnist_pat,tiny_star_dir"],
+     "--table=fedala1 column tiny_star_dir cannot run here: TINY* is not defined on the"),
     (["--table=fedala_ala", "--rows=fedavg_ala,nope"],
      "--table=fedala_ala has no row nope; its rows: local, fedavg, fedavg_ala,"),
     (["--table=fedora1", "--columns=mnist_0.1"],
@@ -247,6 +247,33 @@ def test_bad_tables_columns_and_rows_are_refused_in_one_line(args, message):
   finally:
     flag_values.unparse_flags()
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("table_name,column,dataset,model,missing", [
+    ("fedala1", "tiny_dir", "tinyimagenet", "fedavg_cnn", "tinyimagenet: no data in"),
+    ("fedala_ala", "tiny_dir", "tinyimagenet", "fedavg_cnn", "tinyimagenet: no data in"),
+    # AG News downloads where there is a network; the tests run offline.
+    ("fedala1", "agnews_dir", "agnews", "fasttext", "ag_news is not in"),
+    ("confree2", "flowers102_c60_p30", "flowers102", "fedavg_cnn", "flowers102: no data in"),
+])
+def test_columns_of_data_not_held_here_run_where_it_is(tmp_path, table_name, column, dataset,
+                                                        model, missing):
+  table = TABLES[table_name]
+  flags = paper_tables.cell_flags(table, column)
+  assert flags["dataset"] == dataset and flags["model"] == model
+  assert paper_tables.column_problem(table, column) is None
+  assert column not in table["default_columns"]  # shared/data does not hold it
+  assert paper_tables.pick_columns(table_name, table, [column]) == [column]
+  # Asked for without its files: the loader's one-line error, before anything trains.
+  flag_values = reproduce.FLAGS
+  flag_values(["reproduce", f"--table={table_name}", f"--columns={column}", "--rows=local",
+               f"--data_dir={tmp_path}", f"--workdir={tmp_path / 'runs'}"])
+  try:
+    with pytest.raises(FedoraError, match=f"^{missing}") as error:
+      reproduce.reproduce()
+  finally:
+    flag_values.unparse_flags()
+  assert "\n" not in str(error.value)
 
 
 def test_rows_this_build_cannot_run_say_why():
