@@ -158,6 +158,26 @@ def test_rows_tables_and_datasets_are_checked():
   assert local["acc"] == 0.7736 and "Table 5 prints no LOCAL row" in local["note"]
 
 
+@pytest.mark.parametrize("args,column_flags,values", [
+    # CIFAR-10's column: the calibrated protocol of docs/datasets.md.
+    (["--dataset=cifar10"], {"split": "authors", "data_seed": 42, "fixed_train_size": 200},
+     ("authors", 42, 200)),
+    # A flag on the command line wins over the column's.
+    (["--dataset=cifar10", "--fixed_train_size=20"], {"split": "authors", "data_seed": 42},
+     ("authors", 42, 20)),
+    (["--dataset=rmnist"], {}, (None, None, None)),
+])
+def test_a_column_runs_its_own_flags_unless_the_command_line_gives_them(args, column_flags,
+                                                                        values):
+  flag_values = reproduce.FLAGS
+  flag_values(["reproduce", "--table=fedora1", *args])
+  try:
+    assert reproduce.use_column_flags("fedora1", flag_values.dataset) == column_flags
+    assert (flag_values.split, flag_values.data_seed, flag_values.fixed_train_size) == values
+  finally:
+    flag_values.unparse_flags()
+
+
 def test_a_sweep_from_before_the_default_changed_is_refused_before_training(tmp_path):
   # Until 2026-11-26 the fedora row ran the printed equations.
   old_row = tmp_path / "seed0" / "fedora"
