@@ -44,7 +44,7 @@ from benchmarks import measure
 from fedora_jax.data import datasets
 from fedora_jax.simulation import prepare_run
 from fedora_jax.errors import ConfigError, FedoraError
-from fedora_jax.models import build_model
+from fedora_jax.models import build_model, check_inputs
 from fedora_jax.models.cnn import CONVS
 from fedora_jax.models.resnet import ResNet
 
@@ -142,6 +142,7 @@ def _setup() -> Setup:
   log(f"{FLAGS.dataset} {FLAGS.setting}: {datasets.describe(data)}")
   hidden = run_flags.hidden_widths()
   model_name = FLAGS.model or spec.model
+  check_inputs(model_name, data.input_shape, data.buckets[0].train.x.dtype, FLAGS.dataset)
   model = build_model(model_name, data.num_classes, hidden)
   train = run_flags.train_config()
   return Setup(data=data, model=model, model_name=model_name, hidden=hidden,

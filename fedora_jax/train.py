@@ -27,7 +27,7 @@ from fedora_jax import results as results_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import FieldError
-from fedora_jax.models import build_model
+from fedora_jax.models import build_model, check_inputs
 from fedora_jax.progress import Progress
 from fedora_jax.simulation import TrainConfig, root_keys, run_algorithm
 
@@ -213,6 +213,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   run_info["data"] = federated.source.name  # e.g. "CIFAR-10 (JPEG copy)"
   data = federated.data
   logger.info("%s: %s", config.dataset, datasets.describe(data))
+  check_inputs(model_name, data.input_shape, data.buckets[0].train.x.dtype, config.dataset)
   model = build_model(model_name, data.num_classes, config.hidden)
   client_info = _client_info(federated)
 

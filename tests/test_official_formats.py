@@ -260,3 +260,25 @@ def test_fasttext_is_fedalas_model_and_the_bag_variant_averages_real_tokens():
   # Padding (id 0) is a zero vector that gets no gradient, as padding_idx=0 in PyTorch.
   grad = jax.grad(lambda p: model.apply(p, x).sum())(params)["params"]["Embed_0"]["embedding"]
   assert not np.asarray(grad[0]).any() and np.asarray(grad[5]).any()
+
+
+def test_a_model_the_samples_do_not_fit_is_refused_in_one_line():
+  from fedora_jax import models
+  assert set(models.MODEL_INPUTS) == set(models.MODELS)  # every model says what it reads
+  tokens, images, spectra = ((200,), np.int32), ((32, 32, 3), np.uint8), ((50,), np.float32)
+  for name in models.MODELS:
+    reads = models.MODEL_INPUTS[name]
+    for (shape, dtype), kind in ((tokens, "tokens"), (images, "images"), (spectra, "vectors")):
+      fits = {"images": kind == "images", "features": kind != "tokens",
+              "tokens": kind == "tokens"}[reads]
+      if fits:
+        models.check_inputs(name, shape, dtype, "data")
+      else:
+        with pytest.raises(FedoraError, match=f"^--model={name} reads .* but data's samples"
+                           f" are {kind} of shape"):
+          models.check_inputs(name, shape, dtype, "data")
+  with pytest.raises(FedoraError) as error:
+    models.check_inputs("cnn", *tokens, "agnews")
+  assert str(error.value) == (
+      "--model=cnn reads images, but agnews's samples are tokens of shape (200,) (int32);"
+      " models for them: fasttext, fasttext_bag")

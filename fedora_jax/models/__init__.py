@@ -4,6 +4,7 @@ from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
+import numpy as np
 
 from fedora_jax.errors import ConfigError
 from fedora_jax.models.cnn import CNN
@@ -84,6 +85,41 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
                                                "coaching_cnn": _coaching_cnn,
                                                "fedavg_cnn": _fedavg_cnn,
                                                "resnet18": _resnet18}
+
+# What each model reads from a sample: "images" ([H, W] or [H, W, C] pixels), "features"
+# (any numeric sample, flattened: images and vectors alike) or "tokens" ([L] integer
+# token ids, fedora_jax/data/agnews.py). `check_inputs` refuses a model the data does not fit.
+MODEL_INPUTS: dict[str, str] = {"mlp": "features", "cnn": "images", "coaching_cnn": "images",
+                                "fedavg_cnn": "images", "resnet18": "images",
+                                "fasttext": "tokens", "fasttext_bag": "tokens"}
+
+
+def sample_kind(input_shape: Sequence[int], dtype) -> str:
+  """What a dataset's samples are: "tokens" (integers other than uint8 pixels), "images"
+  (two or three axes) or "vectors"."""
+  if np.issubdtype(dtype, np.integer) and np.dtype(dtype) != np.uint8:
+    return "tokens"
+  return "images" if len(input_shape) in (2, 3) else "vectors"
+
+
+_READS = {"images": "images", "features": "numeric samples", "tokens": "token ids"}
+
+
+def _reads(model_inputs: str, kind: str) -> bool:
+  return model_inputs == kind or (model_inputs == "features" and kind != "tokens")
+
+
+def check_inputs(name: str, input_shape: Sequence[int], dtype, dataset: str) -> None:
+  """A one-line ConfigError where model `name` cannot read `dataset`'s samples."""
+  kind = sample_kind(input_shape, dtype)
+  if _reads(MODEL_INPUTS[name], kind):
+    return
+  fitting = [m for m in MODELS if _reads(MODEL_INPUTS[m], kind)]
+  raise ConfigError(f"--model={name} reads {_READS[MODEL_INPUTS[name]]}, but {dataset}'s"
+                    f" samples are"
+                    f" {kind} of shape {tuple(input_shape)} ({np.dtype(dtype).name}); models"
+                    f" for them: {', '.join(fitting)}")
+
 
 # The layers of a model, for the layer-wise methods (fedora_jax/algorithms/layers.py), are
 # its top-level flax modules, which flax names <Type>_<n>, numbering each type in creation
