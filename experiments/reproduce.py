@@ -24,10 +24,11 @@ The tables (experiments/paper/fedora_tables.json, the paper's numbers as data):
 A dataset the table does not report is refused. A column may run with flags of its own
 (its "flags" in the JSON, each unless the command line gives it): CIFAR-10 runs the
 calibrated protocol of docs/datasets.md, --split=authors --data_seed=42
---fixed_train_size=200, so that LOCAL lands at the paper's 0.7617. Every table also runs LOCAL (the
-reference of R-Acc and PTR) and, beside the paper's FEDORA row, `fedora_paper`: FEDORA's
-equations as printed (`--fedora_variant=paper`), compared with the same paper row; the
-`fedora` row is the default, authors' variant, whose numbers the paper reports.
+--fixed_train_size=200, so that LOCAL lands at the paper's 0.7617. Every table also
+runs LOCAL (the reference of R-Acc and PTR) and, beside the paper's FEDORA row,
+`fedora_paper`: FEDORA's equations as printed (`--fedora_variant=paper`), compared with
+the same paper row; the `fedora` row is the default, authors' variant, whose numbers the
+paper reports.
 
 The ablation rows of Tables 4 and 5 are the `fedora` row with one thing changed
 (fedora_jax/algorithms/fedora.py): --fedora_similarity=random|parameters|gradients

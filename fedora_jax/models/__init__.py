@@ -88,7 +88,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
 
 # What each model reads from a sample: "images" ([H, W] or [H, W, C] pixels), "features"
 # (any numeric sample, flattened: images and vectors alike) or "tokens" ([L] integer
-# token ids, fedora_jax/data/agnews.py). `check_inputs` refuses a model the data does not fit.
+# token ids, fedora_jax/data/agnews.py). `check_inputs` refuses a model the data does not
+# fit before anything is built (a CNN on tokens would fail deep inside flax).
 MODEL_INPUTS: dict[str, str] = {"mlp": "features", "cnn": "images", "coaching_cnn": "images",
                                 "fedavg_cnn": "images", "resnet18": "images",
                                 "fasttext": "tokens", "fasttext_bag": "tokens"}
@@ -116,9 +117,8 @@ def check_inputs(name: str, input_shape: Sequence[int], dtype, dataset: str) -> 
     return
   fitting = [m for m in MODELS if _reads(MODEL_INPUTS[m], kind)]
   raise ConfigError(f"--model={name} reads {_READS[MODEL_INPUTS[name]]}, but {dataset}'s"
-                    f" samples are"
-                    f" {kind} of shape {tuple(input_shape)} ({np.dtype(dtype).name}); models"
-                    f" for them: {', '.join(fitting)}")
+                    f" samples are {kind} of shape {tuple(input_shape)}"
+                    f" ({np.dtype(dtype).name}); models for them: {', '.join(fitting)}")
 
 
 # The layers of a model, for the layer-wise methods (fedora_jax/algorithms/layers.py), are
