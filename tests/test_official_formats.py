@@ -10,7 +10,7 @@ from PIL import Image
 
 from fedora_jax.data import agnews, datasets, flowers102, tinyimagenet
 from fedora_jax.errors import DataError, FedoraError
-from fedora_jax.models import build_model, fasttext
+from fedora_jax.models import MODEL_INPUTS, MODELS, build_model, check_inputs, fasttext
 
 # A few distinct, flat colours: JPEG keeps a flat 64x64 block within a few levels.
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40)]
@@ -263,22 +263,21 @@ def test_fasttext_is_fedalas_model_and_the_bag_variant_averages_real_tokens():
 
 
 def test_a_model_the_samples_do_not_fit_is_refused_in_one_line():
-  from fedora_jax import models
-  assert set(models.MODEL_INPUTS) == set(models.MODELS)  # every model says what it reads
+  assert set(MODEL_INPUTS) == set(MODELS)  # every model says what it reads
   tokens, images, spectra = ((200,), np.int32), ((32, 32, 3), np.uint8), ((50,), np.float32)
-  for name in models.MODELS:
-    reads = models.MODEL_INPUTS[name]
+  for name in MODELS:
+    reads = MODEL_INPUTS[name]
     for (shape, dtype), kind in ((tokens, "tokens"), (images, "images"), (spectra, "vectors")):
       fits = {"images": kind == "images", "features": kind != "tokens",
               "tokens": kind == "tokens"}[reads]
       if fits:
-        models.check_inputs(name, shape, dtype, "data")
+        check_inputs(name, shape, dtype, "data")
       else:
         with pytest.raises(FedoraError, match=f"^--model={name} reads .* but data's samples"
                            f" are {kind} of shape"):
-          models.check_inputs(name, shape, dtype, "data")
+          check_inputs(name, shape, dtype, "data")
   with pytest.raises(FedoraError) as error:
-    models.check_inputs("cnn", *tokens, "agnews")
+    check_inputs("cnn", *tokens, "agnews")
   assert str(error.value) == (
       "--model=cnn reads images, but agnews's samples are tokens of shape (200,) (int32);"
       " models for them: fasttext, fasttext_bag")
