@@ -142,7 +142,7 @@ def _setup() -> Setup:
   log(f"{FLAGS.dataset} {FLAGS.setting}: {datasets.describe(data)}")
   hidden = run_flags.hidden_widths()
   model_name = FLAGS.model or spec.model
-  check_inputs(model_name, data.input_shape, data.buckets[0].train.x.dtype, FLAGS.dataset)
+  check_inputs(model_name, data.input_shape, data.input_dtype, FLAGS.dataset)
   model = build_model(model_name, data.num_classes, hidden)
   train = run_flags.train_config()
   return Setup(data=data, model=model, model_name=model_name, hidden=hidden,

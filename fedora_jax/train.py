@@ -213,7 +213,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   run_info["data"] = federated.source.name  # e.g. "CIFAR-10 (JPEG copy)"
   data = federated.data
   logger.info("%s: %s", config.dataset, datasets.describe(data))
-  check_inputs(model_name, data.input_shape, data.buckets[0].train.x.dtype, config.dataset)
+  check_inputs(model_name, data.input_shape, data.input_dtype, config.dataset)
   model = build_model(model_name, data.num_classes, config.hidden)
   client_info = _client_info(federated)
 

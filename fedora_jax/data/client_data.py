@@ -54,6 +54,10 @@ class FederatedData(NamedTuple):
     return self.buckets[0].train.x.shape[2:]
 
   @property
+  def input_dtype(self) -> np.dtype:
+    return self.buckets[0].train.x.dtype
+
+  @property
   def task(self) -> str:
     """"regression" when the targets are real numbers (then num_classes is the model's
     single output), else "classification"."""
