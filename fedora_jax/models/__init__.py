@@ -86,13 +86,14 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
                                                "fedavg_cnn": _fedavg_cnn,
                                                "resnet18": _resnet18}
 
-# What each model reads from a sample: "images" ([H, W] or [H, W, C] pixels), "features"
-# (any numeric sample, flattened: images and vectors alike) or "tokens" ([L] integer
-# token ids, fedora_jax/data/agnews.py). `check_inputs` refuses a model the data does not
-# fit before anything is built (a CNN on tokens would fail deep inside flax).
-MODEL_INPUTS: dict[str, str] = {"mlp": "features", "cnn": "images", "coaching_cnn": "images",
-                                "fedavg_cnn": "images", "resnet18": "images",
-                                "fasttext": "tokens", "fasttext_bag": "tokens"}
+# The samples each model reads: "images" ([H, W] or [H, W, C] pixels), "vectors" (flat
+# numeric features; the MLP flattens images too) or "tokens" ([L] integer token ids,
+# fedora_jax/data/agnews.py). `check_inputs` refuses a model the data does not fit
+# before anything is built (a CNN on tokens would fail deep inside flax).
+MODEL_INPUTS: dict[str, tuple[str, ...]] = {
+    "mlp": ("images", "vectors"), "cnn": ("images",), "coaching_cnn": ("images",),
+    "fedavg_cnn": ("images",), "resnet18": ("images",), "fasttext": ("tokens",),
+    "fasttext_bag": ("tokens",)}
 
 
 def sample_kind(input_shape: Sequence[int], dtype) -> str:
@@ -103,21 +104,14 @@ def sample_kind(input_shape: Sequence[int], dtype) -> str:
   return "images" if len(input_shape) in (2, 3) else "vectors"
 
 
-_READS = {"images": "images", "features": "numeric samples", "tokens": "token ids"}
-
-
-def _reads(model_inputs: str, kind: str) -> bool:
-  return model_inputs == kind or (model_inputs == "features" and kind != "tokens")
-
-
 def check_inputs(name: str, input_shape: Sequence[int], dtype, dataset: str) -> None:
   """A one-line ConfigError where model `name` cannot read `dataset`'s samples."""
   kind = sample_kind(input_shape, dtype)
-  if _reads(MODEL_INPUTS[name], kind):
+  if kind in MODEL_INPUTS[name]:
     return
-  fitting = [m for m in MODELS if _reads(MODEL_INPUTS[m], kind)]
-  raise ConfigError(f"--model={name} reads {_READS[MODEL_INPUTS[name]]}, but {dataset}'s"
-                    f" samples are {kind} of shape {tuple(input_shape)}"
+  fitting = [m for m in MODELS if kind in MODEL_INPUTS[m]]
+  raise ConfigError(f"--model={name} reads {' or '.join(MODEL_INPUTS[name])}, but"
+                    f" {dataset}'s samples are {kind} of shape {tuple(input_shape)}"
                     f" ({np.dtype(dtype).name}); models for them: {', '.join(fitting)}")
 
 
