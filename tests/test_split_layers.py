@@ -126,6 +126,9 @@ def _one_round(algorithm, trainer, data, params):
 
 @pytest.mark.parametrize("name, shared", [
     ("lg_fedavg", ["Dense_1", "Dense_2"]),  # local_layers=1: all above the input layer
+    # local_side="output", local_layers=2: only the input layer shared (the shape of the
+    # authors' CIFAR-10 script: convolutions global, dense layers local)
+    ("lg_fedavg_output", ["Dense_0"]),
     ("fedper", ["Dense_0", "Dense_1"]),     # personal_layers=1: all but the head
 ])
 def test_one_round_averages_only_the_shared_layers(name, shared):
@@ -133,8 +136,11 @@ def test_one_round_averages_only_the_shared_layers(name, shared):
   model = tiny_model(hidden=(5, 4))  # Dense_0, Dense_1, Dense_2
   trainer = tiny_trainer(model, lr=LR, batch_size=8)  # one full-batch step
   params = init_params(model)
-  algorithm = (lg_fedavg.lg_fedavg(lg_fedavg.LgFedAvgConfig(), trainer) if name == "lg_fedavg"
-               else fedper.fedper(fedper.FedPerConfig(), trainer))
+  algorithm = {
+      "lg_fedavg": lambda: lg_fedavg.lg_fedavg(lg_fedavg.LgFedAvgConfig(), trainer),
+      "lg_fedavg_output": lambda: lg_fedavg.lg_fedavg(
+          lg_fedavg.LgFedAvgConfig(local_layers=2, local_side="output"), trainer),
+      "fedper": lambda: fedper.fedper(fedper.FedPerConfig(), trainer)}[name]()
   state = _one_round(algorithm, trainer, data, params)
 
   # Round 1: every client trains the whole shared initial model one step.
@@ -171,6 +177,8 @@ def test_layer_counts_are_checked():
   trainer = tiny_trainer(tiny_model())
   with pytest.raises(ConfigError, match="lg_fedavg: local_layers"):
     lg_fedavg.lg_fedavg(lg_fedavg.LgFedAvgConfig(local_layers=0), trainer)
+  with pytest.raises(ConfigError, match="lg_fedavg: local_side must be one of input, output"):
+    lg_fedavg.lg_fedavg(lg_fedavg.LgFedAvgConfig(local_side="top"), trainer)
   with pytest.raises(ConfigError, match="fedper: personal_layers"):
     fedper.fedper(fedper.FedPerConfig(personal_layers=0), trainer)
   data, _ = tiny_data([4, 4])
