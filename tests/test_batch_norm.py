@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from fedora_jax import tree
-from fedora_jax.algorithms import layers, local, pfedhn
+from fedora_jax.algorithms import layers, local, perfedavg, pfedhn, pfedme
 from fedora_jax.checkpoint import Checkpointer
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats
@@ -208,3 +209,79 @@ def test_resnet18_initialises_and_trains_one_client_step():
   assert np.abs(stem["mean"]).max() > 0 and not np.allclose(stem["var"], 1.0)
   assert default_client_chunk("resnet18", "cpu") == 1
   assert default_client_chunk("resnet18", "gpu") is None
+
+
+def _train_mode_loss(model, statistics):
+  """The train-mode loss of weights (folded-out params) on (x, y), written without the
+  engine: BatchNorm normalises with the batch, whatever the running averages."""
+  def loss(weights, x, y):
+    variables = {"params": weights, "batch_stats": statistics}
+    logits, _ = model.apply(variables, x, mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return loss
+
+
+def _ema(statistics, weights, x):
+  """flax's running-average step (momentum 0.9, biased variance) over the batch x."""
+  h = _hidden({"params": weights}, x)
+  return {"mean": 0.9 * statistics["mean"] + 0.1 * h.mean(0),
+          "var": 0.9 * statistics["var"] + 0.1 * h.var(0)}
+
+
+def _batches(count, size=6):
+  rng = np.random.default_rng(3)
+  return [(rng.normal(size=(size, 4)).astype(np.float32), rng.integers(0, 3, size),
+           np.ones(size, np.float32)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_perfedavg_trains_in_train_mode_and_each_pass_moves_the_averages(variant):
+  model = TinyBN()
+  params = init_folded(model)
+  trainer = tiny_trainer(model)
+  config = perfedavg.PerFedAvgConfig(alpha=0.1, beta=0.05, variant=variant)
+  batches = _batches(3 if variant == "hf" else 2)
+  new, _ = perfedavg.meta_step(trainer.loss, params, tuple(batches), config)
+
+  unfolded = batch_stats.unfold(params)
+  weights, start = unfolded["params"], unfolded["batch_stats"]["BatchNorm_0"]
+  loss = _train_mode_loss(model, unfolded["batch_stats"])
+  grad = jax.grad(loss)
+  adapted = jax.tree.map(lambda w, g: w - 0.1 * g, weights, grad(weights, *batches[0][:2]))
+  outer = grad(adapted, *batches[1][:2])
+  averages = _ema(_ema(start, weights, batches[0][0]), adapted, batches[1][0])
+  if variant == "hf":
+    hessian_vector = jax.jvp(lambda w: grad(w, *batches[2][:2]), (weights,), (outer,))[1]
+    outer = jax.tree.map(lambda v, hv: v - 0.1 * hv, outer, hessian_vector)
+    averages = _ema(averages, weights, batches[2][0])
+  want = jax.tree.map(lambda w, g: w - 0.05 * g, weights, outer)
+  got = batch_stats.unfold(new)
+  chex.assert_trees_all_close(got["params"], want, atol=1e-6)
+  chex.assert_trees_all_close(got["batch_stats"]["BatchNorm_0"], averages, atol=1e-6)
+
+
+def test_pfedme_solves_in_train_mode_and_w_takes_thetas_averages():
+  model = TinyBN()
+  params = init_folded(model)
+  trainer = tiny_trainer(model)
+  config = pfedme.PfedmeConfig(k=2, personal_lr=0.1, lam=15.0, eta=0.005)
+  x, y, w = _batches(1)[0]
+  theta, _ = pfedme.solve_personal(trainer.loss, config, params, params, x, y, w)
+  local = pfedme.local_update(params, theta, config)
+
+  unfolded = batch_stats.unfold(params)
+  weights, averages = unfolded["params"], unfolded["batch_stats"]["BatchNorm_0"]
+  grad = jax.grad(_train_mode_loss(model, unfolded["batch_stats"]))
+  solved = weights
+  for _ in range(2):
+    averages = _ema(averages, solved, x)
+    solved = jax.tree.map(lambda t, g, w0: t - 0.1 * (g + 15.0 * (t - w0)), solved,
+                          grad(solved, x, y), weights)
+  got = batch_stats.unfold(theta)
+  chex.assert_trees_all_close(got["params"], solved, atol=1e-6)
+  chex.assert_trees_all_close(got["batch_stats"]["BatchNorm_0"], averages, atol=1e-6)
+  rate = 0.005 * 15.0
+  chex.assert_trees_all_close(
+      batch_stats.unfold(local)["params"],
+      jax.tree.map(lambda w0, t: w0 - rate * (w0 - t), weights, solved), atol=1e-6)
+  chex.assert_trees_all_equal(_statistics(local), _statistics(theta))

@@ -58,6 +58,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
+from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import ClientTrainer, TrainStats, epoch_batches
 from fedora_jax.errors import FieldError, check_one_of
 
@@ -95,17 +96,32 @@ def sgd_step(params: Params, grads: Params, lr: float) -> Params:
 
 def meta_step(loss_fn, params: Params, batches, config: PerFedAvgConfig):
   """One Per-FedAvg step from w; `batches` is ((x, y, w) of D, of D', [of D''])).
-  Returns (new w, f(w_tilde; D'))."""
-  grad = jax.grad(loss_fn)
-  inner = batches[0]
-  adapted = sgd_step(params, grad(params, *inner), config.alpha)
-  outer_loss, outer_grad = jax.value_and_grad(loss_fn)(adapted, *batches[1])
+  Returns (new w, f(w_tilde; D')).
+
+  BatchNorm runs in train mode in every pass and each pass moves the running averages,
+  as PyTorch's train-mode forwards do: D under w, then D' under w_tilde (then D'' under
+  w); only the other parameters take the meta step."""
+  value_and_grad = batch_stats.train_mode_value_and_grad(loss_fn)
+  _, inner_grad = value_and_grad(params, *batches[0])
+  adapted = batch_stats.apply_carried_update(sgd_step(params, inner_grad, config.alpha),
+                                             params, inner_grad)
+  outer_loss, outer_grad = value_and_grad(adapted, *batches[1])
+  statistics = batch_stats.apply_carried_update(adapted, adapted, outer_grad)
+  outer_grad = batch_stats.zero_statistics(outer_grad)
   if config.variant == "hf":
-    # (I - alpha H(w; D'')) v with v = grad f(w_tilde; D'): H v by forward-over-reverse.
-    hessian_vector = jax.jvp(lambda p: grad(p, *batches[2]), (params,), (outer_grad,))[1]
+    # (I - alpha H(w; D'')) v with v = grad f(w_tilde; D'). H is symmetric, so H v is
+    # the pullback of v through the gradient: reverse over reverse, since the carried
+    # running averages (a custom_vjp) have no forward mode. They do not enter a
+    # train-mode loss, so taking them from the passes so far changes only the update
+    # that D'' carries.
+    third_grad, pullback = jax.vjp(lambda p: value_and_grad(p, *batches[2])[1],
+                                   batch_stats.take_statistics(params, statistics))
+    (hessian_vector,) = pullback(outer_grad)
+    statistics = batch_stats.apply_carried_update(statistics, statistics, third_grad)
     outer_grad = jax.tree.map(lambda v, hv: v - config.alpha * hv, outer_grad,
-                              hessian_vector)
-  return sgd_step(params, outer_grad, config.beta), outer_loss
+                              batch_stats.zero_statistics(hessian_vector))
+  new_params = sgd_step(params, outer_grad, config.beta)
+  return batch_stats.take_statistics(new_params, statistics), outer_loss
 
 
 def meta_train(loss_fn, config: PerFedAvgConfig, params: Params, data: ClientData,
@@ -141,10 +157,12 @@ def meta_train(loss_fn, config: PerFedAvgConfig, params: Params, data: ClientDat
 
 def adapt(loss_fn, alpha: float, params: Params, data: ClientData, key: jax.Array,
           batch_size: int) -> Params:
-  """The evaluated model: one SGD step of size alpha on one random training batch."""
+  """The evaluated model: one SGD step of size alpha on one random training batch
+  (BatchNorm in train mode, its running averages moved by that batch)."""
   idx, weights = epoch_batches(key, data.mask, data.n, batch_size, 1)
-  grads = jax.grad(loss_fn)(params, data.x[idx[0]], data.y[idx[0]], weights[0])
-  return sgd_step(params, grads, alpha)
+  _, grads = batch_stats.train_mode_value_and_grad(loss_fn)(
+      params, data.x[idx[0]], data.y[idx[0]], weights[0])
+  return batch_stats.apply_carried_update(sgd_step(params, grads, alpha), params, grads)
 
 
 def perfedavg(config: PerFedAvgConfig, trainer: ClientTrainer) -> Algorithm:

@@ -53,6 +53,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
+from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import ClientTrainer, TrainStats, epoch_batches
 from fedora_jax.errors import FieldError, check_one_of
 
@@ -103,22 +104,28 @@ def validate(config: PfedmeConfig) -> PfedmeConfig:
 def solve_personal(loss_fn, config: PfedmeConfig, theta: Params, local: Params, x, y,
                    weights):
   """K gradient steps on h_i(theta; local, D) from `theta`; returns (theta, f(theta; D)
-  before the last step)."""
+  before the last step). BatchNorm runs in train mode, each step moving theta's running
+  averages (as the authors' train-mode forwards do)."""
+  value_and_grad = batch_stats.train_mode_value_and_grad(loss_fn)
+
   def step(theta, _):
-    loss, grads = jax.value_and_grad(loss_fn)(theta, x, y, weights)
-    theta = jax.tree.map(
+    loss, grads = value_and_grad(theta, x, y, weights)
+    stepped = jax.tree.map(
         lambda t, g, w: t - config.personal_lr * (g + config.lam * (t - w)
                                                    + config.theta_l2 * t),
         theta, grads, local)
-    return theta, loss
+    return batch_stats.apply_carried_update(stepped, theta, grads), loss
   theta, losses = jax.lax.scan(step, theta, None, length=config.k)
   return theta, losses[-1]
 
 
 def local_update(local: Params, theta: Params, config: PfedmeConfig) -> Params:
-  """w_{i,r+1} = w_{i,r} - eta lambda (w_{i,r} - theta_i)."""
+  """w_{i,r+1} = w_{i,r} - eta lambda (w_{i,r} - theta_i). The running averages are
+  theta_i's: the authors' theta and w are one PyTorch model's parameters, its BatchNorm
+  buffers shared by both."""
   rate = config.eta * config.lam
-  return jax.tree.map(lambda w, t: w - rate * (w - t), local, theta)
+  return batch_stats.take_statistics(
+      jax.tree.map(lambda w, t: w - rate * (w - t), local, theta), theta)
 
 
 def local_train(loss_fn, config: PfedmeConfig, global_params: Params, data: ClientData,

@@ -33,10 +33,12 @@ it `loss` and `evaluate`). Outside local training it runs inference mode: BatchN
 normalises with the running averages, which no gradient reaches there (stop_gradient);
 a running variance below zero, which a mixture with negative weights or an extrapolating
 step can make, normalises as zero variance instead of NaN.
-That is evaluation, representations read after training, and the algorithms that run
-gradient loops of their own instead of `ClientTrainer.train` (Per-FedAvg, pFedMe, ALA's
-weight learning): for those BatchNorm is an affine layer with fixed averages, whose
-scale and shift they train. Inside the objective of `ClientTrainer.train` (the
+That is evaluation, representations read after training, and ALA's weight learning,
+which trains mixing weights, not the model: for it BatchNorm is an affine layer with
+fixed averages. Per-FedAvg and pFedMe, whose gradient loops are their own rather than
+`ClientTrainer.train`'s, take their gradients through `train_mode_value_and_grad` and
+set the running averages each pass carries (`apply_carried_update`), as PyTorch's
+train-mode forward passes would. Inside the objective of `ClientTrainer.train` (the
 `training` context, entered at trace time) every forward pass runs in train mode,
 flax's `mutable=["batch_stats"]`: BatchNorm normalises with the statistics of the
 batch's real samples (`mask`: the padded slots of a partial last batch are left out, as
@@ -237,6 +239,23 @@ def model_apply(apply_fn: Callable[..., Any]) -> Callable[[Params, jax.Array], A
       outputs, _ = apply_fn(variables, x, mask=mask, mutable=[BATCH_STATS])
     return outputs
   return apply
+
+
+def train_mode_value_and_grad(loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+  """`jax.value_and_grad` of `loss_fn(params, x, y, weights)` with BatchNorm in train mode
+  over the samples of nonzero weight: for algorithms with gradient loops of their own
+  (Per-FedAvg, pFedMe). The gradient's statistic entries carry the new running averages
+  (`apply_carried_update`); the other entries are the train-mode loss's gradient."""
+  def value_and_grad(params: Params, x: jax.Array, y: jax.Array, weights: jax.Array):
+    with training(weights > 0):  # entered while value_and_grad traces the loss
+      return jax.value_and_grad(loss_fn)(params, x, y, weights)
+  return value_and_grad
+
+
+def take_statistics(params: Params, source: Params) -> Params:
+  """`params` with the running averages of `source` (a model of the same structure)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p, s: s if is_statistic(path) else p, params, source)
 
 
 def apply_carried_update(new_params: Params, old_params: Params, grads: Params) -> Params:
