@@ -92,8 +92,9 @@ def main(argv):
       seconds[name].append(time.perf_counter() - start)
   ms = {name: 1e3 * np.asarray(s) / steps for name, s in seconds.items()}
   speed = ms["PyTorch"] / ms["XLA"]
-  print(f"{jax.devices()[0].device_kind}, {model_conv()} convolutions, PyTorch {torch.get_num_threads()} thread(s), "
-        f"{steps} steps of batch {_BATCH.value} a call, {_REPEATS.value} pairs")
+  print(f"{jax.devices()[0].device_kind}, {model_conv()} convolutions, PyTorch "
+        f"{torch.get_num_threads()} thread(s), {steps} steps of batch {_BATCH.value} a "
+        f"call, {_REPEATS.value} pairs")
   for name, values in ms.items():
     print(f"  {name}: {np.median(values):.1f} ms a step (median)")
   print(f"  XLA's speed against PyTorch's: {np.median(speed):.2f}x (median of the pairs;"

@@ -7,11 +7,11 @@ Workshop on Federated Learning (arXiv 2020). https://arxiv.org/abs/2001.01523
 (code: github.com/pliang279/LG-FedAvg)
 
 Client k's model is a local representation (its bottom `local_layers` layers under the
-default `local_side`, never sent) followed by the global layers theta^g (all the layers above). Each round the client
-overwrites its global layers with the server's, trains the whole model on its own data,
-and uploads only the global layers, which the server averages (weighted by
-training-set size, full participation). Evaluation uses the client's own bottom layers
-under the latest global top layers. (The authors start LG-FedAvg from a FedAvg-trained
+default `local_side`, never sent) followed by the global layers theta^g (all the layers
+above). Each round the client overwrites its global layers with the server's, trains the
+whole model on its own data, and uploads only the global layers, which the server
+averages (weighted by training-set size, full participation). Evaluation uses the
+client's own bottom layers under the latest global top layers. (The authors start LG-FedAvg from a FedAvg-trained
 model and keep each client's best local model by test accuracy; here, as for every
 method of this project, all start from the shared initial model and the last round is
 reported.)
