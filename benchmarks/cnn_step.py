@@ -53,7 +53,7 @@ def jax_epoch(samples: int, batch_size: int, conv: str):
 
 
 def torch_epoch(samples: int, batch_size: int):
-  import torch  # optional: pip install -e '.[bench]'
+  import torch  # pylint: disable=import-outside-toplevel  (checked in main)
   net = make_cnn(torch, (3, 32, 32), 10)
   optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM,
                               weight_decay=WEIGHT_DECAY)
@@ -76,7 +76,11 @@ def model_conv() -> str:
 
 def main(argv):
   del argv
-  import torch
+  try:
+    import torch  # optional: pip install -e '.[bench]'
+  except ImportError:
+    raise SystemExit("error: benchmarks.cnn_step needs PyTorch: pip install -e '.[bench]'"
+                     " (CPU wheels: see docs/performance.md)") from None
   if _TORCH_THREADS.value is not None:
     torch.set_num_threads(_TORCH_THREADS.value)
   steps = -(-_SAMPLES.value // _BATCH.value)
