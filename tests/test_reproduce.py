@@ -160,11 +160,12 @@ def test_rows_tables_and_datasets_are_checked():
 
 @pytest.mark.parametrize("args,column_flags,values", [
     # CIFAR-10's column: the calibrated protocol of docs/datasets.md.
-    (["--dataset=cifar10"], {"split": "authors", "data_seed": 42, "fixed_train_size": 200},
+    (["--dataset=cifar10"], {"split": "authors", "data_seed": 42, "fixed_train_size": 200,
+                             "ifca_num_clusters": 5, "fesem_num_clusters": 5},
      ("authors", 42, 200)),
     # A flag on the command line wins over the column's.
-    (["--dataset=cifar10", "--fixed_train_size=20"], {"split": "authors", "data_seed": 42},
-     ("authors", 42, 20)),
+    (["--dataset=cifar10", "--fixed_train_size=20", "--ifca_num_clusters=3"],
+     {"split": "authors", "data_seed": 42, "fesem_num_clusters": 5}, ("authors", 42, 20)),
     (["--dataset=rmnist"], {}, (None, None, None)),
 ])
 def test_a_column_runs_its_own_flags_unless_the_command_line_gives_them(args, column_flags,
