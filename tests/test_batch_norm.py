@@ -1,8 +1,9 @@
 """BatchNorm statistics in the engine (fedora_jax/engine/batch_stats.py): folded into the
 parameters, train mode in local training and inference mode elsewhere, running averages
 set by hand-checkable EMA steps over the real samples only, untouched by padding, the
-optimizer and regularisers, carried back through merges and mixtures, checkpointed; and
-ResNet-18 itself initialised and trained one step."""
+optimizer and regularisers, carried back through merges and mixtures, checkpointed;
+Per-FedAvg's and pFedMe's own gradient loops in train mode, each pass moving the averages;
+and ResNet-18 itself initialised and trained one step."""
 
 import chex
 import jax
