@@ -19,8 +19,8 @@ from absl import app, flags
 import jax
 import numpy as np
 
+from benchmarks.measure import random_cifar_client
 from benchmarks.torch_loop import make_cnn
-from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.models import cnn_conv
 from fedora_jax.models.cnn import CNN, CONVS
@@ -41,11 +41,7 @@ def jax_epoch(samples: int, batch_size: int, conv: str):
   model = CNN(num_outputs=10, conv=conv)
   trainer = make_client_trainer(model.apply, make_optimizer(LR, MOMENTUM, WEIGHT_DECAY), 1,
                                 batch_size)
-  rng = np.random.default_rng(0)
-  data = jax.device_put(ClientData(
-      x=rng.integers(0, 256, (samples, 32, 32, 3), np.uint8),
-      y=rng.integers(0, 10, samples).astype(np.int32),
-      mask=np.ones(samples, bool), n=np.int32(samples)))
+  data = jax.device_put(random_cifar_client(np.random.default_rng(0), samples))
   params = model.init(jax.random.key(0), data.x[:1])
   train = jax.jit(trainer.train)
   keys = iter(jax.random.split(jax.random.key(1), 10_000))

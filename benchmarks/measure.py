@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedora_jax import tree
-from fedora_jax.data.client_data import FederatedData
+from fedora_jax.data.client_data import ClientData, FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.rounds import client_keys, num_sampled_clients
 from fedora_jax.engine import batch_stats, sharding
@@ -59,6 +59,14 @@ from fedora_jax.simulation import (PreparedRun, TrainConfig, to_host, prepare_ru
 # validation and test): FEDORA's client scores theta_k and theta_hat_k on its validation
 # split to set lambda_k. Algorithms not listed are counted with none (a lower bound).
 EXTRA_VALIDATION_PASSES = {"fedora": 2}
+
+
+def random_cifar_client(rng: np.random.Generator, n: int) -> ClientData:
+  """One client of n random CIFAR-shaped uint8 images and labels, all real: the data of
+  the one-client step benchmarks (`benchmarks.resnet_step`, `benchmarks.cnn_step`)."""
+  return ClientData(x=rng.integers(0, 256, (n, 32, 32, 3)).astype(np.uint8),
+                    y=rng.integers(0, 10, n).astype(np.int32), mask=np.ones(n, bool),
+                    n=np.int32(n))
 
 
 # --------------------------------------------------------------------------- FLOPs

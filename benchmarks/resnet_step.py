@@ -15,7 +15,7 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from fedora_jax.data.client_data import ClientData
+from benchmarks.measure import random_cifar_client
 from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.models.resnet import ResNet
@@ -27,17 +27,11 @@ _EVAL = flags.DEFINE_integer("eval_images", 256, "Images evaluated per timed cal
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed calls of each.")
 
 
-def _client(rng: np.random.Generator, n: int) -> ClientData:
-  return ClientData(x=rng.integers(0, 256, (n, 32, 32, 3)).astype(np.uint8),
-                    y=rng.integers(0, 10, n).astype(np.int32), mask=np.ones(n, bool),
-                    n=np.int32(n))
-
-
 def main(argv) -> None:
   del argv
   rng = np.random.default_rng(0)
   model = ResNet(num_outputs=10, conv=_CONV.value)
-  train_data = _client(rng, _STEPS.value * _BATCH.value)
+  train_data = random_cifar_client(rng, _STEPS.value * _BATCH.value)
   params = batch_stats.fold(model.init(jax.random.key(0), train_data.x[:1]))
   trainer = make_client_trainer(model.apply, make_optimizer(0.01, 0.9, 5e-4), 1,
                                 _BATCH.value)
@@ -50,7 +44,7 @@ def main(argv) -> None:
     seconds = time.perf_counter() - start
     print(f"{_CONV.value}: {_STEPS.value} steps of batch {_BATCH.value} {seconds:.2f} s"
           f" = {seconds / _STEPS.value:.2f} s/step", flush=True)
-  eval_data = _client(rng, _EVAL.value)
+  eval_data = random_cifar_client(rng, _EVAL.value)
   evaluate = jax.jit(trainer.evaluate).lower(trained, eval_data).compile()
   for _ in range(_REPEATS.value):
     start = time.perf_counter()
