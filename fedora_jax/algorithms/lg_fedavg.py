@@ -11,10 +11,10 @@ default `local_side`, never sent) followed by the global layers theta^g (all the
 above). Each round the client overwrites its global layers with the server's, trains the
 whole model on its own data, and uploads only the global layers, which the server
 averages (weighted by training-set size, full participation). Evaluation uses the
-client's own bottom layers under the latest global top layers. (The authors start LG-FedAvg from a FedAvg-trained
-model and keep each client's best local model by test accuracy; here, as for every
-method of this project, all start from the shared initial model and the last round is
-reported.)
+client's own local layers with the latest global ones. (The authors start LG-FedAvg from
+a FedAvg-trained model and keep each client's best local model by test accuracy; here,
+as for every method of this project, all start from the shared initial model and the
+last round is reported.)
 
 local_layers and local_side. The authors' flag --num_layers_keep counts the layers kept
 global, taken from the end of each model's `weight_keys` list. For their MNIST MLP
