@@ -47,10 +47,15 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 
 
 # Options that take an algorithm off its engine fast path (shared_model, uploads_unordered:
-# rounds.py), as "field=value", and the CNN with its CPU convolutions (FedAvg's shared
-# model, FEDORA's propagation) on 16x16 images, run as their own rows.
+# rounds.py), as "field=value", the CNN with its CPU convolutions (FedAvg's shared
+# model, FEDORA's propagation) on 16x16 images, and BatchNorm (the tiny ResNet) in the
+# algorithms whose gradient loops are their own rather than the trainer's, run as their
+# own rows.
 OPTION_ROWS = (("fedprox", "evaluate=local"), ("fedavg", "model=cnn"),
-               ("fedora", "model=cnn"))
+               ("fedora", "model=cnn"), ("perfedavg", "model=resnet"),
+               ("pfedme", "model=resnet"))
+MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
+              "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
 
 
 def pairings() -> list[tuple[str, str]]:
@@ -64,7 +69,7 @@ def pairings() -> list[tuple[str, str]]:
 
 def config_of(name: str, plugin: str):
   config = tiny.default_config(name)
-  if plugin == "model=cnn":
+  if plugin in MODEL_ROWS:
     return config
   if "=" in plugin:
     field, value = plugin.split("=")
@@ -78,9 +83,9 @@ def config_of(name: str, plugin: str):
 
 def run_path(name: str, plugin: str, path: Path) -> dict:
   """Two rounds on `path`: the per-client metrics of both, as lists."""
-  cnn = plugin == "model=cnn"
-  data, _ = tiny.tiny_data(SIZES, x_shape=tiny.CNN_X_SHAPE if cnn else None)
-  model = tiny.tiny_cnn(conv="banded") if cnn else tiny.tiny_model()
+  make_model, x_shape = MODEL_ROWS.get(plugin, (tiny.tiny_model, None))
+  data, _ = tiny.tiny_data(SIZES, x_shape=x_shape)
+  model = make_model()
   train = TrainConfig(rounds=2, local_epochs=2, batch_size=4, lr=0.1, momentum=0.9,
                       log_every=0, client_chunk=path.client_chunk,
                       participation=path.participation)
