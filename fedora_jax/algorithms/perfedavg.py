@@ -106,7 +106,8 @@ def meta_step(loss_fn, params: Params, batches, config: PerFedAvgConfig):
   adapted = batch_stats.apply_carried_update(sgd_step(params, inner_grad, config.alpha),
                                              params, inner_grad)
   outer_loss, outer_grad = value_and_grad(adapted, *batches[1])
-  statistics = batch_stats.apply_carried_update(adapted, adapted, outer_grad)
+  # A model whose running averages are the latest (D, then D'); its weights go unused.
+  latest = batch_stats.apply_carried_update(adapted, adapted, outer_grad)
   outer_grad = batch_stats.zero_statistics(outer_grad)
   if config.variant == "hf":
     # (I - alpha H(w; D'')) v with v = grad f(w_tilde; D'). H is symmetric, so H v is
@@ -115,13 +116,13 @@ def meta_step(loss_fn, params: Params, batches, config: PerFedAvgConfig):
     # train-mode loss, so taking them from the passes so far changes only the update
     # that D'' carries.
     third_grad, pullback = jax.vjp(lambda p: value_and_grad(p, *batches[2])[1],
-                                   batch_stats.take_statistics(params, statistics))
+                                   batch_stats.take_statistics(params, latest))
     (hessian_vector,) = pullback(outer_grad)
-    statistics = batch_stats.apply_carried_update(statistics, statistics, third_grad)
+    latest = batch_stats.apply_carried_update(latest, latest, third_grad)
     outer_grad = jax.tree.map(lambda v, hv: v - config.alpha * hv, outer_grad,
                               batch_stats.zero_statistics(hessian_vector))
   new_params = sgd_step(params, outer_grad, config.beta)
-  return batch_stats.take_statistics(new_params, statistics), outer_loss
+  return batch_stats.take_statistics(new_params, latest), outer_loss
 
 
 def meta_train(loss_fn, config: PerFedAvgConfig, params: Params, data: ClientData,
