@@ -458,8 +458,11 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   if config.algorithm == "fedora" and getattr(config.algorithm_config, "propagation_steps", 0):
     propagation_products = config.algorithm_config.propagation_steps
   trained = num_sampled_clients(train.participation, data.num_clients)
+  # With --eval_every > 1 the compiled round scores validation only (test on demand).
+  scores_test = prepared.test_evaluation is None
+  n_test = data.split_sizes("test") if scores_test else np.zeros(data.num_clients, int)
   work = round_work(config.algorithm, forward, data.split_sizes("train"),
-                    data.split_sizes("val"), data.split_sizes("test"), train.local_epochs,
+                    data.split_sizes("val"), n_test, train.local_epochs,
                     num_params, propagation_products, num_trained=trained)
   flops_per_second = work.flops / round_seconds
   client_steps = int(np.sum(metrics.local_steps))
@@ -482,6 +485,7 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
       "client_chunk": train.client_chunk,
       "jax_version": jax.__version__,
       "round_seconds": round_seconds,
+      "round_scores_test": scores_test,
       "round_seconds_min": float(min(durations)),
       "round_seconds_all": [float(d) for d in durations],
       # Only the clients a round trains (round(f K) at participation f).

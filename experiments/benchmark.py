@@ -6,6 +6,7 @@
   python -m experiments.benchmark --imbalance_check                  # balanced vs imbalanced
   python -m experiments.benchmark --client_chunks=vmap,1,2,4,8      # clients per lax.map chunk
   python -m experiments.benchmark --participations=1.0,0.1          # full vs sampled rounds
+  python -m experiments.benchmark --eval_everys=1,10   # rounds scoring test vs validation only
   python -m experiments.benchmark --dataset=cifar10 --cnn_convs=im2col,banded   # CNN convs
 
 Takes every flag of experiments.main (same flags, same flagfiles) plus the ones below.
@@ -92,6 +93,11 @@ _PARTICIPATIONS = flags.DEFINE_list(
     "participations", [], "Sweep: compile the round once per --participation value in"
     " this list and time them in turn in one process (ratios to the first).")
 
+_EVAL_EVERYS = flags.DEFINE_list(
+    "eval_everys", [], "Sweep: compile the round once per --eval_every value in this list"
+    " and time them in turn in one process: 1 is a round that scores validation and test,"
+    " any other value one that scores validation only (a run under --eval_every adds the"
+    " test scoring in the rounds it is due).")
 _CNN_CONVS = flags.DEFINE_list(
     "cnn_convs", [], "Sweep: compile the round once per convolution of the CNN"
     " (models/cnn.py: im2col, banded, xla) and time them in turn in one process.")
@@ -166,7 +172,9 @@ def single_run() -> dict:
                 val_per_client=setup.val_per_client, hidden=list(setup.hidden),
                 fedora_variant=FLAGS.fedora_variant)
 
-  if _TORCH.value and FLAGS.algorithm == "fedora":
+  if _TORCH.value and FLAGS.algorithm == "fedora" and train.eval_every > 1:
+    log("no PyTorch pairing under --eval_every > 1: the loop scores test every round")
+  elif _TORCH.value and FLAGS.algorithm == "fedora":
     if importlib.util.find_spec("torch") is None:
       log("PyTorch not installed (pip install -e '.[bench]'): no sequential baseline")
     else:
@@ -353,6 +361,12 @@ def participation_sweep(values: list[str]) -> dict:
                             {v: {"participation": f} for v, f in fractions.items()})
 
 
+def eval_every_sweep(values: list[str]) -> dict:
+  if not all(v.isdigit() and int(v) >= 1 for v in values):
+    raise ConfigError(f"--eval_everys takes integers >= 1, got {','.join(values)}")
+  return _interleaved_sweep("eval_every", {v: {"eval_every": int(v)} for v in values})
+
+
 def run() -> dict:
   if _SCALE.value:
     try:
@@ -366,6 +380,8 @@ def run() -> dict:
     report = client_chunk_sweep(_CLIENT_CHUNKS.value)
   elif _PARTICIPATIONS.value:
     report = participation_sweep(_PARTICIPATIONS.value)
+  elif _EVAL_EVERYS.value:
+    report = eval_every_sweep(_EVAL_EVERYS.value)
   elif _CNN_CONVS.value:
     report = cnn_conv_sweep(_CNN_CONVS.value)
   else:
@@ -380,7 +396,8 @@ def summary(r: dict) -> str:
   lines = [
       f"{r['algorithm']} on {r['dataset']} ({r['setting']}, K={r['num_clients']},"
       f" {r['platform']} x{r['mesh_devices']}, client_chunk {r['client_chunk'] or 'vmap'}):",
-      f"  round        {r['round_seconds'] * 1e3:.1f} ms (median of {r['repeats']}),"
+      f"  round        {r['round_seconds'] * 1e3:.1f} ms (median of {r['repeats']}"
+      f"{'' if r['round_scores_test'] else '; validation only, test on demand'}),"
       f" {r['client_updates_per_second']:.1f} client updates/s"
       f" ({r['clients_trained_per_round']} trained clients a round)",
       f"  throughput   {r['flops_per_round'] / 1e9:.1f} GFLOP a round (analytic; XLA by"

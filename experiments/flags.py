@@ -88,6 +88,11 @@ flags.DEFINE_bool("verbose", False, "Show the Python traceback of an unexpected 
                   " and JAX's, XLA's and absl's own log lines.")
 flags.DEFINE_integer("log_every", 50, "Progress: on a terminal a live bar; otherwise a line"
                      " every N rounds (0: neither).", lower_bound=0)
+flags.DEFINE_integer("eval_every", 1, "Score test every N rounds, at the last round and at"
+                     " each round whose mean validation score is the best so far (so the"
+                     " final and best-validation results are exact; the history's other"
+                     " rounds hold NaN test scores). Validation is scored every round.",
+                     lower_bound=1)
 flags.DEFINE_integer("checkpoint_every", 50, "Checkpoint every N rounds and after the last"
                      " one, into <workdir>/checkpoints; rerunning the same command resumes"
                      " from the latest (0: no checkpoints, always start afresh).",
@@ -253,7 +258,8 @@ def train_config() -> TrainConfig:
                      batch_size=FLAGS.batch_size, lr=FLAGS.lr, momentum=FLAGS.momentum,
                      weight_decay=FLAGS.weight_decay, seed=FLAGS.seed,
                      eval_batch_size=eval_batch_size(), log_every=FLAGS.log_every,
-                     client_chunk=client_chunk(), participation=FLAGS.participation)
+                     client_chunk=client_chunk(), participation=FLAGS.participation,
+                     eval_every=FLAGS.eval_every)
 
 
 def partition_config(dataset: str) -> partitions.PartitionConfig:

@@ -207,6 +207,10 @@ def check_command_line(table_name: str, table: dict) -> dict[str, object]:
         f"--table={table_name} sets {', '.join('--' + n for n in given)} itself, per column"
         " and row; pick columns with --columns (its columns:"
         f" {', '.join(table['columns'])}) and rows with --rows")
+  if FLAGS.eval_every > 1:
+    raise ConfigError(
+        f"--eval_every: --table={table_name}'s metric is the best test accuracy over the"
+        " rounds, so every round scores test; leave --eval_every at 1")
   return {name: FLAGS[name].value for name in owned_flags(table)
           if name not in COLUMN_FLAGS + ROW_FLAGS and FLAGS[name].present}
 

@@ -153,10 +153,11 @@ def _write_json_atomically(path: str, document: dict) -> None:
 # Settings that change nothing a run computes, so a workdir may be resumed with other
 # values. `rounds` may grow: a round's randomness depends only on the seed and the round
 # number and there is no schedule, so a longer run extends a shorter one exactly (cutting
-# a run short is refused by open_run). `reference` only changes what R-Acc compares with.
-NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "checkpoint_every",
-                "verbose", "distributed", "coordinator_address", "num_processes",
-                "process_id", "cpu_devices")
+# a run short is refused by open_run). `reference` only changes what R-Acc compares with;
+# `eval_every` only which rounds' test scores the history holds.
+NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "eval_every",
+                "checkpoint_every", "verbose", "distributed", "coordinator_address",
+                "num_processes", "process_id", "cpu_devices")
 # Settings whose default changed, and the value a run recorded before the change ran with.
 # run_config.json records every identity setting's value, default or not, so such a run
 # holds the old value and is refused by the new default (never resumed as the other

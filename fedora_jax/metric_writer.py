@@ -29,7 +29,9 @@ def tensorboard_dir(workdir: str, algorithm: str) -> str:
 def round_scalars(metrics: RoundMetrics, algorithm: str,
                   task: str = "classification") -> dict[str, float]:
   """Tag -> mean over clients, for one round; algorithm extras go under `<algorithm>/`."""
-  scalars = {tag: float(np.nanmean(getattr(metrics, field))) for field, tag in MEAN_TAGS.items()}
+  # A field no client reported this round (test under --eval_every) is left out.
+  scalars = {tag: float(np.nanmean(getattr(metrics, field))) for field, tag in MEAN_TAGS.items()
+             if not np.isnan(getattr(metrics, field)).all()}
   if task == "regression":
     scalars = {_REGRESSION_TAGS.get(tag, tag): value for tag, value in scalars.items()}
   scalars.update({f"{algorithm}/{name}": float(np.nanmean(values))  # NaN: sat out
@@ -55,7 +57,8 @@ class RoundWriter:
     for tag, value in round_scalars(metrics, self.algorithm, self.task).items():
       self._writer.add_scalar(tag, value, round_number)
     histogram = "test/client_mae" if self.task == "regression" else "test/client_accuracy"
-    self._writer.add_histogram(histogram, np.asarray(metrics.test_score), round_number)
+    if not np.isnan(metrics.test_score).all():
+      self._writer.add_histogram(histogram, np.asarray(metrics.test_score), round_number)
 
   def close(self) -> None:
     self._writer.close()

@@ -145,21 +145,34 @@ def relation_figure(relation_cube: np.ndarray, client: int = 0, title: str = "",
   return fig
 
 
+def mean_per_round(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(rounds, means): the 1-based rounds of a per-round [R, K] score that hold values and
+  their means over clients; a round scored by no client (test under --eval_every) is
+  left out."""
+  means = np.asarray(values, np.float64).mean(axis=1)
+  rounds = np.arange(1, len(means) + 1)
+  kept = ~np.isnan(means)
+  return rounds[kept], means[kept]
+
+
+def _marker(curve: np.ndarray) -> str | None:
+  """Markers only on curves of few points, so that short or sparse ones still show."""
+  return "o" if len(curve) <= 30 else None
+
+
 def accuracy_curves_figure(history: Mapping[str, np.ndarray],
                            local_history: Mapping[str, np.ndarray] | None = None,
                            best_round: int | None = None, title: str = "") -> Figure:
   """Mean (over clients) validation and test accuracy per round; LOCAL's test dashed."""
   fig = Figure(figsize=(7.0, 4.2), layout="constrained")
   ax = fig.add_subplot()
-  # Markers only where there are few rounds, so that short runs still show points.
-  marker = "o" if len(history["test_acc"]) <= 30 else None
   for key, label in (("val_acc", "validation"), ("test_acc", "test")):
-    curve = np.asarray(history[key]).mean(axis=1)
-    ax.plot(np.arange(1, len(curve) + 1), curve, label=label, marker=marker, markersize=3)
+    rounds, curve = mean_per_round(history[key])
+    ax.plot(rounds, curve, label=label, marker=_marker(curve), markersize=3)
   if local_history is not None:
-    local = np.asarray(local_history["test_acc"]).mean(axis=1)
-    ax.plot(np.arange(1, len(local) + 1), local, color="black", linestyle="--",
-            linewidth=1.0, label="LOCAL test", marker=marker, markersize=3)
+    rounds, local = mean_per_round(local_history["test_acc"])
+    ax.plot(rounds, local, color="black", linestyle="--", linewidth=1.0, label="LOCAL test",
+            marker=_marker(local), markersize=3)
   if best_round is not None:
     ax.axvline(best_round, color="gray", linestyle=":", linewidth=1.0,
                label=f"best validation (round {best_round})")
@@ -497,21 +510,17 @@ def comparison_figure(runs: list[SavedRun], title: str = "") -> Figure:
   colors = [f"C{i % 10}" for i in range(len(runs))]
   fig = Figure(figsize=(13.0, 4.8), layout="constrained")
   curves, clients = fig.subplots(1, 2, width_ratios=(1.0, 1.3))
-  rounds = max(len(run.history[f"test_{score}"]) for run in runs)
-  marker = "o" if rounds <= 30 else None
   drawn_locals = []
   for run, label, color in zip(runs, labels, colors):
-    curve = np.asarray(run.history[f"test_{score}"]).mean(axis=1)
+    rounds, curve = mean_per_round(run.history[f"test_{score}"])
     final = run.results.get(score)
     ours = f"{label}: {score} {final:.4f}" if isinstance(final, (int, float)) else label
-    curves.plot(np.arange(1, len(curve) + 1), curve, color=color, marker=marker,
-                markersize=3, label=ours)
+    curves.plot(rounds, curve, color=color, marker=_marker(curve), markersize=3, label=ours)
     if run.local_history is not None:
-      local = np.asarray(run.local_history[f"test_{score}"]).mean(axis=1)
+      rounds, local = mean_per_round(run.local_history[f"test_{score}"])
       if not any(np.array_equal(local, seen) for seen in drawn_locals):  # shared LOCAL once
         drawn_locals.append(local)
-        curves.plot(np.arange(1, len(local) + 1), local, color=color, linestyle="--",
-                    linewidth=1.0)
+        curves.plot(rounds, local, color=color, linestyle="--", linewidth=1.0)
   if drawn_locals:
     curves.plot([], [], color="gray", linestyle="--", linewidth=1.0,
                 label="LOCAL reference (dashed, the run's colour)")

@@ -45,6 +45,13 @@ def score_name(task: str) -> str:
   return "mae" if task == "regression" else "acc"
 
 
+def format_mean(values: np.ndarray) -> str:
+  """The mean over clients to 4 places; "n/a" for a round that did not score it (test
+  under --eval_every)."""
+  mean = float(np.mean(values))
+  return "n/a" if np.isnan(mean) else f"{mean:.4f}"
+
+
 def format_seconds(seconds: float) -> str:
   """12 s, 3:07, 1:02:03: the ETA the way a clock shows it."""
   seconds = int(round(seconds))
@@ -74,9 +81,9 @@ class LogProgress:
     if not self.log_every or (round_number % self.log_every and round_number != self._rounds):
       return
     score = score_name(self._task)
-    self._log.info("%s round %d/%d: %.3f s/round, val %s %.4f, test %s %.4f, ETA %.0f s",
+    self._log.info("%s round %d/%d: %.3f s/round, val %s %s, test %s %s, ETA %.0f s",
                    self._run, round_number, self._rounds, seconds_per_round, score,
-                   np.mean(metrics.val_score), score, np.mean(metrics.test_score),
+                   format_mean(metrics.val_score), score, format_mean(metrics.test_score),
                    seconds_per_round * (self._rounds - round_number))
 
   def close(self) -> None:
@@ -122,7 +129,7 @@ class ProgressBar:
     eta = format_seconds(seconds_per_round * (self._rounds - round_number))
     self._bar.set_postfix_str(
         f"{seconds_per_round:.3f} s/round, ETA {eta}, val {score}"
-        f" {np.mean(metrics.val_score):.4f}, test {score} {np.mean(metrics.test_score):.4f}",
+        f" {format_mean(metrics.val_score)}, test {score} {format_mean(metrics.test_score)}",
         refresh=False)
     self._bar.update(round_number - self._bar.n)
 

@@ -209,9 +209,16 @@ def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
     writer = csv.writer(f)
     writer.writerow(["round"] + [f"mean_{name}" for name in per_round])
     for r in range(history.test_score.shape[0]):
-      writer.writerow([r + 1] + [f"{float(np.nanmean(v[r])):.6g}" for v in per_round.values()])
+      writer.writerow([r + 1] + [_mean_text(v[r]) for v in per_round.values()])
   for name, array in result.artifacts.items():
     np.save(os.path.join(workdir, f"{name}.npy"), array)
+
+
+def _mean_text(values: np.ndarray) -> str:
+  """rounds.csv's cell: the mean over the clients that reported a value (NaN: sat the
+  round out); empty where none did (test under --eval_every)."""
+  values = np.asarray(values, np.float64)
+  return "" if np.isnan(values).all() else f"{float(np.nanmean(values)):.6g}"
 
 
 def _signed(value: float | None, width: int = 0) -> str:

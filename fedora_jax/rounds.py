@@ -3,7 +3,9 @@
 `build_train_round` returns `train_round(state, data, key) -> (state, metrics)`: the
 server's broadcast, every client's update (vmapped per size bucket), the server's
 aggregation and a per-client evaluation of the personalized models on the validation
-and test splits. The runner jits it once per run.
+and test splits. The runner jits it once per run. Built with `evaluate_test=False`, the
+round scores validation only, and `build_test_evaluation` scores test on demand (the
+runner's `--eval_every`).
 """
 
 from typing import Any, NamedTuple
@@ -41,19 +43,49 @@ def client_keys(round_key: jax.Array, num_clients: int) -> jax.Array:
 
 def evaluate_clients(trainer: ClientTrainer, params: Any, data: FederatedData,
                      buckets: tuple[ClientSplits, ...], client_chunk: int | None = None,
-                     evaluate=None, shared: bool = False):
-  """Validation and test (loss, score) of each client's model, all [K]; `evaluate`
-  (an Algorithm's own, if it has one) in place of trainer.evaluate. shared: `params` is
-  one model (no client axis) that every client scores on its own data."""
+                     evaluate=None, shared: bool = False,
+                     split_names: tuple[str, ...] = ("val", "test")):
+  """(loss, score) of each client's model on each split of `split_names` (a tuple in that
+  order, each [K]); `evaluate` (an Algorithm's own, if it has one) in place of
+  trainer.evaluate. shared: `params` is one model (no client axis) that every client
+  scores on its own data."""
   evaluate = trainer.evaluate if evaluate is None else evaluate
 
   def evaluate_one(params_k, splits: ClientSplits):
-    return evaluate(params_k, splits.val), evaluate(params_k, splits.test)
+    return tuple(evaluate(params_k, getattr(splits, name)) for name in split_names)
   if shared:
     return map_over_buckets(lambda splits: evaluate_one(params, splits), (), buckets,
                             data.client_ids, data.num_clients, client_chunk)
   return map_over_buckets(evaluate_one, (params,), buckets, data.client_ids,
                           data.num_clients, client_chunk)
+
+
+def evaluate_personalized(algorithm: Algorithm, trainer: ClientTrainer,
+                          state: AlgorithmState, layout: FederatedData,
+                          data: tuple[ClientSplits, ...], client_chunk: int | None,
+                          split_names: tuple[str, ...]):
+  """evaluate_clients of the models the algorithm reports for `state`: its one
+  `shared_model`, scored on every client's data without K copies of it, or each
+  client's personalized model."""
+  if algorithm.shared_model is not None:
+    return evaluate_clients(trainer, algorithm.shared_model(state.server), layout, data,
+                            client_chunk, algorithm.evaluate, shared=True,
+                            split_names=split_names)
+  return evaluate_clients(trainer, algorithm.personalized_params(state.server, state.clients),
+                          layout, data, client_chunk, algorithm.evaluate,
+                          split_names=split_names)
+
+
+def build_test_evaluation(algorithm: Algorithm, trainer: ClientTrainer, layout: FederatedData,
+                          client_chunk: int | None = None):
+  """`test(state, data) -> (loss, score)`, each [K]: every client's test scores of the
+  models `state` holds, for a round whose `train_round` (built with evaluate_test=False)
+  scored validation only."""
+  def test(state: RoundState, data: tuple[ClientSplits, ...]):
+    (scores,) = evaluate_personalized(algorithm, trainer, state.algorithm, layout, data,
+                                      client_chunk, ("test",))
+    return scores
+  return test
 
 
 def sampled_clients(round_key: jax.Array, num_clients: int, num_sampled: int) -> jax.Array:
@@ -97,7 +129,8 @@ def _sampled_outputs(out: ClientOutput, slot_clients: jax.Array, clients: Any,
 
 
 def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: FederatedData,
-                      client_chunk: int | None = None, participation: float = 1.0):
+                      client_chunk: int | None = None, participation: float = 1.0,
+                      evaluate_test: bool = True):
   """The round function for this algorithm and client layout (bucket membership is static).
 
   `layout` supplies the static bucket structure; the arrays themselves are passed to
@@ -113,6 +146,8 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
   uploads and weights instead. Every client is still evaluated every round: a
   personalized model can change without its client training (FEDORA, pFedHN, FedAvg);
   one `shared_model` is scored on every client's data without K copies of it.
+  evaluate_test=False: the round's test loss and score are NaN, not computed (the runner
+  scores test with `build_test_evaluation` in the rounds it needs).
   """
   num_clients = layout.num_clients
   train_weights = jnp.asarray(layout.split_sizes("train"), jnp.float32)
@@ -138,13 +173,13 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
       out = map_over_buckets(_client_step(algorithm), per_client, data, layout.client_ids,
                              num_clients, client_chunk)
     new_state = algorithm.aggregate(server, out.state, out.upload, weights)
-    if algorithm.shared_model is not None:
-      val, test = evaluate_clients(trainer, algorithm.shared_model(new_state.server), layout,
-                                   data, client_chunk, algorithm.evaluate, shared=True)
+    if evaluate_test:
+      val, test = evaluate_personalized(algorithm, trainer, new_state, layout, data,
+                                        client_chunk, ("val", "test"))
     else:
-      evaluated = algorithm.personalized_params(new_state.server, new_state.clients)
-      val, test = evaluate_clients(trainer, evaluated, layout, data, client_chunk,
-                                   algorithm.evaluate)
+      (val,) = evaluate_personalized(algorithm, trainer, new_state, layout, data,
+                                     client_chunk, ("val",))
+      test = jax.tree.map(lambda v: jnp.full_like(v, jnp.nan), val)
     metrics = RoundMetrics(
         train_loss=out.train.loss, local_steps=out.train.steps,
         val_loss=val.loss, val_score=val.score, test_loss=test.loss,

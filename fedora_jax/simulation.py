@@ -16,7 +16,8 @@ from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.engine import batch_stats, sharding
 from fedora_jax.progress import LogProgress, Progress
-from fedora_jax.rounds import RoundMetrics, RoundState, build_train_round
+from fedora_jax.rounds import (RoundMetrics, RoundState, build_test_evaluation,
+                               build_train_round)
 from fedora_jax.errors import TrainingDivergedError
 
 logger = logging.getLogger("fedora_jax")
@@ -38,6 +39,10 @@ class TrainConfig:
   # faster on CPUs (engine/buckets.py over_clients, models.default_client_chunk).
   client_chunk: int | None = None
   participation: float = 1.0  # fraction of clients sampled each round (rounds.py)
+  # Test scored every N rounds, at the last round and at each round whose mean validation
+  # score is the best so far, so the final and best-validation results stay exact; NaN
+  # in the history's other rounds. 1: every round.
+  eval_every: int = 1
 
 
 class RunResult(NamedTuple):
@@ -109,6 +114,9 @@ class PreparedRun(NamedTuple):
   state: RoundState               # after algorithm.init
   compiled: Any                   # train_round, AOT-compiled, state donated
   compile_seconds: float          # model and algorithm init plus lowering and compiling
+  # With train.eval_every > 1: build_test_evaluation, AOT-compiled (the round then scores
+  # validation only); else None.
+  test_evaluation: Any = None
 
 
 def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
@@ -133,14 +141,32 @@ def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
     init_state = jitted_init(algorithm, trainer, data, out_shardings=everywhere)
     state = RoundState(round=jnp.zeros((), jnp.int32),
                        algorithm=init_state(params, buckets, keys["algorithm"]))
+    every_round = train.eval_every == 1
     train_round = jax.jit(build_train_round(algorithm, trainer, data, train.client_chunk,
-                                            train.participation),
+                                            train.participation, evaluate_test=every_round),
                           donate_argnums=0,
                           out_shardings=everywhere)
     compiled = train_round.lower(state, buckets, keys["train"]).compile()
+    test_evaluation = None
+    if not every_round:
+      test_evaluation = jax.jit(
+          build_test_evaluation(algorithm, trainer, data, train.client_chunk),
+          out_shardings=everywhere).lower(state, buckets).compile()
   compile_seconds = time.perf_counter() - start
   return PreparedRun(algorithm=algorithm, trainer=trainer, keys=keys, buckets=buckets,
-                     state=state, compiled=compiled, compile_seconds=compile_seconds)
+                     state=state, compiled=compiled, compile_seconds=compile_seconds,
+                     test_evaluation=test_evaluation)
+
+
+def due_for_test(round_number: int, train: TrainConfig, val_score: np.ndarray,
+             best_mean_val: float, lower_is_better: bool = False) -> bool:
+  """Whether round `round_number` (1-based) scores test under train.eval_every: every
+  N-th round, the last, and a round whose mean validation score beats every earlier
+  round's (strictly: metrics.best_validation_round takes the first on ties)."""
+  mean_val = float(np.mean(val_score))
+  better = mean_val < best_mean_val if lower_is_better else mean_val > best_mean_val
+  return bool(round_number % train.eval_every == 0 or round_number == train.rounds
+              or better or np.isnan(best_mean_val))
 
 
 def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
@@ -165,6 +191,16 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
     progress.close()
 
 
+def _best_mean(history: list[RoundMetrics], lower_is_better: bool,
+               best: float = np.nan) -> float:
+  """The best mean validation score of `history`'s rounds and `best` (NaN: none yet)."""
+  for metrics in history:
+    mean = float(np.mean(metrics.val_score))
+    if np.isnan(best) or (mean < best if lower_is_better else mean > best):
+      best = mean
+  return best
+
+
 def _train(name, algorithm_config, model, data, train, on_round, checkpointer, mesh,
            progress: Progress) -> RunResult:
   prepared = prepare_run(name, algorithm_config, model, data, train, mesh)
@@ -181,13 +217,20 @@ def _train(name, algorithm_config, model, data, train, on_round, checkpointer, m
                 train.rounds, checkpointer.directory)
   resumed_from_round = len(history)
   progress.compiled(compile_seconds, resumed_from_round)
+  lower_is_better = data.task == "regression"  # a regression's score is its MAE
+  best_mean_val = _best_mean(history, lower_is_better)
   run_start = time.perf_counter()
   for r in range(resumed_from_round, train.rounds):
     tic = time.perf_counter()
     state, metrics = compiled(state, buckets, keys["train"])
     metrics = to_host(metrics)  # also waits for the round to finish
+    if prepared.test_evaluation is not None and due_for_test(
+        r + 1, train, metrics.val_score, best_mean_val, lower_is_better):
+      test = to_host(prepared.test_evaluation(state, buckets))
+      metrics = metrics._replace(test_loss=test.loss, test_score=test.score)
     durations.append(time.perf_counter() - tic)
     check_finite(metrics, r + 1)
+    best_mean_val = _best_mean([metrics], lower_is_better, best_mean_val)
     history.append(metrics)
     if on_round is not None:
       on_round(r + 1, metrics)

@@ -72,6 +72,8 @@ def check_config(config: ExperimentConfig) -> None:
   if not 0.0 < config.train.participation <= 1.0:
     raise FieldError("train", "participation",
                      f"must be in (0, 1], got {config.train.participation}")
+  if config.train.eval_every < 1:
+    raise FieldError("train", "eval_every", f"must be >= 1, got {config.train.eval_every}")
   if any(w < 1 for w in config.hidden):
     raise FieldError("experiment", "hidden",
                      f"widths must be >= 1, got {','.join(map(str, config.hidden))}")
@@ -111,7 +113,7 @@ def config_identity(config: ExperimentConfig, algorithm: str) -> dict:
       checkpoint_every=0))
   identity["algorithm_config"] = repr(resolved_algorithm_config(config)) if own else None
   identity["train"] = {k: v for k, v in identity["train"].items()
-                       if k not in ("rounds", "log_every")}
+                       if k not in ("rounds", "log_every", "eval_every")}
   return json.loads(json.dumps(identity, default=str))
 
 

@@ -234,6 +234,8 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
      "--table=fedala1 column tiny_star_dir cannot run here: TINY* is not defined on the"),
     (["--table=fedala_ala", "--rows=fedavg_ala,nope"],
      "--table=fedala_ala has no row nope; its rows: local, fedavg, fedavg_ala,"),
+    (["--table=coaching2", "--eval_every=5"],
+     "--eval_every: --table=coaching2's metric is the best test accuracy over the rounds"),
     (["--table=fedora1", "--columns=mnist_0.1"],
      "--columns picks the cells of coaching1, coaching2, fedala1, fedala_ala, confree2;"
      " --table=fedora1 runs the --dataset column"),
