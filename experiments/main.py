@@ -12,6 +12,7 @@ reference it trained to <workdir>/local/, and prints a per-client table with the
 On a terminal each run shows a live progress bar; otherwise a line every --log_every rounds.
 """
 
+import json
 import os
 
 from absl import app
@@ -20,6 +21,7 @@ import jax
 
 from experiments import cli
 from experiments import flags as run_flags
+from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import progress as progress_lib
 from fedora_jax import results as results_lib
 from fedora_jax import train
@@ -45,6 +47,33 @@ def run(progress: progress_lib.Progress | None = None) -> dict:
   if "new_clients" in results:
     print(results_lib.format_new_clients(results["new_clients"]))
   print(f"results in {own}")
+  return results
+
+
+# What a finished run leaves that a sweep reads (reproduce: the row's numbers, its timing
+# and, for the other papers' best-round metric, its per-round history).
+FINISHED_RUN_FILES = ("results.json", "timing.json", "history.npz")
+
+
+def finished_results(workdir: str) -> dict | None:
+  """The results document in `workdir` if it holds the finished run the flags describe:
+  its run_config.json records these settings, its results.json these --rounds, and its
+  timing and history are there. `reproduce` reads such a row instead of running it again,
+  so a row brought back from another machine without its checkpoints counts, and a
+  restarted sweep does not recompile its finished rows. None otherwise; a ConfigError if
+  the workdir holds a run with other settings."""
+  if not all(os.path.isfile(os.path.join(workdir, f)) for f in FINISHED_RUN_FILES):
+    return None
+  try:
+    with open(os.path.join(workdir, "results.json")) as f:
+      results = json.load(f)
+  except (OSError, ValueError):
+    return None  # half-written: the run writes it again
+  if not isinstance(results, dict) or results.get("rounds") != FLAGS.rounds:
+    return None
+  if not checkpoint_lib.check_workdir(workdir, run_flags.run_identity(FLAGS.algorithm),
+                                      run_flags.identity_defaults()):
+    return None
   return results
 
 

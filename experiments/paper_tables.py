@@ -39,8 +39,9 @@ Each cell's settings are set by reproduce (flags); a run flag given on the comma
 output names each such departure (fewer rounds than the paper ran included). The flags that
 pick a column or a row (--dataset, --partition, --dirichlet_alpha, --classes_per_client,
 --algorithm, --ala, --aggregation) are refused. Each row keeps its run directory
-<workdir>/<column>/seed<s>/<row>: a killed sweep resumes, a directory holding other
-settings is refused before anything trains.
+<workdir>/<column>/seed<s>/<row>: a killed sweep resumes, a row finished there is read
+and not run again (with or without its checkpoints: main.finished_results), and a
+directory holding other settings is refused before anything trains.
 
 Writes <workdir>/table.md, table.json, table.csv (a line per cell and row), table.png (per
 column, ours beside the paper per row) and curves.png (per column, each row's accuracy per
@@ -260,6 +261,9 @@ def read_row_run(directory: str, weighting: str, sample_every: int) -> RowRun:
     test_acc = history["test_acc"]
   n_test = np.array([c["n_test"] for c in results["clients"]])
   per_round = metrics.accuracy_per_round(test_acc, n_test, weighting)
+  if np.isnan(per_round).any():
+    raise ConfigError(f"{directory}: test was not scored every round (--eval_every > 1),"
+                      " and this table's metric is the best round's; run the row again")
   best_round, best = metrics.best_sampled_round(per_round, sample_every)
   with open(os.path.join(directory, "timing.json")) as f:
     timing = json.load(f)
@@ -479,8 +483,11 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
     reference = None if row == REFERENCE_ROW else local[-1].results
     use_row(table, column, row, seed, workdir, reference, overrides, defaults)
     label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
-    logger.info("%s -> %s", label, FLAGS.workdir)
-    main_lib.run(cli.progress_reporter(label))
+    if main_lib.finished_results(FLAGS.workdir) is None:
+      logger.info("%s -> %s", label, FLAGS.workdir)
+      main_lib.run(cli.progress_reporter(label))
+    else:
+      logger.info("%s: finished in %s, read", label, FLAGS.workdir)
     spec = table["columns"][column]
     runs[column][row].append(read_row_run(FLAGS.workdir, table["metric"]["clients"],
                                           spec["sample_every"]))

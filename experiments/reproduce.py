@@ -223,8 +223,13 @@ def run_row(row: str, seed: int, workdir: str, reference: str | None,
   """One row: experiments.main with this row's algorithm, its own workdir and LOCAL;
   `label` names its progress (default: the algorithm)."""
   _use_row(row, seed, workdir, reference)
-  logger.info("%s -> %s", label or f"{row} seed {seed}", FLAGS.workdir)
-  results = main_lib.run(cli.progress_reporter(label))
+  name = label or f"{row} seed {seed}"
+  results = main_lib.finished_results(FLAGS.workdir)
+  if results is None:
+    logger.info("%s -> %s", name, FLAGS.workdir)
+    results = main_lib.run(cli.progress_reporter(label))
+  else:
+    logger.info("%s: finished in %s, read", name, FLAGS.workdir)
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
     timing = json.load(f)
   # Over every process that trained this row (a sweep extended from checkpoints); files

@@ -3,6 +3,7 @@ tiny table end to end, the best-round metric, and the refused requests."""
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 
@@ -155,6 +156,17 @@ def test_best_round_accuracy_by_hand():
     metrics.accuracy_per_round(test_acc, n_test, "median")
 
 
+def test_a_row_without_every_round_s_test_scores_is_refused(tmp_path):
+  test_acc = np.array([[0.5, 0.7], [np.nan, np.nan], [0.6, 0.8]])  # run with --eval_every
+  np.savez(tmp_path / "history.npz", test_acc=test_acc)
+  (tmp_path / "results.json").write_text(json.dumps(
+      {"clients": [{"n_test": 10}, {"n_test": 30}]}))
+  (tmp_path / "timing.json").write_text(json.dumps({"round_seconds": 1.0,
+                                                    "train_seconds": 3.0}))
+  with pytest.raises(ConfigError, match="test was not scored every round"):
+    paper_tables.read_row_run(str(tmp_path), "mean", 1)
+
+
 def run_reproduce(*args):
   return subprocess.run([sys.executable, "-m", "experiments.reproduce", *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=600)
@@ -221,6 +233,18 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
     flag_values.unparse_flags()
   assert str(error.value).startswith(
       f"--workdir {tmp_path / 'mnist_0.3' / 'seed0' / 'local'} holds a run")
+
+  # The same sweep again: its finished rows are read, not run (nothing trains or
+  # compiles), even without their checkpoints, and give the same table.
+  shutil.rmtree(tmp_path / "mnist_0.3" / "seed0" / "fedavg" / "checkpoints")
+  timing = (tmp_path / "mnist_0.3" / "seed0" / "fedavg" / "timing.json").read_text()
+  flag_values(["reproduce", "--rows=local,fedavg", f"--workdir={tmp_path}", *TINY])
+  try:
+    reproduce.reproduce()
+  finally:
+    flag_values.unparse_flags()
+  assert json.loads((tmp_path / "table.json").read_text())["columns"] == table["columns"]
+  assert (tmp_path / "mnist_0.3" / "seed0" / "fedavg" / "timing.json").read_text() == timing
 
 
 @pytest.mark.parametrize("args,message", [

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -29,10 +30,13 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   fedavg_timing = (tmp_path / "seed0" / "fedavg" / "timing.json").read_text()
 
-  # The same sweep with one more row: the finished rows are restored, not retrained.
+  # The same sweep with one more row: the finished rows are read, not run again, even
+  # without their checkpoints (a row brought back from another machine has none).
+  shutil.rmtree(tmp_path / "seed0" / "fedavg" / "checkpoints")
   proc = run_reproduce("--rows=fedora,fedavg", *common)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "fedavg: resuming after round 2 of 2" in proc.stderr
+  assert f"row 2/3 fedavg seed 0: finished in {tmp_path}/seed0/fedavg, read" in proc.stderr
+  assert "fedavg: resuming" not in proc.stderr and "row 3/3 fedora seed 0 ->" in proc.stderr
   assert (tmp_path / "seed0" / "fedavg" / "timing.json").read_text() == fedavg_timing
 
   table = json.loads((tmp_path / "table.json").read_text())
