@@ -127,7 +127,7 @@ def _run_info(config: ExperimentConfig, num_clients: int, model_name: str,
           "data_seed": _data_seed(config), "rounds": train.rounds, "model": model_name,
           "hidden": list(config.hidden), "devices": jax.device_count(),
           "processes": jax.process_count(), "platform": jax.default_backend(),
-          "train": dataclasses.asdict(train)}
+          "train": _train_info(train)}
   if spec.task != "classification":
     info["task"] = spec.task  # results name MAE in place of accuracy
   if config.data_source != "files":
@@ -137,6 +137,15 @@ def _run_info(config: ExperimentConfig, num_clients: int, model_name: str,
     info["partition"] = {k: v for k, v in partition._asdict().items() if k != "split"}
   if partition is not None and partition.split != "ours":  # absent: our own sampling
     info["split"] = partition.split
+  return info
+
+
+def _train_info(train: TrainConfig) -> dict:
+  """results.json's `train`: every TrainConfig field, eval_every only when it is not 1
+  (the files of runs from before it existed stay as they were)."""
+  info = dataclasses.asdict(train)
+  if info["eval_every"] == 1:
+    del info["eval_every"]
   return info
 
 

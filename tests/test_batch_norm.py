@@ -3,7 +3,8 @@ parameters, train mode in local training and inference mode elsewhere, running a
 set by hand-checkable EMA steps over the real samples only, untouched by padding, the
 optimizer and regularisers, carried back through merges and mixtures, checkpointed;
 Per-FedAvg's and pFedMe's own gradient loops in train mode, each pass moving the averages;
-and ResNet-18 itself initialised and trained one step."""
+ALA's weight learning in train mode over the local model's averages; and ResNet-18
+itself initialised and trained one step."""
 
 import chex
 import jax
@@ -13,7 +14,7 @@ import optax
 import pytest
 
 from fedora_jax import tree
-from fedora_jax.algorithms import layers, local, perfedavg, pfedhn, pfedme
+from fedora_jax.algorithms import ala, layers, local, perfedavg, pfedhn, pfedme
 from fedora_jax.checkpoint import Checkpointer
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats
@@ -286,3 +287,51 @@ def test_pfedme_solves_in_train_mode_and_w_takes_thetas_averages():
       batch_stats.unfold(local)["params"],
       jax.tree.map(lambda w0, t: w0 - rate * (w0 - t), weights, solved), atol=1e-6)
   chex.assert_trees_all_equal(_statistics(local), _statistics(theta))
+
+
+def _tiny_bn_pair():
+  """A TinyBN local model with moved running averages, and a global model equal to it
+  but for its first dense layer, doubled, and its own running averages."""
+  model = TinyBN()
+  local_params = init_folded(model, seed=0)
+  stats = _statistics(local_params)
+  local_params["params"]["BatchNorm_0"]["batch_stats"] = {
+      "mean": stats["mean"] + 0.3, "var": stats["var"] * 2.0}
+  global_params = jax.tree.map(lambda a: a, local_params)
+  global_params["params"]["Dense_0"] = jax.tree.map(lambda a: 2.0 * a,
+                                                    local_params["params"]["Dense_0"])
+  global_params["params"]["BatchNorm_0"]["batch_stats"] = {
+      "mean": stats["mean"] - 1.0, "var": stats["var"] * 5.0}
+  return model, local_params, global_params
+
+
+def test_ala_keeps_the_local_running_averages_and_learns_in_train_mode():
+  model, local_params, global_params = _tiny_bn_pair()
+  weights = jax.tree.map(lambda a: jnp.full_like(a, 0.5), local_params)  # p = every layer
+  theta_hat = ala.aggregate_locally(local_params, global_params, weights)
+  # Parameters mixed, running averages the local model's (the authors' buffers).
+  chex.assert_trees_all_close(theta_hat["params"]["Dense_0"], jax.tree.map(
+      lambda a: 1.5 * a, local_params["params"]["Dense_0"]))
+  chex.assert_trees_all_equal(_statistics(theta_hat), _statistics(local_params))
+
+  data, _ = tiny_data([6, 6])
+  train = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0].train)
+  eta = 1e-3
+  config = ala.AlaConfig(s=100.0, eta=eta, batch_size=8)  # one full batch, a later round
+  trainer = tiny_trainer(model)
+  learned, _, _ = ala.learn_weights(trainer.loss, config, local_params, global_params,
+                                    weights, jnp.asarray(5), train, jax.random.key(0))
+  step = jax.tree.map(lambda w, new: (w - new) / eta, weights, learned)  # eta x gradient
+  # Train mode: the batch's statistics undo a rescaling of BatchNorm's input, and
+  # theta_hat's first layer is (1 + W) x the local one, so the gradient along all of
+  # its weights at once is 0 (up to BatchNorm's epsilon).
+  along = sum(jnp.sum(g) for g in jax.tree.leaves(step["params"]["Dense_0"]))
+  assert abs(float(along)) < 1e-3
+  # Inference mode (the running averages) would not undo it.
+  inference = jax.grad(lambda w: trainer.loss(
+      ala.aggregate_locally(local_params, global_params, w), train.x, train.y,
+      train.mask.astype(jnp.float32)))(weights)
+  assert abs(float(sum(jnp.sum(g) for g in jax.tree.leaves(
+      inference["params"]["Dense_0"])))) > 100 * abs(float(along))
+  # W's entries at the running averages take no step.
+  chex.assert_trees_all_equal(_statistics(learned), _statistics(weights))

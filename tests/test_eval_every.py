@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from fedora_jax import algorithms, metric_writer, plots
+from fedora_jax import train as train_lib
 from fedora_jax import results as results_lib
 from fedora_jax.checkpoint import Checkpointer
 from fedora_jax.progress import format_mean
@@ -98,3 +99,8 @@ def test_a_round_without_test_is_left_out_of_logs_and_curves(every_third):
   assert format_mean(np.array([0.25, 0.5])) == "0.3750"
   rounds, curve = plots.mean_per_round(history.test_score)
   assert list(rounds) == _scored_rounds(history) and np.isfinite(curve).all()
+
+
+def test_results_record_eval_every_only_when_it_is_not_one():
+  assert "eval_every" not in train_lib._train_info(TrainConfig())  # golden files unchanged
+  assert train_lib._train_info(TrainConfig(eval_every=5))["eval_every"] == 5

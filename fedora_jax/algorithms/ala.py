@@ -67,6 +67,13 @@ Departures, all written down here:
     smaller than a batch).
   * An epoch's loss for the convergence test is the mean of its batch losses (the
     authors record the last batch's).
+BatchNorm (models with running averages, e.g. resnet18), as the authors' code does it:
+ALA sets parameters only (`model.parameters()`; PyTorch keeps running averages as
+buffers), so theta_hat keeps the local model's running averages in every layer, and the
+weight-learning loss runs BatchNorm in train mode (their temporary model is in train mode
+after the client's last training), normalising with each batch's statistics; the
+averages that pass computes are dropped with the temporary model. W has entries at the
+running averages (the engine folds them into the parameters); they take no step.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -79,6 +86,7 @@ from fedora_jax.algorithms import partialfed
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import layer_names, merge_layers, take_layers
 from fedora_jax.data.client_data import ClientData
+from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import ClientTrainer, epoch_batches
 from fedora_jax.errors import FieldError
 
@@ -166,11 +174,17 @@ def overwrite(host_state: PyTree, local: Params, theta_hat: Params, key: jax.Arr
 
 
 def aggregate_locally(local: Params, global_params: Params, weights: Params) -> Params:
-  """theta_hat: global lower layers; local + (global - local) * W on the layers in W."""
+  """theta_hat: global lower layers; local + (global - local) * W on the layers in W;
+  every BatchNorm running average the local model's (the authors' ALA sets parameters
+  only, and PyTorch keeps running averages as buffers: W's entries at them are unused)."""
   top = jax.tree.map(lambda l, g, w: l + (g - l) * w,
                      take_layers(local, list(weights["params"])),
                      take_layers(global_params, list(weights["params"])), weights)
-  return merge_layers(global_params, top)
+  theta_hat = merge_layers(global_params, top)
+  if not batch_stats.has_statistics(theta_hat):
+    return theta_hat
+  return batch_stats.take_statistics(theta_hat,
+                                     take_layers(local, list(theta_hat["params"])))
 
 
 def _epoch_limit(rounds: jax.Array, config: AlaConfig) -> jax.Array:
@@ -198,7 +212,11 @@ def learn_weights(loss_fn, config: AlaConfig, local: Params, global_params: Para
 
   def w_step(w, batch):
     idx, batch_weights = batch
-    loss, grad = jax.value_and_grad(batch_loss)(w, idx, batch_weights)
+    # BatchNorm in train mode, as the authors' temporary model runs after local training;
+    # theta_hat's running averages are the local model's, not a function of W, so the
+    # update they carry back reaches no weight, and the averages stay as they were.
+    with batch_stats.training(batch_weights > 0):
+      loss, grad = jax.value_and_grad(batch_loss)(w, idx, batch_weights)
     stepped = jax.tree.map(lambda a, g: jnp.clip(a - config.eta * g, 0.0, 1.0), w, grad)
     real = jnp.sum(batch_weights) > 0
     w = jax.tree.map(lambda a, b: jnp.where(real, a, b), stepped, w)

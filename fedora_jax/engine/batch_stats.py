@@ -33,9 +33,10 @@ it `loss` and `evaluate`). Outside local training it runs inference mode: BatchN
 normalises with the running averages, which no gradient reaches there (stop_gradient);
 a running variance below zero, which a mixture with negative weights or an extrapolating
 step can make, normalises as zero variance instead of NaN.
-That is evaluation, representations read after training, and ALA's weight learning,
-which trains mixing weights, not the model: for it BatchNorm is an affine layer with
-fixed averages. Per-FedAvg and pFedMe, whose gradient loops are their own rather than
+That is evaluation and representations read after training. ALA's weight learning runs
+its loss inside `training` (train mode, as the authors' temporary model does) over the
+local model's averages, which W does not mix, so nothing it carries back is kept.
+Per-FedAvg and pFedMe, whose gradient loops are their own rather than
 `ClientTrainer.train`'s, take their gradients through `train_mode_value_and_grad` and
 set the running averages each pass carries (`apply_carried_update`), as PyTorch's
 train-mode forward passes would. Inside the objective of `ClientTrainer.train` (the
