@@ -159,14 +159,17 @@ def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
 
 
 def due_for_test(round_number: int, train: TrainConfig, val_score: np.ndarray,
-             best_mean_val: float, lower_is_better: bool = False) -> bool:
+                 best_mean_val: float, lower_is_better: bool = False) -> bool:
   """Whether round `round_number` (1-based) scores test under train.eval_every: every
   N-th round, the last, and a round whose mean validation score beats every earlier
   round's (strictly: metrics.best_validation_round takes the first on ties)."""
-  mean_val = float(np.mean(val_score))
-  better = mean_val < best_mean_val if lower_is_better else mean_val > best_mean_val
-  return bool(round_number % train.eval_every == 0 or round_number == train.rounds
-              or better or np.isnan(best_mean_val))
+  return (round_number % train.eval_every == 0 or round_number == train.rounds
+          or _improves(float(np.mean(val_score)), best_mean_val, lower_is_better))
+
+
+def _improves(mean: float, best: float, lower_is_better: bool) -> bool:
+  """Whether `mean` beats `best` strictly (NaN `best`: there is none yet)."""
+  return bool(np.isnan(best) or (mean < best if lower_is_better else mean > best))
 
 
 def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
@@ -196,7 +199,7 @@ def _best_mean(history: list[RoundMetrics], lower_is_better: bool,
   """The best mean validation score of `history`'s rounds and `best` (NaN: none yet)."""
   for metrics in history:
     mean = float(np.mean(metrics.val_score))
-    if np.isnan(best) or (mean < best if lower_is_better else mean > best):
+    if _improves(mean, best, lower_is_better):
       best = mean
   return best
 
