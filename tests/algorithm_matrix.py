@@ -49,11 +49,11 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 # Options that take an algorithm off its engine fast path (shared_model, uploads_unordered:
 # rounds.py), as "field=value", the CNN with its CPU convolutions (FedAvg's shared
 # model, FEDORA's propagation) on 16x16 images, and BatchNorm (the tiny ResNet) in the
-# algorithms whose gradient loops are their own rather than the trainer's, run as their
-# own rows.
+# algorithms whose gradient loops are their own rather than the trainer's (and ALA's
+# weight learning), run as their own rows; "a,b" combines a plug-in with a model.
 OPTION_ROWS = (("fedprox", "evaluate=local"), ("fedavg", "model=cnn"),
                ("fedora", "model=cnn"), ("perfedavg", "model=resnet"),
-               ("pfedme", "model=resnet"))
+               ("pfedme", "model=resnet"), ("fedavg", "ala,model=resnet"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
 
@@ -69,7 +69,8 @@ def pairings() -> list[tuple[str, str]]:
 
 def config_of(name: str, plugin: str):
   config = tiny.default_config(name)
-  if plugin in MODEL_ROWS:
+  plugin = ",".join(p for p in plugin.split(",") if p not in MODEL_ROWS)
+  if not plugin:
     return config
   if "=" in plugin:
     field, value = plugin.split("=")
@@ -83,7 +84,8 @@ def config_of(name: str, plugin: str):
 
 def run_path(name: str, plugin: str, path: Path) -> dict:
   """Two rounds on `path`: the per-client metrics of both, as lists."""
-  make_model, x_shape = MODEL_ROWS.get(plugin, (tiny.tiny_model, None))
+  models = [MODEL_ROWS[p] for p in plugin.split(",") if p in MODEL_ROWS]
+  make_model, x_shape = models[0] if models else (tiny.tiny_model, None)
   data, _ = tiny.tiny_data(SIZES, x_shape=x_shape)
   model = make_model()
   train = TrainConfig(rounds=2, local_epochs=2, batch_size=4, lr=0.1, momentum=0.9,
