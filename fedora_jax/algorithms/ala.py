@@ -181,8 +181,6 @@ def aggregate_locally(local: Params, global_params: Params, weights: Params) -> 
                      take_layers(local, list(weights["params"])),
                      take_layers(global_params, list(weights["params"])), weights)
   theta_hat = merge_layers(global_params, top)
-  if not batch_stats.has_statistics(theta_hat):
-    return theta_hat
   return batch_stats.take_statistics(theta_hat,
                                      take_layers(local, list(theta_hat["params"])))
 
