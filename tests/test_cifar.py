@@ -151,7 +151,7 @@ def test_banded_block_width_divides_the_output_width():
 
 def test_registered_cnns_use_banded_convolutions_on_cpus():
   assert cnn_conv("cpu") == "banded" and cnn_conv("gpu") == "im2col"
-  for name in ("cnn", "coaching_cnn", "fedavg_cnn"):
+  for name in ("cnn", "coaching_cnn", "coaching_cnn_bn", "fedavg_cnn"):
     assert build_model(name, 10).conv == cnn_conv(jax.default_backend())
 
 

@@ -153,7 +153,7 @@ def test_default_client_chunk_on_cpus_only():
 
 def test_default_eval_batch_is_small_for_the_cnns_on_cpus_only():
   assert default_eval_batch_size("mlp", "cpu") == 1024
-  for model in ("cnn", "coaching_cnn", "fedavg_cnn", "resnet18"):
+  for model in ("cnn", "coaching_cnn", "coaching_cnn_bn", "fedavg_cnn", "resnet18"):
     assert default_eval_batch_size(model, "cpu") == 64
     assert default_eval_batch_size(model, "gpu") == 1024
 

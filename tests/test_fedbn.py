@@ -1,5 +1,6 @@
 """FedBN: its server step by hand, FedAvg averaging BatchNorm statistics where FedBN keeps
-them, FedAvg exactly on a model without BatchNorm, and two rounds of a tiny ResNet."""
+them, FedAvg exactly on a model without BatchNorm, two rounds of a tiny ResNet and of the
+CNN with BatchNorm (coaching_cnn_bn's shape)."""
 
 import chex
 import jax
@@ -11,6 +12,7 @@ from fedora_jax import algorithms, tree
 from fedora_jax.algorithms import fedavg, fedbn, local
 from fedora_jax.engine import batch_stats
 from fedora_jax.errors import FieldError
+from fedora_jax.models.cnn import CNN, DenseBN
 from fedora_jax.simulation import TrainConfig, run_algorithm
 from tiny import (RESNET_X_SHAPE, TinyBN, run_rounds, tiny_data, tiny_model, tiny_resnet,
                   tiny_trainer)
@@ -119,3 +121,41 @@ def test_two_rounds_of_a_tiny_resnet_keep_each_clients_batch_norm():
 def test_unknown_weighting_is_a_field_error():
   with pytest.raises(FieldError, match="weighting"):
     fedbn.fedbn(fedbn.FedBnConfig(weighting="median"), trainer=None)
+
+
+def test_dense_batch_norm_normalises_in_train_mode_and_keeps_a_tenth_of_the_batch():
+  # The CNN's BatchNorm: statistics over the batch's real samples (mask); the running
+  # averages move 0.1 of the way to the batch's mean and (biased) variance.
+  x = jnp.array([[1.0], [3.0], [100.0]])
+  layer = DenseBN(1)
+  variables = layer.init(jax.random.key(0), x, None)
+  variables = {**variables, "params": {**variables["params"], "Dense_0": {
+      "kernel": jnp.ones((1, 1)), "bias": jnp.zeros(1)}}}
+  mask = jnp.array([True, True, False])
+  y, updated = layer.apply(variables, x, mask, mutable=["batch_stats"])
+  # Real samples 1 and 3: mean 2, variance 1, so they normalise to -1 and +1.
+  np.testing.assert_allclose(y[:2, 0], [-1.0, 1.0], atol=1e-4)
+  statistics = updated["batch_stats"]["BatchNorm_0"]
+  np.testing.assert_allclose(statistics["mean"], [0.2], atol=1e-6)
+  np.testing.assert_allclose(statistics["var"], [0.9 + 0.1 * 1.0], atol=1e-6)
+  # Inference mode: the running averages, not the batch.
+  y = layer.apply({**variables, **updated}, x, None)
+  np.testing.assert_allclose(y[:, 0], (x[:, 0] - 0.2) / np.sqrt(1.0 + 1e-5), rtol=1e-5)
+
+
+def test_two_rounds_of_the_batch_norm_cnn_keep_its_four_batch_norms_local():
+  data, _ = tiny_data([4, 6, 5], x_shape=(16, 16, 1))
+  model = CNN(num_outputs=3, kernels=2, dense=(4, 3), batch_norm=True)
+  train = TrainConfig(rounds=2, local_epochs=1, batch_size=4, lr=0.1, log_every=0)
+  result = run_algorithm("fedbn", algorithms.default_config("fedbn"), model, data, train)
+  assert np.isfinite(result.history.val_loss).all()
+  leaves = jax.tree_util.tree_leaves_with_path(result.final_state.algorithm.clients.batch_norm)
+  # ConvBN_0, ConvBN_1, DenseBN_0, DenseBN_1: scale, bias, mean and variance each.
+  assert len(leaves) == 4 * 4 and all(batch_stats.is_batch_norm(p) for p, _ in leaves)
+  for _, leaf in leaves:
+    assert not np.allclose(leaf[0], leaf[1])
+  server = result.final_state.algorithm.server
+  assert sorted(server["params"]) == ["ConvBN_0", "ConvBN_1", "DenseBN_0", "DenseBN_1",
+                                      "Dense_0"]
+  assert not any(batch_stats.is_batch_norm(p) for p, _ in
+                 jax.tree_util.tree_leaves_with_path(server))

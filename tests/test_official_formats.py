@@ -266,7 +266,8 @@ def test_a_model_the_samples_do_not_fit_is_refused_in_one_line():
   assert set(MODEL_INPUTS) == set(MODELS)  # every model says what it reads
   tokens, images, spectra = ((200,), np.int32), ((32, 32, 3), np.uint8), ((50,), np.float32)
   readers = {"tokens": {"fasttext", "fasttext_bag"}, "vectors": {"mlp"},
-             "images": {"mlp", "cnn", "coaching_cnn", "fedavg_cnn", "resnet18"}}
+             "images": {"mlp", "cnn", "coaching_cnn", "coaching_cnn_bn", "fedavg_cnn",
+                        "resnet18"}}
   for name in MODELS:
     for (shape, dtype), kind in ((tokens, "tokens"), (images, "images"), (spectra, "vectors")):
       if name in readers[kind]:

@@ -41,6 +41,7 @@ def test_layers_are_ordered_input_to_output():
 SAMPLE_INPUTS = {"mlp": np.zeros((1, 4), np.float32),
                  "cnn": np.zeros((1, 28, 28, 1), np.uint8),
                  "coaching_cnn": np.zeros((1, 28, 28, 1), np.uint8),
+                 "coaching_cnn_bn": np.zeros((1, 28, 28, 1), np.uint8),
                  "fedavg_cnn": np.zeros((1, 32, 32, 3), np.uint8),
                  "resnet18": np.zeros((1, 32, 32, 3), np.uint8),
                  "fasttext": np.zeros((1, 12), np.int32),   # token ids, 0 = padding

@@ -13,7 +13,8 @@ from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.engine import batch_stats
 from fedora_jax.models.cnn import CNN
 from fedora_jax.models.mlp import MLP
-from fedora_jax.models.resnet import ResNet, batch_norm
+from fedora_jax.models.norm import batch_norm
+from fedora_jax.models.resnet import ResNet
 
 
 def tiny_data(sizes, num_features=4, num_classes=3, seed=0, max_pad_ratio=2.0,

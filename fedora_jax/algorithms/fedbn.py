@@ -26,7 +26,9 @@ coincide. Over the sampled clients under --participation, as FedAvg.
 
 On a model without BatchNorm (mlp, cnn, coaching_cnn, fedavg_cnn) nothing is kept local
 and FedBN is FedAvg exactly (weighting="samples"; tests/test_fedbn.py); the run logs a
-warning saying so rather than refusing.
+warning saying so rather than refusing. The models with BatchNorm are resnet18 and
+coaching_cnn_bn (coaching_cnn with FedBN's own placement of BatchNorm layers, which the
+coaching tables' FedBN row runs on MNIST and Fashion-MNIST).
 """
 
 import logging

@@ -47,6 +47,18 @@ def _coaching_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   return _registered_cnn(num_outputs, kernels=32, dense=(512, 128))
 
 
+def _coaching_cnn_bn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
+  """coaching_cnn with a BatchNorm after each convolution and hidden dense layer, before
+  its ReLU (models/cnn.py CNN.batch_norm), for FedBN's row in the coaching tables: FedBN
+  keeps BatchNorm layers local and is FedAvg without them, while the paper's FedBN row
+  differs from its FedAvg row by up to 30 points, so its CNN must have had some; the
+  paper does not say where (the placement here is FedBN's own CNN's). 645,322
+  parameters and 1,472 running averages for 10 classes."""
+  del hidden  # --hidden is the MLP's
+  return CNN(num_outputs=num_outputs, conv=cnn_conv(jax.default_backend()), kernels=32,
+             dense=(512, 128), batch_norm=True)
+
+
 def _fedavg_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   """FedALA's 4-layer CNN (Zhang et al., AAAI 2023), PFLlib's FedAvgCNN: Conv 32 5x5,
   ReLU, 2x2 max-pool, Conv 64 5x5, ReLU, 2x2 max-pool, Dense 512, ReLU, Dense
@@ -83,6 +95,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
                                                "fasttext": _fasttext,
                                                "fasttext_bag": _fasttext_bag,
                                                "coaching_cnn": _coaching_cnn,
+                                               "coaching_cnn_bn": _coaching_cnn_bn,
                                                "fedavg_cnn": _fedavg_cnn,
                                                "resnet18": _resnet18}
 
@@ -92,8 +105,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
 # before anything is built (a CNN on tokens would fail deep inside flax).
 MODEL_INPUTS: dict[str, tuple[str, ...]] = {
     "mlp": ("images", "vectors"), "cnn": ("images",), "coaching_cnn": ("images",),
-    "fedavg_cnn": ("images",), "resnet18": ("images",), "fasttext": ("tokens",),
-    "fasttext_bag": ("tokens",)}
+    "coaching_cnn_bn": ("images",), "fedavg_cnn": ("images",), "resnet18": ("images",),
+    "fasttext": ("tokens",), "fasttext_bag": ("tokens",)}
 
 
 def sample_kind(input_shape: Sequence[int], dtype) -> str:
@@ -120,12 +133,14 @@ def check_inputs(name: str, input_shape: Sequence[int], dtype, dataset: str) -> 
 # order. Every registered model creates all its convolutions before its dense layers, so
 # (rank of the type here, n) orders any model's layers input to output: the CNN's are
 # Conv_0, Conv_1, Dense_0, Dense_1, Dense_2; ResNet-18's ConvBN_0 (stem), BasicBlock_0-7,
-# Dense_0 (a BatchNorm sits inside its convolution's module, so a layer holds both).
+# Dense_0 (a BatchNorm sits inside its convolution's module, so a layer holds both);
+# coaching_cnn_bn's ConvBN_0, ConvBN_1, DenseBN_0, DenseBN_1, Dense_0.
 # fasttext's Embed_0 comes before its Dense_0, Dense_1.
 # tests/test_split_layers.py checks this order against the forward pass of every
 # registered model; a model with other module types adds them here in the order its
 # forward pass meets them.
-LAYER_TYPE_ORDER: tuple[str, ...] = ("Embed", "Conv", "ConvBN", "BasicBlock", "Dense")
+LAYER_TYPE_ORDER: tuple[str, ...] = ("Embed", "Conv", "ConvBN", "BasicBlock", "DenseBN",
+                                      "Dense")
 
 # Default --client_chunk per model on CPU devices (None: vmap over all clients). There a
 # few clients at a time keep their weights, gradients and momentum in cache: vmapping all
@@ -135,8 +150,8 @@ LAYER_TYPE_ORDER: tuple[str, ...] = ("Embed", "Conv", "ConvBN", "BasicBlock", "D
 # benchmarks/vmap_vs_map.py (the CNN ~1.5x faster one client at a time). ResNet-18 one
 # client at a time too: one convolution's im2col patches at batch 64 are 151 MB
 # (64 x 32 x 32 x 576 floats), far past any cache already. Accelerators vmap.
-CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "coaching_cnn": 1, "fedavg_cnn": 1, "mlp": 2,
-                                    "resnet18": 1}
+CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "coaching_cnn": 1, "coaching_cnn_bn": 1,
+                                    "fedavg_cnn": 1, "mlp": 2, "resnet18": 1}
 
 
 def default_client_chunk(model: str, platform: str) -> int | None:
@@ -150,8 +165,8 @@ def default_client_chunk(model: str, platform: str) -> int | None:
 # images in a lax.scan over chunks (im2col, 2-core CPU, medians of 5): 230 ms in chunks of
 # 1,024, 171 (256), 111 (128), 97 (64), 96 (32). The MLP and accelerators take large ones.
 EVAL_BATCH = 1024
-CPU_EVAL_BATCH: dict[str, int] = {"cnn": 64, "coaching_cnn": 64, "fedavg_cnn": 64,
-                                  "resnet18": 64}
+CPU_EVAL_BATCH: dict[str, int] = {"cnn": 64, "coaching_cnn": 64, "coaching_cnn_bn": 64,
+                                  "fedavg_cnn": 64, "resnet18": 64}
 
 
 def default_eval_batch_size(model: str, platform: str) -> int:

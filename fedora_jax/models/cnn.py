@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from fedora_jax.models.mlp import _torch_uniform, dense_layers
+from fedora_jax.models.norm import BATCH_STATS, batch_norm
 
 CONVS = ("im2col", "banded", "xla")  # Conv's formulations; see the module docstring
 # channels -> (mean, std) of [0, 1] pixels.
@@ -146,18 +147,53 @@ class Conv(nn.Module):
     return y + bias
 
 
+class ConvBN(nn.Module):
+  """Conv (with its bias, as PyTorch's nn.Conv2d) then BatchNorm."""
+  features: int
+  conv: str = "im2col"
+
+  @nn.compact
+  def __call__(self, x: jax.Array, mask: jax.Array | None) -> jax.Array:
+    x = Conv(self.features, 5, self.conv)(x)
+    return batch_norm(x, mask, self.is_mutable_collection(BATCH_STATS))
+
+
+class DenseBN(nn.Module):
+  """Dense (PyTorch's default init) then BatchNorm."""
+  features: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array, mask: jax.Array | None) -> jax.Array:
+    fan_in = x.shape[-1]
+    x = nn.Dense(self.features, kernel_init=_torch_uniform(fan_in),
+                 bias_init=_torch_uniform(fan_in))(x)
+    return batch_norm(x, mask, self.is_mutable_collection(BATCH_STATS))
+
+
 class CNN(nn.Module):
-  """LeNet-5-style CNN of the FEDORA authors' code; see the module docstring."""
+  """LeNet-5-style CNN of the FEDORA authors' code; see the module docstring.
+
+  `batch_norm=True` puts a BatchNorm after every convolution and hidden dense layer,
+  before its ReLU, where FedBN's own CNN has them (Li et al., ICLR 2021; its code,
+  github.com/med-air/FedBN nets/models.py DigitModel: conv-BN-ReLU-pool, fc-BN-ReLU); the
+  modules are then ConvBN_<n> and
+  DenseBN_<n>, and the logits layer Dense_0."""
   num_outputs: int = 10
   kernels: int = 16
   dense: tuple[int, ...] = (120, 84)
   conv: str = "im2col"
+  batch_norm: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     x = standardize_images(x)
     for features in (self.kernels, 2 * self.kernels):
-      x = Conv(features, 5, self.conv)(x)
+      x = ConvBN(features, self.conv)(x, mask) if self.batch_norm else Conv(
+          features, 5, self.conv)(x)
       x = max_pool_2x2(nn.relu(x))
     x = x.reshape((x.shape[0], -1))
-    return dense_layers(x, (*self.dense, self.num_outputs))
+    if not self.batch_norm:
+      return dense_layers(x, (*self.dense, self.num_outputs))
+    for width in self.dense:
+      x = nn.relu(DenseBN(width)(x, mask))
+    return dense_layers(x, (self.num_outputs,))

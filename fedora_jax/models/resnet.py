@@ -38,17 +38,7 @@ import jax.numpy as jnp
 
 from fedora_jax.models.cnn import standardize_images
 from fedora_jax.models.mlp import _torch_uniform, dense_layers
-
-BATCH_STATS = "batch_stats"
-
-
-def batch_norm(x: jax.Array, mask: jax.Array | None, training: bool) -> jax.Array:
-  """flax BatchNorm with PyTorch's defaults, inside a compact method; in train mode its
-  statistics are those of the samples `mask` marks."""
-  if mask is not None:
-    mask = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
-  return nn.BatchNorm(use_running_average=not training, momentum=0.9,
-                      epsilon=1e-5)(x, mask=mask if training else None)
+from fedora_jax.models.norm import BATCH_STATS, batch_norm
 
 
 def _patches(x: jax.Array, size: int, stride: int) -> jax.Array:
