@@ -24,7 +24,8 @@ participation); --columns picks some (default: the table's default_columns, the 
 in shared/data with the paper's model); a column whose data or model this build lacks is
 printed with the paper's numbers only and says why. Rows: --rows (default: every row that
 runs here; a row whose algorithm or plug-in this build lacks is listed as not run, with the
-reason). LOCAL always runs first, every other row's --reference.
+reason). LOCAL always runs first, every other row's --reference (but a row on another
+model than LOCAL's).
 
 The metric is the papers': the best accuracy over rounds, read from each run's per-round
 test accuracies (history.npz, every client evaluated every round), over the rounds the
@@ -235,6 +236,16 @@ def use_row(table: dict, column: str, row: str, seed: int, workdir: str,
     setattr(FLAGS, name, value)
   FLAGS.seed, FLAGS.reference = seed, reference
   FLAGS.workdir = row_workdir(workdir, column, seed, row)
+
+
+def row_reference(table: dict, column: str, row: str, local_results: str | None) -> str | None:
+  """The row's --reference: LOCAL's results.json in the cell; none for LOCAL itself, and
+  none for a row on another model than LOCAL's (the coaching tables' FedBN on
+  coaching_cnn_bn), whose R-Acc against LOCAL would not compare like with like."""
+  model = cell_flags(table, column).get("model")
+  if row == REFERENCE_ROW or row_flags(table, column, row).get("model", model) != model:
+    return None
+  return local_results
 
 
 def row_workdir(workdir: str, column: str, seed: int, row: str) -> str:
@@ -480,7 +491,7 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
   runs = {c: {r: [] for r in rows} for c in columns}
   for number, (column, seed, row) in enumerate(plan, 1):
     local = runs[column][REFERENCE_ROW]
-    reference = None if row == REFERENCE_ROW else local[-1].results
+    reference = row_reference(table, column, row, local[-1].results if local else None)
     use_row(table, column, row, seed, workdir, reference, overrides, defaults)
     label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
     if main_lib.finished_results(FLAGS.workdir) is None:

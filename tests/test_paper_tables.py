@@ -116,6 +116,16 @@ def test_the_papers_numbers_as_printed():
       "algorithm": "coaching", "coach_beta": 1.0}
   assert paper_tables.row_flags(TABLES["fedala_ala"], "cifar10_dir", "ditto_ala") == {
       "algorithm": "ditto", "ala": True}
+  # FedBN runs on the CNN with BatchNorm where the paper's CNN has none; its R-Acc
+  # would compare it with a LOCAL on another model, so it has no --reference.
+  for table, column in (("coaching1", "mnist_0.1"), ("coaching2", "fmnist_0.3")):
+    assert paper_tables.row_flags(TABLES[table], column, "fedbn") == {
+        "algorithm": "fedbn", "model": "coaching_cnn_bn"}
+    assert paper_tables.row_reference(TABLES[table], column, "fedbn", "l.json") is None
+    assert paper_tables.row_reference(TABLES[table], column, "fedavg", "l.json") == "l.json"
+    assert paper_tables.row_reference(TABLES[table], column, "local", "l.json") is None
+  assert paper_tables.row_flags(TABLES["coaching1"], "cifar10_0.1", "fedbn") == {
+      "algorithm": "fedbn"}  # ResNet-18 has BatchNorm of its own
   assert {k: paper_tables.cell_flags(TABLES["confree2"], "cifar10_c60_p30")[k]
           for k in ("num_clients", "participation", "partition", "classes_per_client")} == {
       "num_clients": 60, "participation": 0.3, "partition": "pathological",
