@@ -241,7 +241,8 @@ def use_row(table: dict, column: str, row: str, seed: int, workdir: str,
 def row_reference(table: dict, column: str, row: str, local_results: str | None) -> str | None:
   """The row's --reference: LOCAL's results.json in the cell; none for LOCAL itself, and
   none for a row on another model than LOCAL's (the coaching tables' FedBN on
-  coaching_cnn_bn), whose R-Acc against LOCAL would not compare like with like."""
+  coaching_cnn_bn): its R-Acc against that LOCAL would not compare like with like, so
+  the run trains a LOCAL on its own model (experiments.main without --reference)."""
   model = cell_flags(table, column).get("model")
   if row == REFERENCE_ROW or row_flags(table, column, row).get("model", model) != model:
     return None
