@@ -127,6 +127,10 @@ flags.DEFINE_float("weight_decay", 5e-5, "Client weight decay (PyTorch-style, co
 flags.DEFINE_float("participation", 1.0, "Fraction of clients sampled each round (the"
                    " same clients in the same rounds for every algorithm, from --seed);"
                    " the others keep their state.", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_enum("client_weights", None, ["samples", "uniform"], "Each client's weight in"
+                  " the server's averages (FedAvg's and every algorithm's aggregate):"
+                  " samples, its training samples n_k (McMahan et al.; the default), or"
+                  " uniform, 1 for every client the round trained (docs/runs.md).")
 flags.DEFINE_integer("eval_batch_size", None, "Samples a client's evaluation forwards at"
                      " once (default on CPUs: 64 for the CNNs, else 1024; see"
                      " models.default_eval_batch_size).", lower_bound=1)
@@ -259,7 +263,8 @@ def train_config() -> TrainConfig:
                      weight_decay=FLAGS.weight_decay, seed=FLAGS.seed,
                      eval_batch_size=eval_batch_size(), log_every=FLAGS.log_every,
                      client_chunk=client_chunk(), participation=FLAGS.participation,
-                     eval_every=FLAGS.eval_every)
+                     eval_every=FLAGS.eval_every,
+                     client_weights=FLAGS.client_weights or "samples")
 
 
 def partition_config(dataset: str) -> partitions.PartitionConfig:

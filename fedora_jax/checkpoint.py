@@ -170,7 +170,7 @@ ABSENT_MEANS = {"fedora_variant": "paper",  # the default until 2026-11-26
 # Left out of the identity when unset (None), so runs from before they existed resume.
 OPTIONAL = ("partition", "classes_per_client", "dirichlet_alpha", "min_client_size",
             "fixed_train_size", "fixed_val_size", "client_chunk", "eval_batch_size", "split",
-            "val_fraction", "data_fraction")
+            "val_fraction", "data_fraction", "client_weights")
 
 
 def identity_defaults(defaults: dict[str, Any]) -> dict[str, Any]:

@@ -128,9 +128,13 @@ def _sampled_outputs(out: ClientOutput, slot_clients: jax.Array, clients: Any,
       metrics=scatter(_filled(out.metrics, num_clients, jnp.nan), out.metrics))
 
 
+# Each client's weight in the server's averages: its training samples, or 1 (--client_weights).
+CLIENT_WEIGHTS = ("samples", "uniform")
+
+
 def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: FederatedData,
                       client_chunk: int | None = None, participation: float = 1.0,
-                      evaluate_test: bool = True):
+                      evaluate_test: bool = True, client_weights: str = "samples"):
   """The round function for this algorithm and client layout (bucket membership is static).
 
   `layout` supplies the static bucket structure; the arrays themselves are passed to
@@ -148,9 +152,15 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
   one `shared_model` is scored on every client's data without K copies of it.
   evaluate_test=False: the round's test loss and score are NaN, not computed (the runner
   scores test with `build_test_evaluation` in the rounds it needs).
+  client_weights: each client's weight in `aggregate`, "samples" (its n_k training
+  samples) or "uniform" (1 for every client; 0 for those not sampled either way).
   """
+  if client_weights not in CLIENT_WEIGHTS:
+    raise ValueError(f"client_weights must be one of {CLIENT_WEIGHTS}, got {client_weights!r}")
   num_clients = layout.num_clients
   train_weights = jnp.asarray(layout.split_sizes("train"), jnp.float32)
+  if client_weights == "uniform":
+    train_weights = jnp.ones_like(train_weights)
   num_sampled = num_sampled_clients(participation, num_clients)
 
   def train_round(state: RoundState, data: tuple[ClientSplits, ...], key: jax.Array):

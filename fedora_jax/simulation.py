@@ -43,6 +43,9 @@ class TrainConfig:
   # score is the best so far, so the final and best-validation results stay exact; NaN
   # in the history's other rounds. 1: every round.
   eval_every: int = 1
+  # Each client's weight in the server's averages (rounds.py): "samples", its training
+  # samples n_k (McMahan et al.), or "uniform", 1 for every client the round trained.
+  client_weights: str = "samples"
 
 
 class RunResult(NamedTuple):
@@ -143,7 +146,8 @@ def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
                        algorithm=init_state(params, buckets, keys["algorithm"]))
     every_round = train.eval_every == 1
     train_round = jax.jit(build_train_round(algorithm, trainer, data, train.client_chunk,
-                                            train.participation, evaluate_test=every_round),
+                                            train.participation, evaluate_test=every_round,
+                                            client_weights=train.client_weights),
                           donate_argnums=0,
                           out_shardings=everywhere)
     compiled = train_round.lower(state, buckets, keys["train"]).compile()

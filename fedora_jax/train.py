@@ -29,6 +29,7 @@ from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import FieldError
 from fedora_jax.models import build_model, check_inputs
 from fedora_jax.progress import Progress
+from fedora_jax.rounds import CLIENT_WEIGHTS
 from fedora_jax.simulation import TrainConfig, root_keys, run_algorithm
 
 logger = logging.getLogger("fedora_jax")
@@ -74,6 +75,9 @@ def check_config(config: ExperimentConfig) -> None:
                      f"must be in (0, 1], got {config.train.participation}")
   if config.train.eval_every < 1:
     raise FieldError("train", "eval_every", f"must be >= 1, got {config.train.eval_every}")
+  if config.train.client_weights not in CLIENT_WEIGHTS:
+    raise FieldError("train", "client_weights", f"must be one of {', '.join(CLIENT_WEIGHTS)},"
+                     f" got {config.train.client_weights!r}")
   if any(w < 1 for w in config.hidden):
     raise FieldError("experiment", "hidden",
                      f"widths must be >= 1, got {','.join(map(str, config.hidden))}")
@@ -112,7 +116,7 @@ def config_identity(config: ExperimentConfig, algorithm: str) -> dict:
       config, algorithm=algorithm, algorithm_config=None, reference=None,
       checkpoint_every=0))
   identity["algorithm_config"] = repr(resolved_algorithm_config(config)) if own else None
-  identity["train"] = {k: v for k, v in identity["train"].items()
+  identity["train"] = {k: v for k, v in _train_info(config.train).items()
                        if k not in ("rounds", "log_every", "eval_every")}
   return json.loads(json.dumps(identity, default=str))
 
@@ -142,10 +146,13 @@ def _run_info(config: ExperimentConfig, num_clients: int, model_name: str,
 
 def _train_info(train: TrainConfig) -> dict:
   """results.json's `train`: every TrainConfig field, eval_every only when it is not 1
-  (the files of runs from before it existed stay as they were)."""
+  and client_weights only when it is not "samples" (the files of runs from before they
+  existed stay as they were)."""
   info = dataclasses.asdict(train)
   if info["eval_every"] == 1:
     del info["eval_every"]
+  if info["client_weights"] == "samples":
+    del info["client_weights"]
   return info
 
 

@@ -94,15 +94,16 @@ class TraceCounter:
     return self.fn(*args)
 
 
-def run_rounds(algorithm, trainer, data, model, rounds=2, x_shape=None):
-  """Starts `algorithm` from one shared initial model and runs `rounds` jitted rounds.
+def run_rounds(algorithm, trainer, data, model, rounds=2, x_shape=None, **round_options):
+  """Starts `algorithm` from one shared initial model and runs `rounds` jitted rounds
+  (`round_options`: build_train_round's keywords).
 
   Returns (state, metrics of the last round, stacked initial params, traces)."""
   stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (data.num_clients,) + a.shape),
                          init_folded(model, x_shape=x_shape))
   state = RoundState(round=jnp.zeros((), jnp.int32), algorithm=algorithm.init(
       InitContext(params=stacked, data=data, trainer=trainer, key=jax.random.key(0))))
-  counter = TraceCounter(build_train_round(algorithm, trainer, data))
+  counter = TraceCounter(build_train_round(algorithm, trainer, data, **round_options))
   round_fn = jax.jit(counter)
   for _ in range(rounds):
     state, metrics = round_fn(state, data.buckets, jax.random.key(1))
