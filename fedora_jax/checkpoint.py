@@ -205,6 +205,8 @@ def run_identity(settings: dict[str, Any], algorithm: str, owner_of: dict[str, s
         identity.pop(name, None)
   if identity.get("data_source") == "files":  # the default: earlier runs keep their identity
     identity.pop("data_source")
+  if algorithm == "local":  # LOCAL averages nothing: one run serves either weighting
+    identity.pop("client_weights", None)
   for name in OPTIONAL:
     if identity.get(name) is None:
       identity.pop(name, None)

@@ -183,6 +183,30 @@ def test_a_column_runs_its_own_flags_unless_the_command_line_gives_them(args, co
     flag_values.unparse_flags()
 
 
+def test_table_3_averages_uniformly_and_local_serves_either_weighting():
+  flag_values = reproduce.FLAGS
+  # The column's weights, unless the command line gives its own.
+  for args, chosen, weights in (
+      (["--dataset=rmnist"], {"client_weights": "uniform"}, "uniform"),
+      (["--dataset=rfmnist", "--client_weights=samples"], {}, "samples")):
+    flag_values(["reproduce", "--table=fedora3", *args])
+    try:
+      assert reproduce.use_column_flags("fedora3", flag_values.dataset) == chosen
+      assert run_flags.train_config().client_weights == weights
+      weighted = run_flags.run_identity("fedavg")
+      local_identity = run_flags.run_identity("local")
+    finally:
+      flag_values.unparse_flags()
+    assert weighted["client_weights"] == weights
+    assert "client_weights" not in local_identity  # LOCAL averages nothing
+  flag_values(["reproduce", "--table=fedora1", "--dataset=rmnist"])
+  try:  # Table 1's clients are all one size: nothing to set
+    assert reproduce.use_column_flags("fedora1", "rmnist") == {}
+    assert "client_weights" not in run_flags.run_identity("fedavg")
+  finally:
+    flag_values.unparse_flags()
+
+
 def test_a_sweep_from_before_the_default_changed_is_refused_before_training(tmp_path):
   # Until 2026-11-26 the fedora row ran the printed equations.
   old_row = tmp_path / "seed0" / "fedora"
