@@ -176,8 +176,7 @@ class CNN(nn.Module):
   `batch_norm=True` puts a BatchNorm after every convolution and hidden dense layer,
   before its ReLU, where FedBN's own CNN has them (Li et al., ICLR 2021; its code,
   github.com/med-air/FedBN nets/models.py DigitModel: conv-BN-ReLU-pool, fc-BN-ReLU); the
-  modules are then ConvBN_<n> and
-  DenseBN_<n>, and the logits layer Dense_0."""
+  modules are then ConvBN_<n> and DenseBN_<n>, and the logits layer Dense_0."""
   num_outputs: int = 10
   kernels: int = 16
   dense: tuple[int, ...] = (120, 84)
