@@ -40,7 +40,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.models.mlp import _torch_uniform, dense_layers
+from fedora_jax.models.mlp import _torch_uniform, dense_layers, torch_dense
 from fedora_jax.models.norm import BATCH_STATS, batch_norm
 
 CONVS = ("im2col", "banded", "xla")  # Conv's formulations; see the module docstring
@@ -164,9 +164,7 @@ class DenseBN(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: jax.Array | None) -> jax.Array:
-    fan_in = x.shape[-1]
-    x = nn.Dense(self.features, kernel_init=_torch_uniform(fan_in),
-                 bias_init=_torch_uniform(fan_in))(x)
+    x = torch_dense(self.features, x.shape[-1])(x)
     return batch_norm(x, mask, self.is_mutable_collection(BATCH_STATS))
 
 

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedora_jax.models.mlp import _torch_uniform
+from fedora_jax.models.mlp import torch_dense
 
 VOCAB_SIZE = 98_635  # FedALA's main.py; fedora_jax/data/agnews.py VOCAB_SIZE
 PAD = 0
@@ -50,9 +50,7 @@ class FastText(nn.Module):
       pooled = embedded.sum(axis=1) / jnp.maximum(real.sum(axis=1), 1.0)
     else:
       raise ValueError(f"unknown pooling {self.pooling!r}")
-    h = nn.Dense(self.hidden, kernel_init=_torch_uniform(self.embed_dim),
-                 bias_init=_torch_uniform(self.embed_dim))(pooled)
+    h = torch_dense(self.hidden, self.embed_dim)(pooled)
     if self.activation:
       h = nn.relu(h)
-    return nn.Dense(self.num_outputs, kernel_init=_torch_uniform(self.hidden),
-                    bias_init=_torch_uniform(self.hidden))(h)
+    return torch_dense(self.num_outputs, self.hidden)(h)

@@ -37,13 +37,18 @@ class MLP(nn.Module):
     return dense_layers(x, (*self.hidden, self.num_outputs))
 
 
+def torch_dense(features: int, fan_in: int) -> nn.Dense:
+  """nn.Dense with PyTorch's default init of nn.Linear, U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+  for weights and bias; created inside a compact method, whose parameters it becomes."""
+  return nn.Dense(features, kernel_init=_torch_uniform(fan_in),
+                  bias_init=_torch_uniform(fan_in))
+
+
 def dense_layers(x: jax.Array, widths: Sequence[int]) -> jax.Array:
   """Dense-ReLU for each width but the last, a linear last layer; PyTorch's default init.
   Called inside a module's compact method, whose parameters these layers become."""
   for layer, width in enumerate(widths):
-    fan_in = x.shape[-1]
-    x = nn.Dense(width, kernel_init=_torch_uniform(fan_in),
-                 bias_init=_torch_uniform(fan_in))(x)
+    x = torch_dense(width, x.shape[-1])(x)
     if layer < len(widths) - 1:
       x = nn.relu(x)
   return x
