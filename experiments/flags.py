@@ -19,6 +19,7 @@ from fedora_jax.algorithms import confree as confree_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.models import MODELS, default_client_chunk, default_eval_batch_size
+from fedora_jax.rounds import CLIENT_WEIGHTS
 from fedora_jax.simulation import TrainConfig
 from fedora_jax.train import ExperimentConfig
 
@@ -127,7 +128,7 @@ flags.DEFINE_float("weight_decay", 5e-5, "Client weight decay (PyTorch-style, co
 flags.DEFINE_float("participation", 1.0, "Fraction of clients sampled each round (the"
                    " same clients in the same rounds for every algorithm, from --seed);"
                    " the others keep their state.", lower_bound=0.0, upper_bound=1.0)
-flags.DEFINE_enum("client_weights", None, ["samples", "uniform"], "Each client's weight in"
+flags.DEFINE_enum("client_weights", None, list(CLIENT_WEIGHTS), "Each client's weight in"
                   " the server's averages (FedAvg's and every algorithm's aggregate):"
                   " samples, its training samples n_k (McMahan et al.; the default), or"
                   " uniform, 1 for every client the round trained (docs/runs.md).")
