@@ -64,6 +64,7 @@ from experiments import main as main_lib
 from experiments import paper_tables
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import plots
+from fedora_jax import results as results_lib
 from fedora_jax import train as train_lib
 from fedora_jax.errors import ConfigError
 
@@ -230,6 +231,7 @@ def run_row(row: str, seed: int, workdir: str, reference: str | None,
     results = main_lib.run(cli.progress_reporter(label))
   else:
     logger.info("%s: finished in %s, read", name, FLAGS.workdir)
+    results = results_lib.resummarize(results)  # written before a metric changed, maybe
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
     timing = json.load(f)
   # Over every process that trained this row (a sweep extended from checkpoints); files

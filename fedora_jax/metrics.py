@@ -15,11 +15,25 @@ Regression (the agriculture task), where lower is better: MAE is the mean over c
 per-client test mean absolute error; R-MAE_k = (MAE_k^LOCAL - MAE_k) / MAE_k^LOCAL, the
 relative form of R-Acc with the sign kept so that positive means better than LOCAL;
 R-MAE is its mean over clients. PTR: the fraction of clients with MAE_k <= MAE_k^LOCAL.
+
+Ties. An accuracy is a count over n test samples, computed in float32 on the device; two
+programs (LOCAL's and another algorithm's) can round the same count c / n to float32s one
+bit apart (XLA may divide through a reciprocal: 16 of the 278 counts over 277 samples
+differ so), while two different counts differ by at least 1 / n. Accuracies within
+ACCURACY_TIE of each other are therefore the same count: "equal" for PTR's >= and an
+R-Acc_k of exactly 0. Before 2026-11-27 they were compared bit for bit, and a tie counted
+or not by the rounding: on Table 3's rotated Fashion-MNIST FedAvg+FT, 4 of 72 clients tie
+with LOCAL and 1 of them counted (PTR 0.375; 0.417 with the ties).
 """
 
 from typing import NamedTuple
 
 import numpy as np
+
+
+# Far above float32's rounding of a ratio in [0, 1] (6e-8) and results.json's 6 decimals
+# (a LOCAL reference is read from there), below 1 / n for a test set of n < 500,000.
+ACCURACY_TIE = 1e-6
 
 
 class Summary(NamedTuple):
@@ -28,11 +42,17 @@ class Summary(NamedTuple):
   ptr: float | None
 
 
+def same_accuracy(acc: np.ndarray, local_acc: np.ndarray) -> np.ndarray:
+  """[K] whether each client's two accuracies are the same count (within ACCURACY_TIE)."""
+  return np.abs(np.asarray(acc, np.float64) - np.asarray(local_acc, np.float64)) <= ACCURACY_TIE
+
+
 def relative_accuracy(acc: np.ndarray, local_acc: np.ndarray) -> np.ndarray:
-  """[K] (acc - local) / local; NaN where LOCAL scored 0 (undefined)."""
+  """[K] (acc - local) / local, 0 where they tie; NaN where LOCAL scored 0 (undefined)."""
   acc, local_acc = np.asarray(acc, np.float64), np.asarray(local_acc, np.float64)
+  difference = np.where(same_accuracy(acc, local_acc), 0.0, acc - local_acc)
   with np.errstate(divide="ignore", invalid="ignore"):
-    return np.where(local_acc > 0, (acc - local_acc) / local_acc, np.nan)
+    return np.where(local_acc > 0, difference / local_acc, np.nan)
 
 
 def defined_mean(values: np.ndarray) -> float | None:
@@ -53,7 +73,8 @@ def summarize(acc: np.ndarray, local_acc: np.ndarray | None) -> Summary:
     return Summary(acc=float(acc.mean()), r_acc=None, ptr=None)
   r_acc = relative_accuracy(acc, local_acc)
   return Summary(acc=float(acc.mean()), r_acc=defined_mean(r_acc),
-                 ptr=float(np.mean(acc >= np.asarray(local_acc, np.float64))))
+                 ptr=float(np.mean((acc >= np.asarray(local_acc, np.float64))
+                                   | same_accuracy(acc, local_acc))))
 
 
 def best_validation_round(val_score: np.ndarray, lower_is_better: bool = False) -> int:

@@ -114,6 +114,27 @@ def build_results(run_info: dict[str, Any], result: RunResult, ours: ClientScore
   }
 
 
+def resummarize(report: dict) -> dict:
+  """A results.json document (classification) with its summaries recomputed from its
+  per-client accuracies by the current metrics, so a row written before a metric changed
+  (the ties of metrics.ACCURACY_TIE, 2026-11-27) reads as a run would write it now. The
+  per-client values were rounded to 6 decimals, so the means may move in the 7th."""
+  if task_of(report) == "regression":
+    return report
+  clients = report["clients"]
+  scores = {name: np.array([c[name] for c in clients], np.float64)
+            for name in ("acc", "local_acc", "best_val_acc", "local_best_val_acc")}
+  final = metrics.summarize(scores["acc"], scores["local_acc"])
+  best = metrics.summarize(scores["best_val_acc"], scores["local_best_val_acc"])
+  r_final = metrics.relative_accuracy(scores["acc"], scores["local_acc"])
+  r_best = metrics.relative_accuracy(scores["best_val_acc"], scores["local_best_val_acc"])
+  return {**report, "r_acc": _rounded(final.r_acc), "ptr": _rounded(final.ptr),
+          "best_val": {**report["best_val"], "r_acc": _rounded(best.r_acc),
+                       "ptr": _rounded(best.ptr)},
+          "clients": [{**c, "r_acc": _rounded(r_final[k]), "best_val_r_acc": _rounded(r_best[k])}
+                      for k, c in enumerate(clients)]}
+
+
 def _build_regression_results(run_info: dict[str, Any], ours: ClientScores,
                                local: ClientScores,
                                client_info: dict[str, np.ndarray]) -> dict:
