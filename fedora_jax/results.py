@@ -84,15 +84,21 @@ def _rounded(x):
   return None if x is None or not np.isfinite(x) else round(float(x), 6)
 
 
+def _summaries(acc, local_acc, best_val_acc, local_best_val_acc):
+  """[K] accuracies -> final and best-validation summaries, and each one's per-client
+  R-Acc."""
+  return (metrics.summarize(acc, local_acc), metrics.summarize(best_val_acc, local_best_val_acc),
+          metrics.relative_accuracy(acc, local_acc),
+          metrics.relative_accuracy(best_val_acc, local_best_val_acc))
+
+
 def build_results(run_info: dict[str, Any], result: RunResult, ours: ClientScores,
                   local: ClientScores, client_info: dict[str, np.ndarray]) -> dict:
   """The results.json document. Headline numbers are the final round's."""
   if task_of(run_info) == "regression":
     return _build_regression_results(run_info, ours, local, client_info)
-  final = metrics.summarize(ours.final, local.final)
-  best = metrics.summarize(ours.best_val, local.best_val)
-  r_final = metrics.relative_accuracy(ours.final, local.final)
-  r_best = metrics.relative_accuracy(ours.best_val, local.best_val)
+  final, best, r_final, r_best = _summaries(ours.final, local.final, ours.best_val,
+                                            local.best_val)
   clients = []
   for k in range(len(ours.final)):
     entry = {"id": k}  # tolist: scalars, or lists such as class_counts
@@ -122,12 +128,9 @@ def resummarize(report: dict) -> dict:
   if task_of(report) == "regression":
     return report
   clients = report["clients"]
-  scores = {name: np.array([c[name] for c in clients], np.float64)
-            for name in ("acc", "local_acc", "best_val_acc", "local_best_val_acc")}
-  final = metrics.summarize(scores["acc"], scores["local_acc"])
-  best = metrics.summarize(scores["best_val_acc"], scores["local_best_val_acc"])
-  r_final = metrics.relative_accuracy(scores["acc"], scores["local_acc"])
-  r_best = metrics.relative_accuracy(scores["best_val_acc"], scores["local_best_val_acc"])
+  final, best, r_final, r_best = _summaries(
+      *(np.array([c[name] for c in clients], np.float64)
+        for name in ("acc", "local_acc", "best_val_acc", "local_best_val_acc")))
   return {**report, "r_acc": _rounded(final.r_acc), "ptr": _rounded(final.ptr),
           "best_val": {**report["best_val"], "r_acc": _rounded(best.r_acc),
                        "ptr": _rounded(best.ptr)},
