@@ -65,6 +65,7 @@ from fedora_jax import algorithms
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import metrics
 from fedora_jax import plots
+from fedora_jax import results as results_lib
 from fedora_jax import train as train_lib
 from fedora_jax.errors import ConfigError
 from fedora_jax.models import MODELS
@@ -261,6 +262,7 @@ class RowRun(NamedTuple):
   final: float            # the last round's
   round_seconds: float
   wall_seconds: float
+  machine: str            # what trained it (results.machines)
   results: str            # results.json
 
 
@@ -283,6 +285,7 @@ def read_row_run(directory: str, weighting: str, sample_every: int) -> RowRun:
                 final=float(per_round[-1]),
                 round_seconds=timing.get("round_seconds_all", timing["round_seconds"]),
                 wall_seconds=timing.get("seconds_all", timing["train_seconds"]),
+                machine=results_lib.machines(timing, results.get("platform")),
                 results=os.path.join(directory, "results.json"))
 
 
@@ -322,6 +325,7 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]]) -> l
           final_acc=_rounded(100 * np.mean([r.final for r in row_runs])),
           round_seconds=round(float(np.median([r.round_seconds for r in row_runs])), 4),
           wall_seconds=round(float(sum(r.wall_seconds for r in row_runs)), 1),
+          machine=" + ".join(dict.fromkeys(r.machine for r in row_runs)),
           results=[r.results for r in row_runs])
     else:
       entry["not_run"] = row_problem(table, row) or "not asked for (--rows)"
@@ -361,8 +365,8 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
               f" {table['columns'][column]['paper_column']}", "",
               "| row | ours | paper | ours − paper |"
               + (" ours imp | paper imp |" if has_imp else "")
-              + " best round | final | s/round | wall s | paper's row |",
-              "|---|---|---|---|" + ("---|---|" if has_imp else "") + "---|---|---|---|---|"]
+              + " best round | final | s/round | wall s | machine | paper's row |",
+              "|---|---|---|---|" + ("---|---|" if has_imp else "") + "---|---|---|---|---|---|"]
     for e in entries:
       label = e["label"] or "— (ours: the LOCAL reference, not a paper row)"
       if "not_run" in e:
@@ -370,8 +374,8 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
       imp = (f" {_cell(e.get('imp'), signed=True)} | {_cell(e.get('paper_imp'), signed=True)} |"
              if has_imp else "")
       best_round = ",".join(map(str, e.get("best_round", []))) or "—"
-      timing = (f"{e['round_seconds']:.3f} | {e['wall_seconds']:.0f}"
-                if "round_seconds" in e else "— | —")
+      timing = (f"{e['round_seconds']:.3f} | {e['wall_seconds']:.0f} | {e['machine']}"
+                if "round_seconds" in e else "— | — | —")
       lines.append(f"| {e['row']} | {_cell(e['acc'], e['acc_std'])} |"
                    f" {_cell(e['paper_acc'], e['paper_std'])} | {_cell(e['diff'], signed=True)} |"
                    f"{imp} {best_round} | {_cell(e.get('final_acc'))} | {timing} | {label} |")
@@ -403,13 +407,14 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
       f" {table['paper']}, {table['table']} (shared/papers/{table['text']}, lines"
       f" {table['lines']}); imp: the row's accuracy minus its host's (ours: per seed, then"
       " averaged); best round: per seed; final: the last round's, mean over seeds; s/round:"
-      " median round time; wall s: compile and training time, summed over seeds."]
+      " median round time; wall s: compile and training time, summed over seeds; machine:"
+      " what trained it (results.machines)."]
   return "\n".join(lines) + "\n"
 
 
 CSV_COLUMNS = ("column", "row", "label", "seeds", "acc", "acc_std", "paper_acc",
                "paper_std", "diff", "imp", "paper_imp", "best_round", "rounds", "final_acc",
-               "round_seconds", "wall_seconds", "not_run")
+               "round_seconds", "wall_seconds", "machine", "not_run")
 
 
 def write_csv(path: str, summary: dict[str, list[dict]]) -> None:

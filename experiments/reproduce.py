@@ -239,6 +239,7 @@ def run_row(row: str, seed: int, workdir: str, reference: str | None,
   return {**{m: results[m] for m in METRICS},
           "wall_seconds": timing.get("seconds_all", timing["train_seconds"]),
           "round_seconds": timing.get("round_seconds_all", timing["round_seconds"]),
+          "machine": results_lib.machines(timing, results.get("platform")),
           "results": os.path.join(FLAGS.workdir, "results.json")}
 
 
@@ -257,6 +258,7 @@ def summarize(row: str, runs: list[dict], paper: dict) -> dict:
   entry.update(_paper_columns(row, paper))
   entry["round_seconds"] = round(float(np.median([r["round_seconds"] for r in runs])), 4)
   entry["wall_seconds"] = round(float(sum(r["wall_seconds"] for r in runs)), 1)
+  entry["machine"] = " + ".join(dict.fromkeys(r["machine"] for r in runs))
   entry["results"] = [r["results"] for r in runs]
   return entry
 
@@ -289,11 +291,12 @@ def _cell(value, std=None, signed=False) -> str:
 def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
   lines = [f"# {title}", "", settings, "",
            "| algorithm | acc | r_acc | ptr | paper_acc | paper_r_acc | paper_ptr |"
-           " s/round | wall s | paper's row |", "|---|---|---|---|---|---|---|---|---|---|"]
+           " s/round | wall s | machine | paper's row |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     r_acc = None if r["algorithm"] == "local" else r["r_acc"]
     ptr = None if r["algorithm"] == "local" else r["ptr"]
-    timing = f"{r['round_seconds']:.3f} | {r['wall_seconds']:.0f}"
+    timing = f"{r['round_seconds']:.3f} | {r['wall_seconds']:.0f} | {r['machine']}"
     paper_row = r.get("paper_row") or "—"
     if r["algorithm"] in EXTRA_ROWS:
       paper_row += " (ours: the equations as printed)"
@@ -307,7 +310,10 @@ def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
             " at or above LOCAL. paper_*: experiments/paper/fedora_tables.json; — : the"
             " paper prints none (LOCAL's R-Acc and PTR). s/round: median round time"
             " (rounds-weighted over the processes that trained the row, when extended"
-            " from checkpoints); wall s: its compile and training time, summed over them."]
+            " from checkpoints); wall s: its compile and training time, summed over them;"
+            " machine: what trained it (accelerator and count, or CPU devices and the"
+            " cores the process could use; `cpu` or `gpu` alone: a row trained before"
+            " timing.json named the machine)."]
   for r in rows:
     if r.get("paper_note"):
       lines.append(f"\npaper_acc of {r['algorithm']}: {r['paper_note']}.")
@@ -317,7 +323,7 @@ def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
 # table.csv: one line per row, ours (mean, std over seeds) and the paper's, then timing.
 CSV_COLUMNS = ("algorithm", "seeds", *[f"{m}{s}" for m in METRICS for s in ("", "_std")],
                *[f"paper_{m}" for m in METRICS], "round_seconds", "wall_seconds",
-               "paper_row", "paper_source")
+               "machine", "paper_row", "paper_source")
 
 
 def write_csv(path: str, rows: list[dict]) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from fedora_jax import metrics
@@ -168,7 +169,25 @@ def _build_regression_results(run_info: dict[str, Any], ours: ClientScores,
   }
 
 
-def timing(result: RunResult, earlier: dict | None = None) -> dict:
+def this_machine() -> str:
+  """What this process trains on, for timing.json: the accelerator kind and count, or on
+  a CPU the devices and the cores this process may use (taskset narrows them)."""
+  if jax.default_backend() == "cpu":
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count())
+    return f"cpu x{jax.device_count()}, {cores} cores"
+  return f"{jax.devices()[0].device_kind} x{jax.device_count()}"
+
+
+def machines(timing_record: dict, platform: str | None = None) -> str:
+  """The machines that trained a run, from its timing.json, in the order they did;
+  segments written before they named theirs count as `platform` (results.json's)."""
+  named = [s.get("machine") or platform or "unrecorded"
+           for s in timing_record.get("segments", [])]
+  return " + ".join(dict.fromkeys(named)) or platform or "unrecorded"
+
+
+def timing(result: RunResult, earlier: dict | None = None, machine: str | None = None) -> dict:
   """timing.json: wall times, kept out of results.json so that the same flags and seed give
   a byte-identical results.json, resumed or not.
 
@@ -176,7 +195,8 @@ def timing(result: RunResult, earlier: dict | None = None) -> dict:
   trained rounds of this run (resumed runs carry the earlier ones over from `earlier`, the
   previous timing.json); `round_seconds_all` and `seconds_all` sum them up, so a sweep
   extended from checkpoints still reports its whole cost. A process killed before it
-  wrote this file leaves no segment.
+  wrote this file leaves no segment. A segment names the `machine` it ran on
+  (this_machine()), so a table built on several machines says which row ran where.
   """
   first, last = result.resumed_from_round, int(np.shape(result.history.test_score)[0])
   segments = [segment for segment in (earlier or {}).get("segments", [])
@@ -185,7 +205,8 @@ def timing(result: RunResult, earlier: dict | None = None) -> dict:
     segments.append({"first_round": first, "last_round": last,
                      "compile_seconds": round(result.compile_seconds, 3),
                      "round_seconds": round(result.round_seconds, 5),
-                     "train_seconds": round(result.total_seconds, 3)})
+                     "train_seconds": round(result.total_seconds, 3),
+                     **({"machine": machine} if machine else {})})
   rounds = [s["last_round"] - s["first_round"] for s in segments]
   return {"compile_seconds": round(result.compile_seconds, 3),
           "round_seconds": round(result.round_seconds, 5),
@@ -218,7 +239,7 @@ def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
   trained = np.shape(result.history.test_score)[0] > result.resumed_from_round
   if trained or earlier is None:  # a rerun of a finished run keeps the times it measured
     with open(timing_path, "w") as f:
-      json.dump(timing(result, earlier), f, indent=2)
+      json.dump(timing(result, earlier, this_machine()), f, indent=2)
   with open(os.path.join(workdir, "clients.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(results["clients"][0]))
     writer.writeheader()

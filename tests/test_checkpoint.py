@@ -142,6 +142,11 @@ def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
                                  for r in (first, extended)), atol=2e-3)
   # A fresh run (nothing resumed) starts its own record.
   assert len(results_lib.timing(straight, timing)["segments"]) == 1
+  # Each segment names its machine; segments from before they did count as the platform.
+  timing = results_lib.timing(extended, results_lib.timing(first), "NVIDIA H200 x1")
+  assert results_lib.machines(timing, "cpu") == "cpu + NVIDIA H200 x1"
+  assert results_lib.machines({"train_seconds": 1.0}, "gpu") == "gpu"  # no segments at all
+  assert results_lib.this_machine().startswith("cpu x")
 
 
 # --- The CLI: kill -9 and resume, determinism, refusal. ---------------------------------

@@ -207,6 +207,7 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
     assert rows[name]["acc"] == pytest.approx(100 * per_round.max(), abs=0.006)
     assert rows[name]["best_round"] == [int(np.argmax(per_round)) + 1]
     assert rows[name]["final_acc"] == pytest.approx(100 * per_round[-1], abs=0.006)
+    assert rows[name]["machine"].startswith("cpu x")  # what trained it, named in the table
     run = json.loads((run_dir / "results.json").read_text())
     assert run["partition"]["data_fraction"] == 0.02  # the override reached the run
     assert run["partition"]["dirichlet_alpha"] == 0.3 and run["train"]["lr"] == 0.01

@@ -44,6 +44,7 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   assert list(rows) == ["local", "fedavg", "fedora"]  # LOCAL always, in the table's order
   for row in rows.values():
     assert 0.0 <= row["acc"] <= 1.0 and row["round_seconds"] > 0 and row["wall_seconds"] > 0
+    assert row["machine"].startswith("cpu x") and row["machine"].endswith(" cores")
   fedavg = json.loads((tmp_path / "seed0" / "fedavg" / "results.json").read_text())
   assert rows["fedavg"]["acc"] == pytest.approx(fedavg["acc"], abs=1e-4)
   assert rows["local"]["r_acc"] == pytest.approx(0.0, abs=1e-6)
@@ -122,7 +123,8 @@ def test_every_row_of_every_table_prints_the_papers_numbers(table):
   for dataset in reproduce.load_paper_tables()[table]["datasets"]:
     paper = reproduce.load_paper_rows(table, dataset)
     runs = {row: [{"acc": 0.5, "r_acc": 0.01, "ptr": 0.5, "round_seconds": 0.1,
-                   "wall_seconds": 1.0, "results": "r"}]
+                   "wall_seconds": 1.0, "machine": "cpu x1, 1 cores",
+                   "results": "r"}]
             for row in reproduce.check_rows([], table)}
     summary = reproduce.table_summary(table, runs, paper)
     markdown = reproduce.format_markdown("T", "settings", summary)
@@ -234,9 +236,9 @@ def test_bad_row_hyperparameters_fail_before_the_sweep(tmp_path):
 
 def test_seeds_give_mean_and_population_std_beside_the_paper():
   runs = [{"acc": 0.70, "r_acc": 0.01, "ptr": 0.5, "round_seconds": 0.2,
-           "wall_seconds": 10.0, "results": "a"},
+           "wall_seconds": 10.0, "machine": "NVIDIA H200 x1", "results": "a"},
           {"acc": 0.80, "r_acc": 0.03, "ptr": None, "round_seconds": 0.4,
-           "wall_seconds": 30.0, "results": "b"}]
+           "wall_seconds": 30.0, "machine": "cpu x2, 2 cores", "results": "b"}]
   paper = {"fedora": {"acc": 0.8251, "r_acc": 0.0806, "ptr": 1.0, "label": "FEDORA",
                       "source": "Table 1"}}
   row = reproduce.summarize("fedora", runs, paper)
@@ -252,21 +254,22 @@ def test_seeds_give_mean_and_population_std_beside_the_paper():
 
 def test_table_csv_has_a_line_per_row_with_ours_the_papers_and_timing(tmp_path):
   runs = [{"acc": 0.70, "r_acc": 0.01, "ptr": 0.5, "round_seconds": 0.2,
-           "wall_seconds": 10.0, "results": "a"},
+           "wall_seconds": 10.0, "machine": "NVIDIA H200 x1", "results": "a"},
           {"acc": 0.80, "r_acc": 0.03, "ptr": 1.0, "round_seconds": 0.4,
-           "wall_seconds": 30.0, "results": "b"}]
+           "wall_seconds": 30.0, "machine": "cpu x2, 2 cores", "results": "b"}]
   paper = reproduce.load_paper_rows("fedora1", "rmnist")
   rows = reproduce.table_summary("fedora1", {"local": runs, "fedora_paper": runs}, paper)
   reproduce.write_csv(str(tmp_path / "table.csv"), rows)
   lines = (tmp_path / "table.csv").read_text().splitlines()
   assert lines[0] == ("algorithm,seeds,acc,acc_std,r_acc,r_acc_std,ptr,ptr_std,paper_acc,"
-                      "paper_r_acc,paper_ptr,round_seconds,wall_seconds,paper_row,"
-                      "paper_source")
-  assert lines[1] == ("local,2,0.75,0.05,0.02,0.01,0.75,0.25,0.7642,,,0.3,40.0,LOCAL,"
-                      '"Table 1, LOCAL row, Rotated MNIST"')
+                      "paper_r_acc,paper_ptr,round_seconds,wall_seconds,machine,"
+                      "paper_row,paper_source")
+  assert lines[1] == ("local,2,0.75,0.05,0.02,0.01,0.75,0.25,0.7642,,,0.3,40.0,"
+                      '"NVIDIA H200 x1 + cpu x2, 2 cores",LOCAL,"Table 1, LOCAL row,'
+                      ' Rotated MNIST"')
   assert lines[2] == ("fedora_paper,2,0.75,0.05,0.02,0.01,0.75,0.25,0.8251,0.0806,1.0,0.3,"
-                      '40.0,FEDORA,"Table 1, FEDORA row, Rotated MNIST (ours: not a paper'
-                      ' row)"')
+                      '40.0,"NVIDIA H200 x1 + cpu x2, 2 cores",FEDORA,"Table 1, FEDORA row,'
+                      ' Rotated MNIST (ours: not a paper row)"')
 
 
 def test_cells_round_to_four_places_without_negative_zero():
