@@ -44,7 +44,8 @@ run with other settings is refused before anything trains. All run flags (--roun
 
 Writes <workdir>/table.md, table.json, table.csv (a line per row: ours, mean and std over
 seeds, the paper's, timing) and table.png (each metric ours beside the paper per row,
-error bars over seeds).
+error bars over seeds). The imbalanced tables (3 and 5) add each row's mean R-Acc_k by
+rotation distance from the large client, the paper's Figure 3 claim in numbers.
 """
 
 import csv
@@ -63,6 +64,7 @@ from experiments import flags as run_flags
 from experiments import main as main_lib
 from experiments import paper_tables
 from fedora_jax import checkpoint as checkpoint_lib
+from fedora_jax import metrics
 from fedora_jax import plots
 from fedora_jax import results as results_lib
 from fedora_jax import train as train_lib
@@ -320,6 +322,43 @@ def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def r_acc_by_distance(results_paths: list[str]) -> dict[str, list] | None:
+  """{group: [clients, mean R-Acc_k over seeds]} for one row of an imbalanced table:
+  metrics.relative_accuracy_by_distance on each seed's clients (results.json); None where
+  the clients are not rotations."""
+  per_seed = []
+  for path in results_paths:
+    with open(path) as f:
+      clients = json.load(f)["clients"]
+    if "angle" not in clients[0]:
+      return None
+    per_seed.append(metrics.relative_accuracy_by_distance(
+        [c["angle"] for c in clients], [c["n_train"] for c in clients],
+        [np.nan if c["r_acc"] is None else c["r_acc"] for c in clients]))
+  return {group: [per_seed[0][group][0],
+                  metrics.defined_mean([np.nan if s[group][1] is None else s[group][1]
+                                        for s in per_seed])]
+          for group in metrics.ROTATION_DISTANCE_GROUPS}
+
+
+def format_distance_section(rows: list[dict]) -> str:
+  """table.md's check of the paper's Figure 3 claim, for the imbalanced tables."""
+  counts = rows[0]["r_acc_by_distance"]
+  lines = ["## R-Acc by rotation distance from the large client (the paper's Figure 3)", "",
+           "Mean R-Acc_k of the other clients, by how far their rotation is from the large"
+           " client's: near <= 30 degrees, middle 30-90, far >= 90 (the paper: Ditto and"
+           " FedPer gain only on clients near the large one, FEDORA on all).", "",
+           "| algorithm | " + " | ".join(f"{g} ({counts[g][0]} clients)"
+                                          for g in metrics.ROTATION_DISTANCE_GROUPS) + " |",
+           "|---|" + "---|" * len(metrics.ROTATION_DISTANCE_GROUPS)]
+  for r in rows:
+    if r["algorithm"] != "local":
+      lines.append(f"| {r['algorithm']} | " + " | ".join(
+          _cell(r["r_acc_by_distance"][g][1], signed=True)
+          for g in metrics.ROTATION_DISTANCE_GROUPS) + " |")
+  return "\n".join(lines) + "\n"
+
+
 # table.csv: one line per row, ours (mean, std over seeds) and the paper's, then timing.
 CSV_COLUMNS = ("algorithm", "seeds", *[f"{m}{s}" for m in METRICS for s in ("", "_std")],
                *[f"paper_{m}" for m in METRICS], "round_seconds", "wall_seconds",
@@ -382,6 +421,9 @@ def reproduce() -> dict:
       label = row_label(row, seed, sum(map(len, runs.values())) + 1, total)
       runs[row].append(run_row(row, seed, workdir, reference, label))
   summary = table_summary(FLAGS.table, runs, paper)
+  for row in summary if FLAGS.setting == "imbalanced" else []:
+    row["r_acc_by_distance"] = r_acc_by_distance(row["results"])
+  by_distance = bool(summary) and all(r.get("r_acc_by_distance") for r in summary)
   column = paper_table["datasets"][FLAGS.dataset]["column"]
   title = f"FEDORA Table {paper_table['table']} ({column}): {paper_table['caption']}"
   settings = (f"{FLAGS.dataset}, {FLAGS.setting}, {summary[0]['seeds']} seed(s) from"
@@ -399,6 +441,8 @@ def reproduce() -> dict:
   with open(os.path.join(workdir, "table.json"), "w") as f:
     json.dump(document, f, indent=2)
   markdown = format_markdown(title, settings, summary)
+  if by_distance:
+    markdown += "\n" + format_distance_section(summary)
   with open(os.path.join(workdir, "table.md"), "w") as f:
     f.write(markdown)
   write_csv(os.path.join(workdir, "table.csv"), summary)

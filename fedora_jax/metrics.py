@@ -138,3 +138,30 @@ def best_sampled_round(per_round: np.ndarray, sample_every: int = 1) -> tuple[in
   sampled = (rounds % sample_every == 0) | (rounds == len(per_round))
   best = int(np.argmax(np.where(sampled, per_round, -np.inf)))
   return best + 1, float(per_round[best])
+
+
+# The FEDORA paper's Figure 3 claim about its imbalanced setting (Table 3): methods that
+# regularise towards an average model (Ditto, FedPer) help only the clients whose rotation
+# is near the large client's. Distances in degrees: near <= 30 < middle < 90 <= far.
+ROTATION_DISTANCE_GROUPS = ("near", "middle", "far")
+
+
+def rotation_distance(angles: np.ndarray, reference: float) -> np.ndarray:
+  """Degrees between each rotation in `angles` and `reference`, in [0, 180]."""
+  return np.abs((np.asarray(angles, np.float64) - reference + 180.0) % 360.0 - 180.0)
+
+
+def relative_accuracy_by_distance(angles: np.ndarray, n_train: np.ndarray,
+                                  r_acc: np.ndarray) -> dict[str, tuple[int, float | None]]:
+  """{group: (clients, mean R-Acc_k)} of the clients other than the largest (most training
+  samples), grouped by their rotation's distance from the largest client's (None where a
+  group is empty or R-Acc_k undefined for all its clients)."""
+  angles, n_train = np.asarray(angles, np.float64), np.asarray(n_train)
+  r_acc = np.asarray(r_acc, np.float64)
+  largest = int(np.argmax(n_train))
+  distance = rotation_distance(angles, angles[largest])
+  others = np.arange(len(angles)) != largest
+  masks = {"near": distance <= 30, "middle": (distance > 30) & (distance < 90),
+           "far": distance >= 90}
+  return {group: (int((others & mask).sum()), defined_mean(r_acc[others & mask]))
+          for group, mask in masks.items()}

@@ -82,3 +82,17 @@ def test_r_acc_is_undefined_where_local_scored_zero_and_shown_so():
 def test_best_validation_round_takes_the_first_best_mean():
   val = np.array([[0.1, 0.3], [0.5, 0.1], [0.2, 0.4], [0.4, 0.2]])
   assert metrics.best_validation_round(val) == 2
+
+
+def test_rotation_distance_and_r_acc_by_distance_from_the_large_client_by_hand():
+  np.testing.assert_allclose(metrics.rotation_distance([0, 170, 190, 350, 180], 180),
+                             [180, 10, 10, 170, 0])
+  angles = [180, 0, 150, 210, 120, 270, 90]   # client 0 holds the most samples
+  n_train = [900, 10, 10, 10, 10, 10, 10]
+  r_acc = [0.5, -0.1, 0.2, 0.4, 0.1, np.nan, 0.3]
+  # Distances from 180 degrees: 180, 30, 30, 60, 90, 90 for clients 1-6; client 0 is left out.
+  assert metrics.relative_accuracy_by_distance(angles, n_train, r_acc) == {
+      "near": (2, pytest.approx(0.3)), "middle": (1, pytest.approx(0.1)),
+      "far": (3, pytest.approx(0.1))}  # client 5's undefined R-Acc is left out of the mean
+  assert metrics.relative_accuracy_by_distance([0, 180], [5, 1], [0.0, 0.2])["near"] == (
+      0, None)

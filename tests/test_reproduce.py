@@ -319,3 +319,26 @@ def test_the_ablation_flags_are_left_to_reproduce():
       reproduce.reproduce()
   finally:
     flag_values.unparse_flags()
+
+
+def test_imbalanced_tables_break_r_acc_down_by_distance_from_the_large_client(tmp_path):
+  def results_file(name, r_acc):
+    clients = [{"angle": a, "n_train": n, "r_acc": r}
+               for a, n, r in zip([0, 20, 60, 180], [500, 10, 10, 10], r_acc)]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"clients": clients}))
+    return str(path)
+
+  # Distances from the large client's 0 degrees: 20 (near), 60 (middle), 180 (far).
+  seeds = [results_file("s0", [0.0, 0.1, None, -0.2]), results_file("s1", [0.0, 0.3, 0.2, 0.0])]
+  by_distance = reproduce.r_acc_by_distance(seeds)
+  assert by_distance == {"near": [1, pytest.approx(0.2)], "middle": [1, pytest.approx(0.2)],
+                         "far": [1, pytest.approx(-0.1)]}  # seed 0's undefined is left out
+  rows = [{"algorithm": "local", "r_acc_by_distance": by_distance},
+          {"algorithm": "ditto", "r_acc_by_distance": by_distance}]
+  section = reproduce.format_distance_section(rows)
+  assert "| algorithm | near (1 clients) | middle (1 clients) | far (1 clients) |" in section
+  assert "| ditto | +0.2000 | +0.2000 | -0.1000 |" in section and "| local |" not in section
+  no_angles = tmp_path / "dirichlet.json"
+  no_angles.write_text(json.dumps({"clients": [{"n_train": 5, "r_acc": 0.0}]}))
+  assert reproduce.r_acc_by_distance([str(no_angles)]) is None
