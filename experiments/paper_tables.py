@@ -283,9 +283,7 @@ def read_row_run(directory: str, weighting: str, sample_every: int) -> RowRun:
     timing = json.load(f)
   return RowRun(per_round=per_round, best=best, best_round=best_round,
                 final=float(per_round[-1]),
-                round_seconds=timing.get("round_seconds_all", timing["round_seconds"]),
-                wall_seconds=timing.get("seconds_all", timing["train_seconds"]),
-                machine=results_lib.machines(timing, results.get("platform")),
+                **results_lib.run_cost(timing, results.get("platform")),
                 results=os.path.join(directory, "results.json"))
 
 
@@ -325,7 +323,7 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]]) -> l
           final_acc=_rounded(100 * np.mean([r.final for r in row_runs])),
           round_seconds=round(float(np.median([r.round_seconds for r in row_runs])), 4),
           wall_seconds=round(float(sum(r.wall_seconds for r in row_runs)), 1),
-          machine=" + ".join(dict.fromkeys(r.machine for r in row_runs)),
+          machine=results_lib.joined_machines(r.machine for r in row_runs),
           results=[r.results for r in row_runs])
     else:
       entry["not_run"] = row_problem(table, row) or "not asked for (--rows)"

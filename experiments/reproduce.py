@@ -236,12 +236,8 @@ def run_row(row: str, seed: int, workdir: str, reference: str | None,
     results = results_lib.resummarize(results)  # written before a metric changed, maybe
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
     timing = json.load(f)
-  # Over every process that trained this row (a sweep extended from checkpoints); files
-  # written before timing.json had segments know only their own process.
   return {**{m: results[m] for m in METRICS},
-          "wall_seconds": timing.get("seconds_all", timing["train_seconds"]),
-          "round_seconds": timing.get("round_seconds_all", timing["round_seconds"]),
-          "machine": results_lib.machines(timing, results.get("platform")),
+          **results_lib.run_cost(timing, results.get("platform")),
           "results": os.path.join(FLAGS.workdir, "results.json")}
 
 
@@ -260,7 +256,7 @@ def summarize(row: str, runs: list[dict], paper: dict) -> dict:
   entry.update(_paper_columns(row, paper))
   entry["round_seconds"] = round(float(np.median([r["round_seconds"] for r in runs])), 4)
   entry["wall_seconds"] = round(float(sum(r["wall_seconds"] for r in runs)), 1)
-  entry["machine"] = " + ".join(dict.fromkeys(r["machine"] for r in runs))
+  entry["machine"] = results_lib.joined_machines(r["machine"] for r in runs)
   entry["results"] = [r["results"] for r in runs]
   return entry
 

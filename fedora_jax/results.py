@@ -179,12 +179,26 @@ def this_machine() -> str:
   return f"{jax.devices()[0].device_kind} x{jax.device_count()}"
 
 
+def joined_machines(names) -> str:
+  """Machine names, each once, in order: "NVIDIA H200 x1 + cpu x1, 1 cores"."""
+  return " + ".join(dict.fromkeys(names))
+
+
 def machines(timing_record: dict, platform: str | None = None) -> str:
   """The machines that trained a run, from its timing.json, in the order they did;
   segments written before they named theirs count as `platform` (results.json's)."""
   named = [s.get("machine") or platform or "unrecorded"
            for s in timing_record.get("segments", [])]
-  return " + ".join(dict.fromkeys(named)) or platform or "unrecorded"
+  return joined_machines(named) or platform or "unrecorded"
+
+
+def run_cost(timing_record: dict, platform: str | None = None) -> dict:
+  """A table row's cost from its timing.json, over every process that trained it (files
+  written before timing.json had segments know only their own process)."""
+  return {"round_seconds": timing_record.get("round_seconds_all",
+                                             timing_record["round_seconds"]),
+          "wall_seconds": timing_record.get("seconds_all", timing_record["train_seconds"]),
+          "machine": machines(timing_record, platform)}
 
 
 def timing(result: RunResult, earlier: dict | None = None, machine: str | None = None) -> dict:
