@@ -110,9 +110,12 @@ def cell_flags(table: dict, column: str) -> dict[str, object]:
 
 
 def row_flags(table: dict, column: str, row: str) -> dict[str, object]:
-  """The row's own flags in the cell: its algorithm, its plug-ins, its hyperparameters."""
+  """The row's own flags in the cell: its algorithm, its plug-ins, its hyperparameters.
+  A host with a plug-in runs with its host row's flags too, so the two differ by the
+  plug-in alone."""
   spec = table["rows"].get(row, {"algorithm": row})
-  return {"algorithm": spec["algorithm"], **spec.get("flags", {}),
+  host = table["rows"][spec["improves"]].get("flags", {}) if "improves" in spec else {}
+  return {"algorithm": spec["algorithm"], **host, **spec.get("flags", {}),
           **table["columns"][column].get("row_flags", {}).get(row, {})}
 
 

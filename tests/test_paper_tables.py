@@ -14,6 +14,7 @@ from experiments import flags as run_flags
 from experiments import paper_tables
 from experiments import reproduce
 from fedora_jax import algorithms, metrics
+from fedora_jax import train as train_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError, FedoraError
 from fedora_jax.models import MODELS
@@ -45,13 +46,14 @@ def test_every_row_and_column_is_well_formed(name):
   first, last = map(int, table["lines"].split("-"))
   for row, spec in table["rows"].items():
     assert spec["label"] and spec["algorithm"] and first <= spec["line"] <= last, row
-    for flag in spec.get("flags", {}):  # the plug-ins, or the row algorithm's own fields
-      assert flag in paper_tables.ROW_FLAGS or flag.startswith(spec["algorithm"] + "_"), row
-    if any(flag.startswith(spec["algorithm"] + "_") for flag in spec.get("flags", {})):
-      assert spec.get("note"), row  # a row off its algorithm's defaults says why
-    if "improves" in spec:  # a host with a plug-in: its host is a row, without it
+    for flag in spec.get("flags", {}):  # the plug-ins, the row's own fields, a run flag
+      assert flag in run_flags.FLAGS, (row, flag)
+    if set(spec.get("flags", {})) - set(paper_tables.ROW_FLAGS):
+      assert spec.get("note"), row  # a row off the table's or its algorithm's defaults says why
+    if "improves" in spec:  # a host with a plug-in: its host is a row, without the plug-in
       host = table["rows"][spec["improves"]]
-      assert host["algorithm"] == spec["algorithm"] and not host.get("flags"), row
+      assert host["algorithm"] == spec["algorithm"], row
+      assert not {"ala", "aggregation"} & set(host.get("flags", {})), row
   assert set(table["default_columns"]) <= set(table["columns"])
   for column, spec in table["columns"].items():
     assert spec["label"] and spec["paper_column"] and spec["sample_every"] >= 1, column
@@ -75,6 +77,37 @@ def test_every_row_and_column_is_well_formed(name):
             value["imp"], abs=0.006), (column, row)
     if spec["values"] and name != "fedala_ala":  # every paper row in every printed column
       assert list(spec["values"]) == list(table["rows"]), column
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_every_row_passes_its_checks_in_every_column_that_can_run(name):
+  # What reproduce checks before a sweep trains anything, for every row in every cell: a
+  # row the table sets up wrong would stop the full table hours in (FedRep and FedPAC
+  # with the PFLlib tables' 1 local epoch did, before their rows set 2).
+  table = TABLES[name]
+  flag_values = reproduce.FLAGS
+  flag_values(["reproduce"])
+  defaults = {flag: flag_values[flag].default for flag in paper_tables.owned_flags(table)}
+  try:
+    for column in table["columns"]:
+      if paper_tables.column_problem(table, column):
+        continue
+      for row in paper_tables.table_rows(table):
+        if paper_tables.row_problem(table, row) is None:
+          paper_tables.use_row(table, column, row, 0, "runs", None, {}, defaults)
+          train_lib.check_config(run_flags.experiment_config())
+  finally:
+    flag_values.unparse_flags()
+
+
+def test_a_plugin_row_runs_with_its_hosts_flags():
+  table = TABLES["confree2"]
+  host = paper_tables.row_flags(table, "cifar10_c20_p30", "fedrep")
+  assert host == {"algorithm": "fedrep", "local_epochs": 2, "fedrep_head_epochs": 1}
+  assert paper_tables.row_flags(table, "cifar10_c20_p30", "fedrep_confree") == {
+      **host, "aggregation": "confree"}
+  assert paper_tables.row_flags(table, "cifar10_c20_p30", "apfl_confree") == {
+      "algorithm": "apfl", "aggregation": "confree"}
 
 
 def test_every_row_algorithm_and_column_model_is_registered():
