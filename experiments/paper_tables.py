@@ -244,11 +244,13 @@ def use_row(table: dict, column: str, row: str, seed: int, workdir: str,
 
 def row_reference(table: dict, column: str, row: str, local_results: str | None) -> str | None:
   """The row's --reference: LOCAL's results.json in the cell; none for LOCAL itself, and
-  none for a row on another model than LOCAL's (the coaching tables' FedBN on
-  coaching_cnn_bn): its R-Acc against that LOCAL would not compare like with like, so
-  the run trains a LOCAL on its own model (experiments.main without --reference)."""
-  model = cell_flags(table, column).get("model")
-  if row == REFERENCE_ROW or row_flags(table, column, row).get("model", model) != model:
+  none for a row that changes a setting LOCAL's run must share (the coaching tables' FedBN
+  on coaching_cnn_bn, the PFLlib tables' FedRep and FedPAC at 2 local epochs): its R-Acc
+  against that LOCAL would not compare like with like, so the run trains a LOCAL with its
+  own settings (experiments.main without --reference)."""
+  cell, own = cell_flags(table, column), row_flags(table, column, row)
+  if row == REFERENCE_ROW or any(own[name] != cell.get(name)
+                                 for name in results_lib.REFERENCE_FLAGS if name in own):
     return None
   return local_results
 
