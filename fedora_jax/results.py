@@ -49,7 +49,8 @@ _REFERENCE_KEYS = ("dataset", "setting", "num_clients", "data_seed", "seed", "ro
                    "model", "hidden", "partition",  # partition: absent for rotation
                    "split")  # absent: our own sampling
 _REFERENCE_TRAIN_KEYS = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay")
-# The run flags of the same names: a run that changes one cannot use that LOCAL.
+# As run flags (those of these names that are flags): a run that changes one cannot use
+# that LOCAL as its reference.
 REFERENCE_FLAGS = _REFERENCE_KEYS + _REFERENCE_TRAIN_KEYS
 
 

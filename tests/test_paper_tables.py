@@ -14,7 +14,6 @@ from experiments import flags as run_flags
 from experiments import paper_tables
 from experiments import reproduce
 from fedora_jax import algorithms, metrics
-from fedora_jax import train as train_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError, FedoraError
 from fedora_jax.models import MODELS
@@ -53,7 +52,7 @@ def test_every_row_and_column_is_well_formed(name):
     if "improves" in spec:  # a host with a plug-in: its host is a row, without the plug-in
       host = table["rows"][spec["improves"]]
       assert host["algorithm"] == spec["algorithm"], row
-      assert not {"ala", "aggregation"} & set(host.get("flags", {})), row
+      assert not set(paper_tables.ROW_FLAGS) & set(host.get("flags", {})), row
   assert set(table["default_columns"]) <= set(table["columns"])
   for column, spec in table["columns"].items():
     assert spec["label"] and spec["paper_column"] and spec["sample_every"] >= 1, column
@@ -80,22 +79,19 @@ def test_every_row_and_column_is_well_formed(name):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_every_row_passes_its_checks_in_every_column_that_can_run(name):
+def test_every_row_passes_its_checks_in_every_column_that_can_run(name, tmp_path):
   # What reproduce checks before a sweep trains anything, for every row in every cell: a
   # row the table sets up wrong would stop the full table hours in (FedRep and FedPAC
   # with the PFLlib tables' 1 local epoch did, before their rows set 2).
   table = TABLES[name]
+  plan = [(column, 0, row) for column in table["columns"]
+          if not paper_tables.column_problem(table, column)
+          for row in paper_tables.table_rows(table) if paper_tables.row_problem(table, row) is None]
   flag_values = reproduce.FLAGS
   flag_values(["reproduce"])
   defaults = {flag: flag_values[flag].default for flag in paper_tables.owned_flags(table)}
   try:
-    for column in table["columns"]:
-      if paper_tables.column_problem(table, column):
-        continue
-      for row in paper_tables.table_rows(table):
-        if paper_tables.row_problem(table, row) is None:
-          paper_tables.use_row(table, column, row, 0, "runs", None, {}, defaults)
-          train_lib.check_config(run_flags.experiment_config())
+    paper_tables.check_before_the_sweep(table, plan, str(tmp_path), {}, defaults)
   finally:
     flag_values.unparse_flags()
 
