@@ -21,6 +21,7 @@ import sys
 import textwrap
 from typing import Mapping, NamedTuple
 
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
@@ -36,6 +37,19 @@ RELATIVE_ACCURACY_PNG = "relative_accuracy.png"
 SIMILARITY_PNG = "similarity.png"
 RELATION_PNG = "relation.png"  # coaching's relation matrix of one client
 ACCURACY_CURVES_PNG = "accuracy_curves.png"
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def curve_styles(count: int) -> list[tuple]:
+  """(colour, line style) for `count` curves in one axes, no two alike: tab10 while ten
+  suffice, tab20 up to twenty (tab10 alone gave a table's 11th row the 1st row's colour),
+  then tab20 again with the next line style."""
+  palette = ([f"C{i}" for i in range(10)] if count <= 10
+             else list(matplotlib.colormaps["tab20"].colors))
+  if count > len(palette) * len(_LINESTYLES):
+    raise ValueError(f"{count} curves: at most {len(palette) * len(_LINESTYLES)} are"
+                     " told apart by colour and line style")
+  return [(palette[i % len(palette)], _LINESTYLES[i // len(palette)]) for i in range(count)]
 
 
 def bar_colors(r_acc: np.ndarray) -> list[str]:
@@ -346,9 +360,13 @@ def table_curves_figure(curves: Mapping[str, Mapping[str, np.ndarray]],
   fig = Figure(figsize=(9.0, 3.2 * len(columns) + 1.2), layout="constrained")
   axes = np.atleast_1d(fig.subplots(len(columns), 1, squeeze=False)[:, 0])
   for ax, column in zip(axes, columns):
+    rows = [row for row in curves[column] if row != "local"]
+    styles = dict(zip(rows, curve_styles(len(rows))))
+    styles["local"] = ("black", "--")
     for row, values in curves[column].items():
       rounds = np.arange(1, len(values) + 1)
-      ax.plot(rounds, values, label=row, linestyle="--" if row == "local" else "-",
+      color, linestyle = styles[row]
+      ax.plot(rounds, values, label=row, color=color, linestyle=linestyle,
               marker="." if len(values) <= 20 else None, linewidth=1.0)
     ax.set_xlabel("round", fontsize=8)
     ax.set_ylabel("accuracy, %", fontsize=8)
@@ -507,7 +525,9 @@ def comparison_figure(runs: list[SavedRun], title: str = "") -> Figure:
                       " against MAE); pass runs of one kind")
   score = tasks.pop()
   labels = _unique_labels(runs)
-  colors = [f"C{i % 10}" for i in range(len(runs))]
+  # a run's LOCAL is dashed in its colour, so runs differ by colour alone
+  palette = [color for color, _ in curve_styles(min(len(runs), 20))]
+  colors = [palette[i % len(palette)] for i in range(len(runs))]
   fig = Figure(figsize=(13.0, 4.8), layout="constrained")
   curves, clients = fig.subplots(1, 2, width_ratios=(1.0, 1.3))
   drawn_locals = []

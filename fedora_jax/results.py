@@ -178,19 +178,20 @@ def this_machine() -> str:
   if jax.default_backend() == "cpu":
     cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
              else os.cpu_count())
-    return f"cpu x{jax.device_count()}, {cores} cores"
+    return f"cpu x{jax.device_count()}, {cores} core{'' if cores == 1 else 's'}"
   return f"{jax.devices()[0].device_kind} x{jax.device_count()}"
 
 
 def joined_machines(names) -> str:
-  """Machine names, each once, in order: "NVIDIA H200 x1 + cpu x1, 1 cores"."""
+  """Machine names, each once, in order: "NVIDIA H200 x1 + cpu x1, 1 core"."""
   return " + ".join(dict.fromkeys(names))
 
 
 def machines(timing_record: dict, platform: str | None = None) -> str:
   """The machines that trained a run, from its timing.json, in the order they did;
   segments written before they named theirs count as `platform` (results.json's)."""
-  named = [s.get("machine") or platform or "unrecorded"
+  # timing.json written before 2026-11-28 say "1 cores"
+  named = [(s.get("machine") or platform or "unrecorded").replace(", 1 cores", ", 1 core")
            for s in timing_record.get("segments", [])]
   return joined_machines(named) or platform or "unrecorded"
 

@@ -147,6 +147,9 @@ def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
   assert results_lib.machines(timing, "cpu") == "cpu + NVIDIA H200 x1"
   assert results_lib.machines({"train_seconds": 1.0}, "gpu") == "gpu"  # no segments at all
   assert results_lib.this_machine().startswith("cpu x")
+  # One core is "1 core", in new records and in old ones read back.
+  old = {"segments": [{"machine": "cpu x1, 1 cores"}, {"machine": "cpu x2, 2 cores"}]}
+  assert results_lib.machines(old) == "cpu x1, 1 core + cpu x2, 2 cores"
 
 
 # --- The CLI: kill -9 and resume, determinism, refusal. ---------------------------------

@@ -93,6 +93,22 @@ def test_accuracy_curves_show_local_mean_test_accuracy(tmp_path):
   assert_png(plots.save_figure(fig, str(tmp_path / "curves.png")))
 
 
+def test_a_table_curve_panel_tells_every_row_apart():
+  # fedala_ala's column has LOCAL and 18 rows: tab10 alone repeated colours past ten.
+  curves = {"c": {"local": np.arange(3.0), **{f"row{i}": np.arange(3.0) + i
+                                              for i in range(18)}}}
+  lines = plots.table_curves_figure(curves, {"c": "column"}).axes[0].get_lines()
+  styles = {(to_rgba(line.get_color()), line.get_linestyle())
+            for line in lines}
+  assert len(lines) == len(styles) == 19
+  local = [line for line in lines if line.get_label() == "local"][0]
+  assert (local.get_color(), local.get_linestyle()) == ("black", "--")
+  assert len(set(plots.curve_styles(45))) == 45
+  assert plots.curve_styles(3) == [("C0", "-"), ("C1", "-"), ("C2", "-")]
+  with pytest.raises(ValueError, match="81 curves"):
+    plots.curve_styles(81)
+
+
 def test_write_run_plots_writes_what_the_run_has(tmp_path):
   artifacts = {"similarity": np.eye(4), "graph": np.eye(4)}
   results = synthetic_results("fedora", [0.1, -0.1, 0.0, None])
