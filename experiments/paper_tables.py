@@ -44,9 +44,12 @@ pick a column or a row (--dataset, --partition, --dirichlet_alpha, --classes_per
 and not run again (with or without its checkpoints: main.finished_results), and a
 directory holding other settings is refused before anything trains.
 
-Writes <workdir>/table.md, table.json, table.csv (a line per cell and row), table.png (per
-column, ours beside the paper per row) and curves.png (per column, each row's accuracy per
-round, the metric's curve).
+Writes <workdir>/<table>.md, <table>.json, <table>.csv (a line per cell and row),
+<table>.png (per column, ours beside the paper per row) and <table>_curves.png (per column,
+each row's accuracy per round, the metric's curve), named by the table because tables
+share a workdir (fedala_ala's hosts are fedala1's rows); and each column's own
+<workdir>/<column>/<table>.md, which a later command over other columns, or at other
+rounds, leaves alone.
 """
 
 import csv
@@ -358,7 +361,7 @@ def column_heading(table: dict, column: str) -> str:
 
 def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
                     settings: list[str], rounds: dict[str, int]) -> str:
-  """table.md: the settings, one table per column run (every row, ours beside the
+  """<table>.md: the settings, one table per column run (every row, ours beside the
   paper), then the paper's numbers of the columns not run."""
   lines = [f"# {title}", ""] + [f"- {s}" for s in settings] + [""]
   has_imp = any("improves" in spec for spec in table["rows"].values())
@@ -421,7 +424,7 @@ CSV_COLUMNS = ("column", "row", "label", "seeds", "acc", "acc_std", "paper_acc",
 
 
 def write_csv(path: str, summary: dict[str, list[dict]]) -> None:
-  """table.csv: a line per (column, row), empty where there is no value."""
+  """<table>.csv: a line per (column, row), empty where there is no value."""
   with open(path, "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(CSV_COLUMNS)
@@ -525,20 +528,23 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
               "not_run": {c: why_not_run(table, c) for c in table["columns"]
                           if c not in columns}}
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "table.json"), "w") as f:
+  out = os.path.join(workdir, table_name)
+  with open(f"{out}.json", "w") as f:
     json.dump(document, f, indent=2)
   markdown = format_markdown(title, table, summary, settings, rounds)
-  with open(os.path.join(workdir, "table.md"), "w") as f:
+  with open(f"{out}.md", "w") as f:
     f.write(markdown)
-  write_csv(os.path.join(workdir, "table.csv"), summary)
+  for c in columns:
+    with open(os.path.join(workdir, c, f"{table_name}.md"), "w") as f:
+      f.write(format_markdown(table_title(table_name, table, [c]), table, {c: summary[c]},
+                              settings, rounds))
+  write_csv(f"{out}.csv", summary)
   labels = {c: f"{column_heading(table, c).replace('`', '')}; {_rounds_note(table, c, rounds[c])}"
             for c in columns}
-  plots.save_figure(plots.paper_cells_figure(summary, labels, title),
-                    os.path.join(workdir, "table.png"))
+  plots.save_figure(plots.paper_cells_figure(summary, labels, title), f"{out}.png")
   curves = {c: {r: np.mean([100 * run.per_round for run in runs[c][r]], axis=0)
                 for r in rows} for c in columns}
-  plots.save_figure(plots.table_curves_figure(curves, labels, title),
-                    os.path.join(workdir, "curves.png"))
+  plots.save_figure(plots.table_curves_figure(curves, labels, title), f"{out}_curves.png")
   print(markdown)
-  print(f"table in {workdir}")
+  print(f"table in {out}.md (each column's in <column>/{table_name}.md)")
   return document

@@ -228,7 +228,7 @@ TINY = ["--table=coaching1", "--columns=mnist_0.3", "--num_clients=3", "--rounds
 def test_a_tiny_coaching_table_end_to_end(tmp_path):
   proc = run_reproduce("--rows=local,fedavg", f"--workdir={tmp_path}", *TINY)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  table = json.loads((tmp_path / "table.json").read_text())
+  table = json.loads((tmp_path / "coaching1.json").read_text())
   column = table["columns"]["mnist_0.3"]
   assert column["rounds"] == 2 and column["paper_rounds"] == 50
   rows = {r["row"]: r for r in column["rows"]}
@@ -251,7 +251,7 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   assert rows["fedavg"]["paper_acc"] == 64.78 and rows["fedavg"]["paper_std"] == 0.04
   assert rows["fedavg"]["diff"] == pytest.approx(rows["fedavg"]["acc"] - 64.78, abs=0.011)
   assert rows["fedbn"]["acc"] is None and rows["fedbn"]["paper_acc"] == 95.16
-  markdown = (tmp_path / "table.md").read_text()
+  markdown = (tmp_path / "coaching1.md").read_text()
   assert "2 rounds, FEWER than the paper's 50" in markdown
   for flag in ("--rounds=2", "--num_clients=3", "--model=mlp", "--data_fraction=0.02"):
     assert f"DEPARTURE from the table's settings: {flag} (command line)" in markdown
@@ -261,12 +261,15 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   fedavg_line = [l for l in markdown.splitlines() if l.startswith("| fedavg |")][0]
   assert f"| {rows['fedavg']['acc']:.2f} | 64.78 ± 0.04 |" in fedavg_line
   assert "Run here: MNIST alpha=0.3; the paper's numbers only: MNIST alpha=0.1" in markdown
-  with open(tmp_path / "table.csv", newline="") as f:
+  # The column's own table, which a later command over other columns leaves alone.
+  column_markdown = (tmp_path / "mnist_0.3" / "coaching1.md").read_text()
+  assert fedavg_line in column_markdown and "## MNIST alpha=0.3" in column_markdown
+  with open(tmp_path / "coaching1.csv", newline="") as f:
     lines = list(csv.DictReader(f))
   assert len(lines) == 10 and lines[1]["row"] == "fedavg"
   assert float(lines[1]["acc"]) == rows["fedavg"]["acc"] and lines[1]["paper_acc"] == "64.78"
-  assert (tmp_path / "table.png").stat().st_size > 0
-  assert (tmp_path / "curves.png").stat().st_size > 0
+  assert (tmp_path / "coaching1.png").stat().st_size > 0
+  assert (tmp_path / "coaching1_curves.png").stat().st_size > 0
 
   # Other settings in a finished row's directory: refused before anything trains.
   flag_values = reproduce.FLAGS
@@ -290,7 +293,7 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
     reproduce.reproduce()
   finally:
     flag_values.unparse_flags()
-  assert json.loads((tmp_path / "table.json").read_text())["columns"] == table["columns"]
+  assert json.loads((tmp_path / "coaching1.json").read_text())["columns"] == table["columns"]
   assert (tmp_path / "mnist_0.3" / "seed0" / "fedavg" / "timing.json").read_text() == timing
 
 
