@@ -34,9 +34,11 @@ metric `self_weight` shows xi_ii). The proximal weight stays lambda / (2 alpha_k
 configured values, i.e. lambda is scaled with the clipped step: clipping it too (the
 paper's coupling, 1 / (2 / 35) = 17.5 at the defaults) holds every client so close to
 its cloud model that it barely trains (Acc 0.210 after 100 rounds against LOCAL's
-0.752, docs/results.md). PFLlib's numbers do
-not show the extrapolation because its client builds the regulariser from `p.data`
-(detached), so the term has no gradient and its FedAMP trains like LOCAL.
+0.752, docs/results.md). PFLlib's FedAMP since 2023-03-01 (commit 45ae9f5) builds the
+regulariser from `p.data` (detached), so the term has no gradient and it trains like
+LOCAL: its numbers cannot show the extrapolation. The version behind the FedALA paper's
+table (a41f7ba, 2022-11-30) had the gradient, but built u_i from xi_ii times the client's
+previous cloud model u_i, not its own w_i (fixed 2023-04-08, 0998c54).
 The FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so the
 settings behind the FEDORA paper's row are not known. docs/results.md ("FedAMP's
 hyperparameters") has a sweep of alpha_k, lambda and sigma and of HeurFedAMP on rotated
