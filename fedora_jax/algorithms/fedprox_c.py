@@ -14,8 +14,9 @@ proximal term: the fine-tuned classifier is the client's own) and keeps that cop
 personalised model. `fine_tune="model"` keeps the proximal local model itself instead
 (the other reading of "-C", fedavg_c.py).
 
-mu: FedALA's value for its FedProx baselines is not in any source we hold; the default is
-FedProx's own best value on MNIST, as for fedprox and fedprox_ft.
+mu: the default is FedProx's own best value on MNIST, as for fedprox and fedprox_ft. The
+FedALA tables run 0.001, the value of every FedProx run recorded in PFLlib's
+system/auto_train.sh at the paper's time (commit a41f7ba, 2022-11-30).
 """
 
 from typing import NamedTuple
