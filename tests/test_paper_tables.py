@@ -103,12 +103,14 @@ def test_a_plugin_row_runs_with_its_hosts_flags():
   assert paper_tables.row_flags(table, "cifar10_c20_p30", "fedrep_confree") == {
       **host, "aggregation": "confree"}
   assert paper_tables.row_flags(table, "cifar10_c20_p30", "apfl_confree") == {
-      "algorithm": "apfl", "aggregation": "confree"}
+      "algorithm": "apfl", "apfl_alpha": 1.0, "aggregation": "confree"}
+  assert paper_tables.row_flags(table, "cifar10_c20_p30", "fedrod_confree") == {
+      "algorithm": "fedrod", "aggregation": "confree"}
   # At 2 local epochs FedRep cannot be scored against the cell's 1-epoch LOCAL: its run
   # trains its own; a row off only its algorithm's defaults takes the cell's LOCAL.
   for row in ("fedrep", "fedrep_confree"):
     assert paper_tables.row_reference(table, "cifar10_c20_p30", row, "l.json") is None
-  assert paper_tables.row_reference(table, "cifar10_c20_p30", "apfl", "l.json") == "l.json"
+  assert paper_tables.row_reference(table, "cifar10_c20_p30", "fedrod", "l.json") == "l.json"
   assert paper_tables.row_reference(TABLES["fedala1"], "mnist_pat", "pfedme",
                                     "l.json") == "l.json"
 
