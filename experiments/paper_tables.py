@@ -245,17 +245,34 @@ def use_row(table: dict, column: str, row: str, seed: int, workdir: str,
   FLAGS.workdir = row_workdir(workdir, column, seed, row)
 
 
-def row_reference(table: dict, column: str, row: str, local_results: str | None) -> str | None:
-  """The row's --reference: LOCAL's results.json in the cell; none for LOCAL itself, and
-  none for a row that changes a setting LOCAL's run must share (the coaching tables' FedBN
-  on coaching_cnn_bn, the PFLlib tables' FedRep and FedPAC at 2 local epochs): its R-Acc
-  against that LOCAL would not compare like with like, so the run trains a LOCAL with its
-  own settings (experiments.main without --reference)."""
-  cell, own = cell_flags(table, column), row_flags(table, column, row)
-  if row == REFERENCE_ROW or any(own[name] != cell.get(name)
-                                 for name in results_lib.REFERENCE_FLAGS if name in own):
+def local_settings(table: dict, column: str, row: str) -> tuple:
+  """What a LOCAL reference must share with the row's run (results.REFERENCE_FLAGS), as
+  the table sets it in the cell."""
+  flags = {**cell_flags(table, column), **row_flags(table, column, row)}
+  return tuple(flags.get(name) for name in results_lib.REFERENCE_FLAGS)
+
+
+def row_reference(table: dict, column: str, row: str,
+                  trained_locals: dict[tuple, str]) -> str | None:
+  """The row's --reference: a finished LOCAL run of the cell and seed (`trained_locals`:
+  local_settings -> its results.json) with the settings the row must share. That is the
+  cell's LOCAL, or for a row that changes such a setting (the coaching tables' FedBN on
+  coaching_cnn_bn, the PFLlib tables' FedRep and FedPAC at 2 local epochs) the LOCAL an
+  earlier row's run trained with the same settings, so FedRep, FedPAC and their plug-in
+  rows train one between them. None for LOCAL itself, or when no such LOCAL is trained
+  yet: the run then trains its own (experiments.main without --reference), so R-Acc
+  always compares like with like."""
+  if row == REFERENCE_ROW:
     return None
-  return local_results
+  return trained_locals.get(local_settings(table, column, row))
+
+
+def trained_local(workdir: str, row: str) -> str | None:
+  """The results.json of the LOCAL run a finished row's directory holds: the row itself
+  for LOCAL, else the one its run trained beside it (<workdir>/local/), if any."""
+  path = os.path.join(workdir if row == REFERENCE_ROW else os.path.join(workdir, "local"),
+                      "results.json")
+  return path if os.path.isfile(path) else None
 
 
 def row_workdir(workdir: str, column: str, seed: int, row: str) -> str:
@@ -501,9 +518,10 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
           for r in rows]
   check_before_the_sweep(table, plan, workdir, overrides, defaults)
   runs = {c: {r: [] for r in rows} for c in columns}
+  trained_locals = {(c, s): {} for c in columns for s in range(first_seed, first_seed + seeds)}
   for number, (column, seed, row) in enumerate(plan, 1):
-    local = runs[column][REFERENCE_ROW]
-    reference = row_reference(table, column, row, local[-1].results if local else None)
+    locals_here = trained_locals[(column, seed)]
+    reference = row_reference(table, column, row, locals_here)
     use_row(table, column, row, seed, workdir, reference, overrides, defaults)
     label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
     if main_lib.finished_results(FLAGS.workdir) is None:
@@ -511,6 +529,9 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
       main_lib.run(cli.progress_reporter(label))
     else:
       logger.info("%s: finished in %s, read", label, FLAGS.workdir)
+    own_local = trained_local(FLAGS.workdir, row)
+    if own_local:
+      locals_here.setdefault(local_settings(table, column, row), own_local)
     spec = table["columns"][column]
     runs[column][row].append(read_row_run(FLAGS.workdir, table["metric"]["clients"],
                                           spec["sample_every"]))

@@ -106,13 +106,20 @@ def test_a_plugin_row_runs_with_its_hosts_flags():
       "algorithm": "apfl", "apfl_alpha": 1.0, "aggregation": "confree"}
   assert paper_tables.row_flags(table, "cifar10_c20_p30", "fedrod_confree") == {
       "algorithm": "fedrod", "aggregation": "confree"}
-  # At 2 local epochs FedRep cannot be scored against the cell's 1-epoch LOCAL: its run
-  # trains its own; a row off only its algorithm's defaults takes the cell's LOCAL.
-  for row in ("fedrep", "fedrep_confree"):
-    assert paper_tables.row_reference(table, "cifar10_c20_p30", row, "l.json") is None
-  assert paper_tables.row_reference(table, "cifar10_c20_p30", "fedrod", "l.json") == "l.json"
+  # At 2 local epochs FedRep cannot be scored against the cell's 1-epoch LOCAL: the first
+  # of the rows at those settings trains its own, and the others share it.
+  cell_local = {paper_tables.local_settings(table, "cifar10_c20_p30", "local"): "l.json"}
+  for row in ("fedrep", "fedrep_confree", "fedpac", "fedpac_confree"):
+    assert paper_tables.row_reference(table, "cifar10_c20_p30", row, cell_local) is None
+  fedrep_local = {**cell_local, paper_tables.local_settings(table, "cifar10_c20_p30",
+                                                            "fedrep"): "fedrep/local.json"}
+  for row in ("fedrep_confree", "fedpac", "fedpac_confree"):
+    assert paper_tables.row_reference(table, "cifar10_c20_p30", row,
+                                      fedrep_local) == "fedrep/local.json"
+  assert paper_tables.row_reference(table, "cifar10_c20_p30", "fedrod", fedrep_local) == "l.json"
+  fedala1_local = {paper_tables.local_settings(TABLES["fedala1"], "mnist_pat", "local"): "l.json"}
   assert paper_tables.row_reference(TABLES["fedala1"], "mnist_pat", "pfedme",
-                                    "l.json") == "l.json"
+                                    fedala1_local) == "l.json"
 
 
 def test_every_row_algorithm_and_column_model_is_registered():
@@ -159,9 +166,10 @@ def test_the_papers_numbers_as_printed():
   for table, column in (("coaching1", "mnist_0.1"), ("coaching2", "fmnist_0.3")):
     assert paper_tables.row_flags(TABLES[table], column, "fedbn") == {
         "algorithm": "fedbn", "model": "coaching_cnn_bn"}
-    assert paper_tables.row_reference(TABLES[table], column, "fedbn", "l.json") is None
-    assert paper_tables.row_reference(TABLES[table], column, "fedavg", "l.json") == "l.json"
-    assert paper_tables.row_reference(TABLES[table], column, "local", "l.json") is None
+    cell_local = {paper_tables.local_settings(TABLES[table], column, "local"): "l.json"}
+    assert paper_tables.row_reference(TABLES[table], column, "fedbn", cell_local) is None
+    assert paper_tables.row_reference(TABLES[table], column, "fedavg", cell_local) == "l.json"
+    assert paper_tables.row_reference(TABLES[table], column, "local", cell_local) is None
   assert paper_tables.row_flags(TABLES["coaching1"], "cifar10_0.1", "fedbn") == {
       "algorithm": "fedbn"}  # ResNet-18 has BatchNorm of its own
   assert {k: paper_tables.cell_flags(TABLES["confree2"], "cifar10_c60_p30")[k]
@@ -297,6 +305,30 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
     flag_values.unparse_flags()
   assert json.loads((tmp_path / "coaching1.json").read_text())["columns"] == table["columns"]
   assert (tmp_path / "mnist_0.3" / "seed0" / "fedavg" / "timing.json").read_text() == timing
+
+
+def test_rows_off_the_cells_training_settings_share_one_local(tmp_path, monkeypatch):
+  # Two rows at 2 local epochs, beside the cell's 1-epoch LOCAL: the first trains its
+  # own LOCAL for its R-Acc, the second is scored against that one, trained once.
+  table = json.loads(json.dumps(TABLES["coaching1"]))
+  table["rows"] = {name: {"label": name, "algorithm": name, "flags": {"local_epochs": 2}}
+                   for name in ("fedavg", "fedprox")}
+  monkeypatch.setattr(paper_tables, "load_tables", lambda: {**TABLES, "coaching1": table})
+  flag_values = reproduce.FLAGS
+  flag_values(["reproduce", f"--workdir={tmp_path}", *TINY[:3], "--rounds=1",
+               *TINY[5:8]])
+  try:
+    reproduce.reproduce()
+  finally:
+    flag_values.unparse_flags()
+  seed_dir = tmp_path / "mnist_0.3" / "seed0"
+  own_local = json.loads((seed_dir / "fedavg" / "local" / "results.json").read_text())
+  assert own_local["train"]["local_epochs"] == 2
+  assert not (seed_dir / "fedprox" / "local").exists()
+  scored = json.loads((seed_dir / "fedprox" / "results.json").read_text())
+  cell_local = json.loads((seed_dir / "local" / "results.json").read_text())
+  assert [c["local_acc"] for c in scored["clients"]] == [c["acc"] for c in own_local["clients"]]
+  assert [c["local_acc"] for c in scored["clients"]] != [c["acc"] for c in cell_local["clients"]]
 
 
 @pytest.mark.parametrize("args,message", [
