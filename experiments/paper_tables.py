@@ -89,12 +89,26 @@ REFERENCE_ROW = "local"
 
 
 def load_tables() -> dict[str, dict]:
-  """Table name -> the table as experiments/paper/*_tables.json hold it."""
+  """Table name -> the table as experiments/paper/*_tables.json hold it, each row given
+  as {"row_of": table} resolved to that table's row of the same name."""
   tables = {}
   for name in PAPER_FILES:
     with open(os.path.join(PAPER_DIR, name)) as f:
       tables.update({k: v for k, v in json.load(f).items() if not k.startswith("_")})
+  for table in tables.values():
+    table["rows"] = {row: shared_row(tables, row, spec) for row, spec in table["rows"].items()}
   return tables
+
+
+def shared_row(tables: dict[str, dict], row: str, spec: dict) -> dict:
+  """A row another table also prints (fedala_ala's hosts are fedala1's rows): that row,
+  its label, algorithm, flags and line, so the two run and are read alike; its note
+  follows this table's own."""
+  if "row_of" not in spec:
+    return spec
+  source = tables[spec["row_of"]]["rows"][row]
+  notes = [n for n in (spec.get("note"), source.get("note")) if n]
+  return {**source, **({"note": "; ".join(notes)} if notes else {})}
 
 
 TABLES = tuple(load_tables())

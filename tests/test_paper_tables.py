@@ -149,6 +149,13 @@ def test_the_papers_numbers_as_printed():
                                                           "imp": 24.19}
   # A host's row without ALA is the main table's number (= the ALA table's Acc. - Imps.).
   assert ala["cifar10_dir"]["values"]["fedavg"] == fedala["cifar10_dir"]["values"]["fedavg"]
+  # ... and its run is the main table's row ({"row_of": "fedala1"}): one set of flags.
+  for host in ("fedamp", "pfedme", "ditto"):
+    shared, main = TABLES["fedala_ala"]["rows"][host], TABLES["fedala1"]["rows"][host]
+    assert {k: v for k, v in shared.items() if k != "note"} == {
+        k: v for k, v in main.items() if k != "note"}
+    assert shared["note"].startswith("without ALA: the main table's number of the column")
+    assert shared["note"].endswith(main.get("note", "column"))
   confree = TABLES["confree2"]["columns"]
   assert confree["flowers102_c60_p30"]["values"]["apfl_confree"] == {"mean": 49.30, "imp": 3.42}
   assert confree["cifar100_c20_p30"]["values"]["fedpac"] == {"mean": 61.45}
