@@ -24,8 +24,9 @@ participation); --columns picks some (default: the table's default_columns, the 
 in shared/data with the paper's model); a column whose data or model this build lacks is
 printed with the paper's numbers only and says why. Rows: --rows (default: every row that
 runs here; a row whose algorithm or plug-in this build lacks is listed as not run, with the
-reason). LOCAL always runs first, every other row's --reference (but a row on another
-model than LOCAL's).
+reason). LOCAL always runs first, every other row's --reference; a row that changes a
+setting LOCAL must share (another model, 2 local epochs) is scored against a LOCAL with its
+settings, trained once by the first such row of the cell (row_reference).
 
 The metric is the papers': the best accuracy over rounds, read from each run's per-round
 test accuracies (history.npz, every client evaluated every round), over the rounds the
