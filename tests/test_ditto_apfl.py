@@ -288,3 +288,39 @@ def test_apfl_round_alpha_step_as_the_authors_code():
       atol=1e-6)
   with pytest.raises(ConfigError, match="apfl: alpha_update"):
     apfl.apfl(apfl.ApflConfig(alpha_update="epoch"), trainer)
+
+
+def test_apfl_pfllib_form_step_alpha_and_round_end_mixture():
+  # mixing="pfllib" (PFLlib's clientapfl.py): w and v step on their own losses, then
+  # alpha <- clip(alpha - lr (<v' - w', alpha g_v + (1 - alpha) g_w> + 0.02 alpha)) with the
+  # stepped iterates; at the round's end v <- (1 - alpha) w' + alpha v', the personal model.
+  _, model, splits, client = _one_client_case()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=1)  # one full-batch step
+  global_params, local = init_params(model, seed=0), init_params(model, seed=1)
+  alpha, alpha_lr = 0.6, LR
+  algorithm = apfl.apfl(apfl.ApflConfig(alpha=alpha, mixing="pfllib", lr=alpha_lr), trainer)
+  state = apfl.ApflClient(local=local, alpha=jnp.asarray(alpha), own_global=local)
+  out = algorithm.client_update(state, global_params, splits, jax.random.key(0))
+
+  grad_w, grad_v = _grad(model, global_params, client), _grad(model, local, client)
+  new_w = jax.tree.map(lambda w, g: w - LR * g, global_params, grad_w)
+  new_v = jax.tree.map(lambda v, g: v - LR * g, local, grad_v)
+  grad_alpha = sum(jnp.vdot(v - w, alpha * gv + (1 - alpha) * gw) for v, w, gv, gw in zip(
+      *map(jax.tree.leaves, (new_v, new_w, grad_v, grad_w)))) + 0.02 * alpha
+  new_alpha = float(np.clip(alpha - alpha_lr * grad_alpha, 0, 1))
+  assert abs(new_alpha - alpha) > 1e-3  # the case really moves alpha
+  np.testing.assert_allclose(out.state.alpha, new_alpha, rtol=1e-5)
+  chex.assert_trees_all_close(out.upload, new_w, atol=1e-6)
+  mixed = jax.tree.map(lambda v, w: new_alpha * v + (1 - new_alpha) * w, new_v, new_w)
+  chex.assert_trees_all_close(out.state.local, mixed, atol=1e-6)
+  np.testing.assert_allclose(out.train.loss,
+                             mean_ce(model, global_params, client.x_train, client.y_train)
+                             + mean_ce(model, local, client.x_train, client.y_train), rtol=1e-5)
+  # Evaluated: that mixture, whatever the new global model.
+  stacked = jax.tree.map(lambda a: a[None], out.state)
+  chex.assert_trees_all_close(
+      algorithm.personalized_params(init_params(model, seed=7), stacked),
+      jax.tree.map(lambda a: a[None], mixed), atol=1e-6)
+  fixed = apfl.apfl(apfl.ApflConfig(alpha=alpha, mixing="pfllib", adapt_alpha=False), trainer)
+  np.testing.assert_allclose(
+      fixed.client_update(state, global_params, splits, jax.random.key(0)).state.alpha, alpha)

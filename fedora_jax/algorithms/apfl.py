@@ -53,6 +53,18 @@ where their code uses the parameter-space <v - w, alpha grad_v + (1 - alpha) gra
 and used for the round's local steps;
 `alpha_update="step"` is the paper's.
 
+PFLlib's form (`mixing="pfllib"`), the APFL behind the tables of the PFLlib-based papers
+(ConFREE's Table 2: StuZheng/ConFREE client/clientapfl.py, the same as PFLlib's). Every
+local step trains w_k and v_k each on its own loss, f(w) and f(v) (v never sees the
+mixture), then moves alpha by
+  alpha <- clip(alpha - lr (<v - w, alpha grad f(v) + (1 - alpha) grad f(w)> + 0.02 alpha))
+with v, w the iterates after the step and the gradients those of the step (its
+alpha_update, after FedTorch's flow_utils); at the round's end v_k is replaced by the
+parameter mixture (1 - alpha) w_k + alpha v_k with the client's own trained w_k, which is
+its personalised model, evaluated and kept for the next round. lr g is taken as the step
+each model took, equal under PFLlib's plain SGD (with momentum it is the momentum step);
+`alpha_update` does not apply.
+
 Defaults: alpha starts at 0.5, the authors' code default (--fed_personal_alpha 0.5;
 the paper also reports fixed alpha in {0.25, 0.5, 0.75}); adapting it is the paper's
 method, and `adapt_alpha=False` keeps it fixed. Local models v_k start from the shared
@@ -72,15 +84,17 @@ from fedora_jax.errors import ConfigError, FieldError
 Params = Any
 
 
-MIXINGS = ("output", "parameters")
+MIXINGS = ("output", "parameters", "pfllib")
 
 
 class ApflConfig(NamedTuple):
   alpha: float = 0.5        # initial mixing weight of the local model (authors' code)
   adapt_alpha: bool = True  # learn alpha by its gradient (adaptive APFL; when: alpha_update)
-  mixing: str = "output"    # "output": authors' code (mixed logits); "parameters": paper
+  mixing: str = "output"    # "output": authors' code (mixed logits); "parameters": paper;
+                            # "pfllib": PFLlib's clientapfl.py (own losses, mixed at the end)
   alpha_update: str = "round"  # "round": authors' code, once a round; "step": the paper's
-  alpha_penalty: float = 0.02  # authors' code: alpha's gradient + penalty * alpha (round)
+  alpha_penalty: float = 0.02  # authors' code: alpha's gradient + penalty * alpha (round,
+                               # and pfllib's every step)
   lr: float = 5e-3          # alpha's step size (round): the run's client lr (train field)
 
 
@@ -89,9 +103,12 @@ FLAG_HELP = {
     "adapt_alpha": "APFL: learn alpha by its gradient (when: alpha_update; else keep it fixed)",
     "alpha_update": "APFL: round (authors' code: one plain SGD step on alpha a round) or"
                     " step (the paper: every local step, with the client optimizer)",
-    "alpha_penalty": "APFL: alpha's round step uses grad + alpha_penalty * alpha",
+    "alpha_penalty": "APFL: alpha's round step (pfllib: every step) uses grad +"
+                     " alpha_penalty * alpha",
     "mixing": "APFL: output (authors' code: alpha v(x) + (1 - alpha) w_k(x) with the"
-              " client's own w_k) or parameters (the paper: alpha v + (1 - alpha) w)",
+              " client's own w_k), parameters (the paper: alpha v + (1 - alpha) w) or"
+              " pfllib (PFLlib's: v and w on their own losses, alpha every step, v <-"
+              " (1 - alpha) w_k + alpha v at the round's end)",
 }
 
 
@@ -122,7 +139,8 @@ def validate(config: ApflConfig) -> ApflConfig:
     raise FieldError("apfl", "alpha_update",
                      f"must be round or step, got {config.alpha_update!r}")
   if config.mixing not in MIXINGS:
-    raise FieldError("apfl", "mixing", f"must be output or parameters, got {config.mixing!r}")
+    raise FieldError("apfl", "mixing",
+                     f"must be output, parameters or pfllib, got {config.mixing!r}")
   return config
 
 
@@ -142,7 +160,10 @@ def mixed_outputs(apply, personal: ApflPersonal, x: jax.Array) -> jax.Array:
 
 def personal_loss(trainer: ClientTrainer, mixing: str, alpha, local, global_params,
                   x, y, weights):
-  """The loss of the personalised prediction: mixed outputs or the mixed parameters."""
+  """The loss of the personalised prediction: mixed outputs or the mixed parameters (PFLlib:
+  v's own loss)."""
+  if mixing == "pfllib":
+    return trainer.loss(local, x, y, weights)
   if mixing == "output":
     outputs = mixed_outputs(trainer.apply, ApflPersonal(alpha, local, global_params), x)
     return masked_cross_entropy(outputs, y, weights)
@@ -170,6 +191,20 @@ def round_alpha_step(trainer: ClientTrainer, config: ApflConfig, start: ApflTrai
                   0.0, 1.0)
 
 
+def pfllib_alpha_step(config: ApflConfig):
+  """PFLlib's alpha after each local step: clip(alpha - <v - w, alpha dv + (1 - alpha) dw>
+  - lr 0.02 alpha), dv and dw the step v and w took (lr times their gradients)."""
+  def post_step(new: ApflTrained, old: ApflTrained) -> ApflTrained:
+    steps = mix(old.alpha, jax.tree.map(jnp.subtract, old.local, new.local),
+                jax.tree.map(jnp.subtract, old.global_, new.global_))
+    gap = jax.tree.map(jnp.subtract, new.local, new.global_)
+    direction = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(gap),
+                                                   jax.tree.leaves(steps)))
+    alpha = old.alpha - direction - config.lr * config.alpha_penalty * old.alpha
+    return new._replace(alpha=jnp.clip(alpha, 0.0, 1.0))
+  return post_step
+
+
 def project_alpha(new: ApflTrained, old: ApflTrained) -> ApflTrained:
   """Keeps alpha a convex weight after each step (the paper's alpha is in [0, 1])."""
   del old
@@ -181,8 +216,13 @@ def apfl(config: ApflConfig, trainer: ClientTrainer) -> Algorithm:
   if config.mixing == "output" and trainer.task != "classification":
     raise ConfigError(f"apfl with mixing=output needs a classification task, not "
                       f"{trainer.task} (use --apfl_mixing=parameters)")
-  per_round = config.adapt_alpha and config.alpha_update == "round"
-  loss = joint_loss(trainer, config.adapt_alpha and not per_round, config.mixing)
+  pfllib = config.mixing == "pfllib"
+  per_round = config.adapt_alpha and config.alpha_update == "round" and not pfllib
+  loss = joint_loss(trainer, config.adapt_alpha and not per_round and not pfllib,
+                    config.mixing)
+  post_step = project_alpha
+  if pfllib:
+    post_step = pfllib_alpha_step(config) if config.adapt_alpha else None
 
   def init(context: InitContext) -> AlgorithmState:
     num_clients = tree.leading_size(context.params)
@@ -201,8 +241,9 @@ def apfl(config: ApflConfig, trainer: ClientTrainer) -> Algorithm:
       train_data = jax.tree.map(jnp.asarray, data.train)
       start = start._replace(alpha=round_alpha_step(trainer, config, start, train_data))
     trained, stats = trainer.train(start, data.train, key, loss_fn=loss,
-                                   post_step=project_alpha)
-    return ClientOutput(state=ApflClient(local=trained.local, alpha=trained.alpha,
+                                   post_step=post_step)
+    local = mix(trained.alpha, trained.local, trained.global_) if pfllib else trained.local
+    return ClientOutput(state=ApflClient(local=local, alpha=trained.alpha,
                                          own_global=trained.global_),
                         upload=trained.global_, train=stats,
                         metrics={"alpha": trained.alpha})
@@ -212,6 +253,8 @@ def apfl(config: ApflConfig, trainer: ClientTrainer) -> Algorithm:
     return AlgorithmState(server=tree.weighted_mean(uploads, weights), clients=clients)
 
   def personalized_params(global_params, clients: ApflClient):
+    if pfllib:  # v_k, already the round's-end mixture
+      return clients.local
     if config.mixing == "output":
       return ApflPersonal(alpha=clients.alpha, local=clients.local,
                           global_=clients.own_global)
