@@ -103,7 +103,7 @@ def test_a_plugin_row_runs_with_its_hosts_flags():
   assert paper_tables.row_flags(table, "cifar10_c20_p30", "fedrep_confree") == {
       **host, "aggregation": "confree"}
   assert paper_tables.row_flags(table, "cifar10_c20_p30", "apfl_confree") == {
-      "algorithm": "apfl", "apfl_alpha": 1.0, "aggregation": "confree"}
+      "algorithm": "apfl", "apfl_alpha": 1.0, "apfl_mixing": "pfllib", "aggregation": "confree"}
   assert paper_tables.row_flags(table, "cifar10_c20_p30", "fedrod_confree") == {
       "algorithm": "fedrod", "aggregation": "confree"}
   # At 2 local epochs FedRep cannot be scored against the cell's 1-epoch LOCAL: the first
