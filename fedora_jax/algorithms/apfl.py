@@ -221,8 +221,9 @@ def apfl(config: ApflConfig, trainer: ClientTrainer) -> Algorithm:
   loss = joint_loss(trainer, config.adapt_alpha and not per_round and not pfllib,
                     config.mixing)
   post_step = project_alpha
-  if pfllib:
-    post_step = pfllib_alpha_step(config) if config.adapt_alpha else None
+  if pfllib:  # a fixed alpha stays put under weight decay too
+    post_step = (pfllib_alpha_step(config) if config.adapt_alpha
+                 else lambda new, old: new._replace(alpha=old.alpha))
 
   def init(context: InitContext) -> AlgorithmState:
     num_clients = tree.leading_size(context.params)
