@@ -34,7 +34,9 @@ paper sampled (coaching: every round on MNIST / FMNIST, every 5th on CIFAR10, 10
 CIFAR100); the mean over clients (coaching: "best mean accuracy") or weighted by test
 samples (FedALA's and ConFREE's code: sum of correct over sum of test samples); mean and
 population std over --seeds. Rows with a plug-in also report their improvement over the
-host (ours: per seed, then averaged) beside the paper's.
+host (ours: per seed, then averaged) beside the paper's (in a cell the paper did not run,
+beside the gains of the paper cell its `imp_from` names: confree2's CIFAR-10 cells take
+the poster's CIFAR-100 at the same C and P).
 
 Each cell's settings are set by reproduce (flags); a run flag given on the command line
 (--rounds, --lr, --num_clients, ...) overrides the table's value for every row and the
@@ -336,6 +338,9 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]]) -> l
   std over seeds; None where it did not run) beside the paper's, with the improvement
   over its host for a plug-in row."""
   paper = table["columns"][column]["values"]
+  # A cell the paper did not run may borrow its plug-in gains from one it did (imp_from).
+  imp_from = table["columns"][column].get("imp_from")
+  paper_imps = table["columns"][imp_from]["values"] if imp_from else paper
   entries = []
   for row in table_rows(table):
     spec = table["rows"].get(row)
@@ -355,7 +360,7 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]]) -> l
       entry["improves"] = host
       entry["imp"] = (_rounded(np.mean([100 * (a.best - b.best) for a, b in pairs]))
                       if pairs else None)
-      entry["paper_imp"] = paper.get(row, {}).get("imp")
+      entry["paper_imp"] = paper_imps.get(row, {}).get("imp")
     if ours:
       row_runs = runs[row]
       entry.update(
@@ -369,6 +374,12 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]]) -> l
       entry["not_run"] = row_problem(table, row) or "not asked for (--rows)"
     entries.append(entry)
   return entries
+
+
+def _imp_from_note(table: dict, column: str) -> str:
+  imp_from = table["columns"][column].get("imp_from")
+  return (f"; paper imp: the paper's {table['columns'][imp_from]['label']} gains"
+          if imp_from else "")
 
 
 def _cell(mean, std=None, signed=False) -> str:
@@ -400,7 +411,8 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
   for column, entries in summary.items():
     lines += [f"## {column_heading(table, column)}", "",
               f"{_rounds_note(table, column, rounds[column])}; paper:"
-              f" {table['columns'][column]['paper_column']}", "",
+              f" {table['columns'][column]['paper_column']}{_imp_from_note(table, column)}",
+              "",
               "| row | ours | paper | ours − paper |"
               + (" ours imp | paper imp |" if has_imp else "")
               + " best round | final | s/round | wall s | machine | paper's row |",

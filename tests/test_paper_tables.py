@@ -74,6 +74,8 @@ def test_every_row_and_column_is_well_formed(name):
       if "imp" in value:  # printed to two places: its host's number and the gain agree
         assert value["mean"] - spec["values"][host]["mean"] == pytest.approx(
             value["imp"], abs=0.006), (column, row)
+    if "imp_from" in spec:  # a cell the paper lacks, shown beside a paper cell's gains
+      assert not spec["values"] and table["columns"][spec["imp_from"]]["values"], column
     if spec["values"] and name != "fedala_ala":  # every paper row in every printed column
       assert list(spec["values"]) == list(table["rows"]), column
 
@@ -158,6 +160,12 @@ def test_the_papers_numbers_as_printed():
     assert shared["note"].endswith(main.get("note", "column"))
   confree = TABLES["confree2"]["columns"]
   assert confree["flowers102_c60_p30"]["values"]["apfl_confree"] == {"mean": 49.30, "imp": 3.42}
+  # Its CIFAR-10 cells print the poster's CIFAR-100 gains at the same C and P.
+  cell = paper_tables.summarize_cell(TABLES["confree2"], "cifar10_c60_p30", {})
+  assert {e["row"]: e.get("paper_imp") for e in cell if "improves" in e} == {
+      f"{h}_confree": confree["cifar100_c60_p30"]["values"][f"{h}_confree"]["imp"]
+      for h in ("apfl", "fedrod", "fedrep", "fedcp", "fedala", "fedpac")}
+  assert all(e["paper_acc"] is None for e in cell)
   assert confree["cifar100_c20_p30"]["values"]["fedpac"] == {"mean": 61.45}
   # Each cell's settings, as the papers (or, where they are silent, the code) give them.
   assert {k: paper_tables.cell_flags(TABLES["coaching2"], "cifar100_0.1")[k]
