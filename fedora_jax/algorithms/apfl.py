@@ -95,7 +95,7 @@ class ApflConfig(NamedTuple):
   alpha_update: str = "round"  # "round": authors' code, once a round; "step": the paper's
   alpha_penalty: float = 0.02  # authors' code: alpha's gradient + penalty * alpha (round,
                                # and pfllib's every step)
-  lr: float = 5e-3          # alpha's step size (round): the run's client lr (train field)
+  lr: float = 5e-3          # alpha's step (round; pfllib: its penalty's): the run's lr
 
 
 FLAG_HELP = {
