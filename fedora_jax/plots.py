@@ -28,6 +28,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from fedora_jax.errors import ConfigError
+from fedora_jax.results import split_label
 
 NEGATIVE_COLOR = "tab:red"    # R-Acc_k < 0: negative transfer
 POSITIVE_COLOR = "tab:blue"   # R-Acc_k >= 0: at least as good as LOCAL (counts in PTR)
@@ -69,7 +70,7 @@ def _label_clients(axis, client_ids: np.ndarray | None, max_ticks: int) -> None:
 
 
 def _run_label(results: Mapping) -> str:
-  return (f"{results['algorithm']} on {results['dataset']} ({results['setting']},"
+  return (f"{results['algorithm']} on {results['dataset']} ({split_label(results)},"
           f" {results['num_clients']} clients, seed {results['seed']})")
 
 
@@ -592,11 +593,13 @@ def comparison_figure(runs: list[SavedRun], title: str = "") -> Figure:
 def _shared_setting(runs: list[SavedRun]) -> str:
   """What the runs have in common, for the figure's title."""
   parts = []
-  for key, fmt in (("dataset", "{}"), ("setting", "{}"), ("num_clients", "{} clients"),
-                   ("rounds", "{} rounds"), ("seed", "seed {}")):
-    values = {json.dumps(run.results.get(key)) for run in runs}
-    if len(values) == 1 and runs[0].results.get(key) is not None:
-      parts.append(fmt.format(runs[0].results[key]))
+  for describe in (lambda r: r.get("dataset"), split_label,
+                   lambda r: r.get("num_clients") and f"{r['num_clients']} clients",
+                   lambda r: r.get("rounds") and f"{r['rounds']} rounds",
+                   lambda r: r.get("seed") is not None and f"seed {r['seed']}"):
+    values = {describe(run.results) for run in runs}
+    if len(values) == 1 and describe(runs[0].results):
+      parts.append(describe(runs[0].results))
   return ", ".join(parts)
 
 

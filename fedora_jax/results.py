@@ -300,6 +300,21 @@ def _relative_mean(name: str, mean: float | None, results: dict, key: str) -> st
   return text
 
 
+def split_label(results: dict) -> str:
+  """How the run's clients were cut, for titles: "balanced" for the rotated datasets
+  (FEDORA's setting), else the partition and the setting: "Dirichlet alpha=0.1, balanced".
+  """
+  partition = results.get("partition") or {}
+  kind, setting = partition.get("kind", "rotation"), results.get("setting", "")
+  if kind == "rotation":
+    return setting
+  if kind == "dirichlet":
+    kind = f"Dirichlet alpha={partition['dirichlet_alpha']:g}"
+  elif kind == "pathological":
+    kind = f"pathological, {partition['classes_per_client']} classes a client"
+  return f"{kind}, {setting}" if setting else kind
+
+
 def format_table(results: dict) -> str:
   """Per-client table and the summary lines, final round and best-validation round."""
   if task_of(results) == "regression":
@@ -313,7 +328,7 @@ def format_table(results: dict) -> str:
   best = results["best_val"]
   name = results["algorithm"]
   lines += [
-      f"{name} on {results['dataset']} ({results['setting']}, {results['num_clients']}"
+      f"{name} on {results['dataset']} ({split_label(results)}, {results['num_clients']}"
       f" clients, seed {results['seed']}, {results['rounds']} rounds):",
       f"  final round {results['rounds']}:        Acc {results['acc']:.4f}"
       f"  {_relative_mean('R-Acc', results['r_acc'], results, 'r_acc')}  PTR {results['ptr']:.4f}"

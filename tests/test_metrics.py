@@ -79,6 +79,23 @@ def test_r_acc_is_undefined_where_local_scored_zero_and_shown_so():
   assert "R-Acc n/a (over 0 of 3 clients" in results.format_table(nowhere)
 
 
+def test_split_label_names_the_partition_beside_the_setting():
+  # Rotated data (no partition, or kind rotation) is FEDORA's setting alone; a label
+  # split says which, with its alpha or classes a client, so a Dirichlet run's titles
+  # do not read "balanced" only.
+  assert results.split_label({"setting": "imbalanced"}) == "imbalanced"
+  assert results.split_label({"setting": "balanced", "partition": {"kind": "rotation"}}) \
+      == "balanced"
+  dirichlet = {"kind": "dirichlet", "dirichlet_alpha": 0.1, "classes_per_client": 2}
+  assert results.split_label({"setting": "balanced", "partition": dirichlet}) \
+      == "Dirichlet alpha=0.1, balanced"
+  pathological = {"kind": "pathological", "dirichlet_alpha": 0.5, "classes_per_client": 2}
+  assert results.split_label({"setting": "imbalanced", "partition": pathological}) \
+      == "pathological, 2 classes a client, imbalanced"
+  assert results.split_label({"setting": "balanced", "partition": {"kind": "iid"}}) \
+      == "iid, balanced"
+
+
 def test_best_validation_round_takes_the_first_best_mean():
   val = np.array([[0.1, 0.3], [0.5, 0.1], [0.2, 0.4], [0.4, 0.2]])
   assert metrics.best_validation_round(val) == 2
