@@ -56,6 +56,24 @@ def test_relation_step_is_the_plain_gradient_step_of_eq_11():
       coaching.update_relation(RELATION, grams, config._replace(r_steps=2)), twice, atol=1e-5)
 
 
+def test_norm_coaching_loss_steps_by_the_unit_residual():
+  # f_s = ||s - w|| (fs="norm"): grad_{r_ij^l} = <s_i^l - w_i^l, w_j^l> / ||s_i^l - w_i^l||.
+  config = coaching.CoachingConfig(lam=1.0, beta=2.0, lr_r=0.1, lr_r_rule="fixed", fs="norm")
+  grams = coaching.layer_grams(TWO_CLIENTS)
+  # client 0, layer 0: s - w_0 = (-0.25, 0.5), norm sqrt(0.3125); (<., w_0>, <., w_1>) =
+  #   (-0.25, 1) over it, plus beta (r - 1/2) = (0.5, -0.5).
+  # client 1, layer 0: s - w_1 = (0.5, -1), norm sqrt(1.25); (0.5, -2) over it, beta term 0.
+  # client 0, layer 1: s - w_0 = -2.5, norm 2.5; (-7.5, 2.5) / 2.5 + (0, 1) = (-3, 2).
+  # client 1, layer 1: s - w_1 = 1.25, norm 1.25; (3.75, -1.25) / 1.25 + (-0.5, 0) = (2.5, -1).
+  root_a, root_b = np.sqrt(0.3125), np.sqrt(1.25)
+  expected = [[[0.75 - 0.1 * (-0.25 / root_a + 0.5), 0.25 - 0.1 * (1 / root_a - 0.5)],
+               [0.5 + 0.3, 1.0 - 0.2]],
+              [[0.5 - 0.1 * 0.5 / root_b, 0.5 + 0.1 * 2 / root_b],
+               [0.25 - 0.25, 0.5 + 0.1]]]
+  np.testing.assert_allclose(coaching.relation_step(RELATION, grams, config), expected,
+                             atol=1e-5)
+
+
 def test_lipschitz_deviation_steps_each_layer_by_one_over_its_smoothness():
   config = coaching.CoachingConfig(lam=1.0, beta=2.0, lr_r_rule="lipschitz")
   grams = coaching.layer_grams(TWO_CLIENTS)
@@ -96,33 +114,39 @@ def _stacked(model):
   return jax.vmap(lambda s: init_params(model, seed=s))(jnp.arange(K))
 
 
-def _direct_objective(relation, stacked, lam, beta):
+def _direct_objective(relation, stacked, lam, beta, fs="squared"):
   """sum_i of Eq. (10) straight from the parameters:
-  lam sum ||w_i^l - sum_j r_ij^l w_j^l||^2 + beta/2 ||R - 1/N||^2."""
+  lam sum f_s(w_i^l, sum_j r_ij^l w_j^l) + beta/2 ||R - 1/N||^2, f_s the squared
+  distance or the distance of each layer (all its leaves)."""
   total = 0.0
   for l, name in enumerate(sorted(stacked["params"])):
-    for leaf in jax.tree.leaves(stacked["params"][name]):
-      flat = leaf.reshape(K, -1)
-      total += jnp.sum(jnp.square(flat - relation[:, l, :] @ flat))
+    squares = sum(jnp.sum(jnp.square(flat - relation[:, l, :] @ flat), axis=1)
+                  for flat in (leaf.reshape(K, -1)
+                               for leaf in jax.tree.leaves(stacked["params"][name])))
+    total += jnp.sum(squares if fs == "squared" else jnp.sqrt(squares))
   return lam * total + beta / 2 * jnp.sum(jnp.square(relation - 1.0 / K))
 
 
-def test_relation_gradient_matches_finite_differences():
+@pytest.mark.parametrize("fs", ["squared", "norm"])
+def test_relation_gradient_matches_finite_differences(fs):
   with jax.enable_x64(True):
     model = tiny_model(hidden=(5,))
     stacked = jax.tree.map(lambda a: a.astype(jnp.float64), _stacked(model))
     relation = jax.random.normal(jax.random.key(0), (K, 2, K), jnp.float64)
     lam, beta = 0.7, 0.3
     grams = coaching.layer_grams(stacked)
-    np.testing.assert_allclose(coaching.relation_objective(relation, grams, lam, beta),
-                               _direct_objective(relation, stacked, lam, beta), rtol=1e-10)
-    gradient = coaching.relation_gradient(relation, grams, lam, beta)
+    # The norm's guard (NORM_GUARD ||w_i^l||^2 under the root) moves it by < 1e-6.
+    np.testing.assert_allclose(coaching.relation_objective(relation, grams, lam, beta, fs),
+                               _direct_objective(relation, stacked, lam, beta, fs),
+                               rtol=1e-10 if fs == "squared" else 1e-6)
+    gradient = coaching.relation_gradient(relation, grams, lam, beta, fs)
     eps = 1e-5
     bumps = eps * jnp.eye(relation.size, dtype=jnp.float64).reshape((-1,) + relation.shape)
-    objective = jax.jit(jax.vmap(lambda r: _direct_objective(r, stacked, lam, beta)))
+    objective = jax.jit(jax.vmap(lambda r: _direct_objective(r, stacked, lam, beta, fs)))
     numeric = ((objective(relation + bumps) - objective(relation - bumps)) / (2 * eps)
                ).reshape(relation.shape)
-    np.testing.assert_allclose(gradient, numeric, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(gradient, numeric, rtol=1e-6 if fs == "squared" else 1e-5,
+                               atol=1e-8 if fs == "squared" else 1e-6)
 
 
 def test_initial_relation_is_random_rows_on_the_simplex():
@@ -187,7 +211,8 @@ def test_simplex_others_deviation_projects_each_row_onto_the_other_clients():
 def test_bad_settings_are_config_errors():
   trainer = tiny_trainer(tiny_model())
   for bad in ({"r_init": "zeros"}, {"r_constraint": "simplex"}, {"r_steps": -1},
-              {"beta": -1.0}, {"lr_r_rule": "adaptive"}):
+              {"beta": -1.0}, {"lr_r_rule": "adaptive"}, {"fs": "l1"},
+              {"fs": "norm"}):  # the norm has no Lipschitz step, the default rule
     with pytest.raises(ConfigError, match="coaching: "):
       coaching.coaching(coaching.CoachingConfig()._replace(**bad), trainer)
 
@@ -210,4 +235,27 @@ def test_client_trains_towards_its_layerwise_coaching_model():
   grad = jax.grad(lambda p: mean_ce(model, p, clients[0].x_train, clients[0].y_train))(own)
   # Eq. (16): w - lr (grad f_i + lam grad ||w - s||^2).
   expected = jax.tree.map(lambda w, g, s: w - lr * (g + 2 * lam * (w - s)), own, grad, coach_0)
+  chex.assert_trees_all_close(out.state, expected, atol=1e-6)
+
+
+def test_norm_coaching_loss_pulls_each_layer_by_a_unit_vector():
+  model = tiny_model(hidden=(5,))
+  stacked = _stacked(model)
+  relation = jax.random.dirichlet(jax.random.key(1), jnp.ones(K), (K, 2))
+  coach = coaching.coaching_models(relation, stacked)
+  data, clients = tiny_data([6] * K)
+  lr, lam = 0.1, 0.3
+  config = coaching.CoachingConfig(lam=lam, fs="norm", lr_r_rule="fixed")
+  algorithm = coaching.coaching(config, tiny_trainer(model, lr=lr, batch_size=8))
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  own, coach_0 = (tree.first(t) for t in (stacked, coach))
+  out = algorithm.client_update(own, coach_0, splits, jax.random.key(0))
+  grad = jax.grad(lambda p: mean_ce(model, p, clients[0].x_train, clients[0].y_train))(own)
+  # Eq. (16) with f_s = sum_l ||w^l - s^l||: w^l - lr (grad f_i + lam (w^l - s^l) / ||.||).
+  expected = {"params": {}}
+  for name, layer in own["params"].items():
+    norm = np.sqrt(float(tree.squared_distance(layer, coach_0["params"][name])))
+    expected["params"][name] = jax.tree.map(
+        lambda w, g, s: w - lr * (g + lam * (w - s) / norm), layer, grad["params"][name],
+        coach_0["params"][name])
   chex.assert_trees_all_close(out.state, expected, atol=1e-6)

@@ -17,7 +17,10 @@ client j at layer l, for every j including i itself.
   with f_s the coaching loss, for which the paper "adopts l_2-norm". We read it as the
   squared distance f_s(a, b) = ||a - b||^2: only then is Eq. 6 (one f_s of the stacked
   layers) equal to Eq. 5 (a sum of f_s over layers), and H is L-smooth as Assumption 2
-  requires.
+  requires. The word read literally, f_s(a, b) = ||a - b|| per layer, is fs="norm"
+  (below): R's gradient is then <s_i^l - w_i^l, w_j^l> / ||s_i^l - w_i^l||, bounded by
+  ||w_j^l||, and the client's pull lambda (w_i^l - s_i^l) / ||w_i^l - s_i^l|| is a unit
+  vector per layer, so the set-up's eta_r = 0.01 cannot blow up as it does on the square.
   Relation update (Eq. 10-12), with the clients' parameters W^k fixed, per client i:
         r_i <- r_i - eta_r (lambda grad_{r_i} f_s(r_i W^k, w_i^k) + beta (r_i - 1/N)),
         grad_{r_ij^l} f_s = 2 <s_i^l - w_i^l, w_j^l> = 2 (sum_k r_ik^l G_l[k, j] - G_l[i, j])
@@ -66,6 +69,8 @@ The step size, and the deviations (off by default), behind config fields:
     step then multiplies any error in a row's sum by |1 - 0.01 L_r| (~8) every round:
     measured here, R and the losses reach NaN by round 8-10 on MNIST (Dirichlet 0.1, 10
     clients, the MLP and the CNN; docs/coaching.md). The lipschitz step stays stable.
+  * fs="norm": f_s the l_2 norm itself, not its square (see f_s above); it is not smooth
+    at s = w, so it has no L_r and runs with lr_r_rule="fixed" (the set-up's 0.01).
 The earlier defaults (r_steps = 10, lambda = 0.5, a ridge penalty beta ||R||^2 with beta
 = 1, R uniform over the others) are  r_constraint="simplex_others", r_init="uniform",
 r_steps=10, lam=0.5, beta=2.
@@ -87,6 +92,7 @@ from fedora_jax.errors import ConfigError, FieldError, check_one_of
 
 Params = Any
 
+COACHING_LOSSES = ("squared", "norm")
 R_CONSTRAINTS = ("none", "simplex_others")
 R_INITS = ("random", "uniform")
 LR_R_RULES = ("fixed", "lipschitz")
@@ -102,6 +108,9 @@ class CoachingConfig(NamedTuple):
   # Theorem 1's eta_r = 1/L_r; "fixed" (eta_r = lr_r, the set-up's 0.01) diverges on real
   # models, see the module docstring.
   lr_r_rule: str = "lipschitz"
+  # f_s, the paper's "l_2-norm": its square (Eq. 6 = Eq. 5 and Assumption 2 need it) or,
+  # read literally, the norm itself ("norm", with lr_r_rule="fixed": it has no L_r).
+  fs: str = "squared"
 
 
 FLAG_HELP = {
@@ -119,11 +128,15 @@ FLAG_HELP = {
     "lr_r_rule": "Coaching: 'lipschitz' (eta_r = 1/L_r per layer, the step of the paper's"
                  " Theorem 1; coach_lr_r unused) or 'fixed' (eta_r = coach_lr_r, the 0.01 of"
                  " the paper's set-up, which diverges on real models)",
+    "fs": "Coaching: the coaching loss f_s per layer, 'squared' (||s - w||^2) or 'norm'"
+          " (||s - w||, the paper's 'l_2-norm' read literally; needs"
+          " coach_lr_r_rule=fixed)",
 }
 # The issue's flag names.
 FLAG_NAMES = {"lam": "coach_lambda", "beta": "coach_beta", "lr_r": "coach_lr_r",
               "r_steps": "coach_r_steps", "r_init": "coach_r_init",
-              "r_constraint": "coach_r_constraint", "lr_r_rule": "coach_lr_r_rule"}
+              "r_constraint": "coach_r_constraint", "lr_r_rule": "coach_lr_r_rule",
+              "fs": "coach_fs"}
 
 
 class CoachingServer(NamedTuple):
@@ -142,6 +155,10 @@ def validate(config: CoachingConfig) -> CoachingConfig:
   check_one_of("coaching", config, "r_init", R_INITS)
   check_one_of("coaching", config, "r_constraint", R_CONSTRAINTS)
   check_one_of("coaching", config, "lr_r_rule", LR_R_RULES)
+  check_one_of("coaching", config, "fs", COACHING_LOSSES)
+  if config.fs == "norm" and config.lr_r_rule == "lipschitz":
+    raise FieldError("coaching", "lr_r_rule", "must be fixed with the norm f_s (fs=norm),"
+                     " which is not smooth and so has no Lipschitz step 1/L_r")
   return config
 
 
@@ -152,25 +169,51 @@ def layer_grams(stacked: Params) -> jax.Array:
                     for name in layer_names(first)])
 
 
-def relation_objective(relation: jax.Array, grams: jax.Array, lam: float,
-                       beta: float) -> jax.Array:
-  """sum_i f(r_i) of Eq. (10): lam ||s_i^l - w_i^l||^2 + beta/2 ||r_i - 1/N||^2, summed
-  over clients and layers, from the Gram matrices (the squared norm expanded)."""
-  num_clients = relation.shape[0]
+def coaching_distances(relation: jax.Array, grams: jax.Array) -> jax.Array:
+  """[N, L]: ||s_i^l - w_i^l||^2 from the Gram matrices (the square expanded; clipped at 0,
+  which float32 rounding can cross where s_i^l = w_i^l)."""
   diag = jnp.diagonal(grams, axis1=1, axis2=2)                  # [L, N]: ||w_i^l||^2
   cross = jnp.einsum("ilj,lij->il", relation, grams)             # <w_i^l, s_i^l>
   quad = jnp.einsum("ilj,ljk,ilk->il", relation, grams, relation)  # ||s_i^l||^2
-  return (lam * jnp.sum(diag.T - 2.0 * cross + quad)
+  return jnp.maximum(diag.T - 2.0 * cross + quad, 0.0)
+
+
+# Inside the root of the norm f_s, in units of the layer's ||w_i^l||^2: the Gram
+# expansion's float32 rounding (~1e-7 ||w_i^l||^2) is never divided by ~0 where s = w.
+# It moves the norm by at most 0.1 % of ||w_i^l||.
+NORM_GUARD = 1e-6
+
+
+def layer_norms(relation: jax.Array, grams: jax.Array) -> jax.Array:
+  """[N, L]: ||s_i^l - w_i^l||, guarded by NORM_GUARD."""
+  diag = jnp.diagonal(grams, axis1=1, axis2=2).T
+  return jnp.sqrt(coaching_distances(relation, grams) + NORM_GUARD * diag)
+
+
+def relation_objective(relation: jax.Array, grams: jax.Array, lam: float,
+                       beta: float, fs: str = "squared") -> jax.Array:
+  """sum_i f(r_i) of Eq. (10): lam f_s(s_i^l, w_i^l) + beta/2 ||r_i - 1/N||^2, summed over
+  clients and layers, f_s the squared distance or (fs="norm") the distance."""
+  num_clients = relation.shape[0]
+  coach_loss = (coaching_distances(relation, grams) if fs == "squared"
+                else layer_norms(relation, grams))
+  return (lam * jnp.sum(coach_loss)
           + 0.5 * beta * jnp.sum(jnp.square(relation - 1.0 / num_clients)))
 
 
 def relation_gradient(relation: jax.Array, grams: jax.Array, lam: float,
-                      beta: float) -> jax.Array:
-  """Eq. (11)-(12): lam grad f_s + beta (r_i - 1/N) for every client i, [N, L, N]."""
+                      beta: float, fs: str = "squared") -> jax.Array:
+  """Eq. (11)-(12): lam grad f_s + beta (r_i - 1/N) for every client i, [N, L, N].
+  grad_{r_ij^l} f_s is 2 <s_i^l - w_i^l, w_j^l> for the squared distance and
+  <s_i^l - w_i^l, w_j^l> / ||s_i^l - w_i^l|| for the distance."""
   num_clients = relation.shape[0]
   target = jnp.einsum("lij->ilj", grams)                  # G_l[i, j] = <w_i^l, w_j^l>
   combined = jnp.einsum("ilk,lkj->ilj", relation, grams)  # <s_i^l, w_j^l>
-  return 2.0 * lam * (combined - target) + beta * (relation - 1.0 / num_clients)
+  if fs == "squared":
+    coach_grad = 2.0 * (combined - target)
+  else:
+    coach_grad = (combined - target) / layer_norms(relation, grams)[..., None]
+  return lam * coach_grad + beta * (relation - 1.0 / num_clients)
 
 
 def project_to_simplex(values: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -205,7 +248,7 @@ def relation_step(relation: jax.Array, grams: jax.Array, config: CoachingConfig)
   """One step of Eq. (11) on every client's relation matrix (then the simplex_others
   projection, where that deviation is chosen)."""
   relation = relation - step_sizes(grams, config) * relation_gradient(
-      relation, grams, config.lam, config.beta)
+      relation, grams, config.lam, config.beta, config.fs)
   if config.r_constraint == "simplex_others":
     relation = project_to_simplex(relation, others_mask(relation.shape[0]))
   return relation
@@ -260,7 +303,13 @@ def coaching(config: CoachingConfig, trainer: ClientTrainer) -> Algorithm:
 
   def client_update(params, coach, data, key):
     def pull(p):  # lambda f_s(s_i, w_i), Eq. (15)
-      return config.lam * tree.squared_distance(p, coach)
+      if config.fs == "squared":  # the sum over layers of Eq. 5 is one squared distance
+        return config.lam * tree.squared_distance(p, coach)
+      # Eq. 5's sum over layers of ||s_i^l - w_i^l||; the 1e-12 keeps its gradient finite
+      # (zero) where w_i^l = s_i^l, as in the first local step after an exact combination.
+      return config.lam * sum(
+          jnp.sqrt(tree.squared_distance(p["params"][name], coach["params"][name]) + 1e-12)
+          for name in layer_names(p))
     params, stats = trainer.train(params, data.train, key, regularizer=pull)
     return ClientOutput(state=params, upload=(), train=stats)
 
