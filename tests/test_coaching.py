@@ -74,6 +74,22 @@ def test_norm_coaching_loss_steps_by_the_unit_residual():
                              atol=1e-5)
 
 
+def test_exact_deviation_sets_r_to_the_minimiser_of_eq_10():
+  config = coaching.CoachingConfig(lam=1.0, beta=2.0, lr_r_rule="exact")
+  grams = coaching.layer_grams(TWO_CLIENTS)
+  # mu = beta / (2 lam) = 1, r_i = 1/2 + (G + I)^-1 G (e_i - 1/2).
+  # Layer 0, G = diag(1, 4): (G + I)^-1 G = diag(1/2, 4/5).
+  # Layer 1, G = [[9, -3], [-3, 1]] = 10 v v^T, v = (3, -1) / sqrt(10): (10 / 11) v v^T
+  #   = [[9, -3], [-3, 1]] / 11; on e_0 - 1/2 = (1/2, -1/2): (6, -2) / 11.
+  expected = [[[0.75, 0.1], [0.5 + 6 / 11, 0.5 - 2 / 11]],
+              [[0.25, 0.9], [0.5 - 6 / 11, 0.5 + 2 / 11]]]
+  exact = coaching.update_relation(RELATION, grams, config)
+  np.testing.assert_allclose(exact, expected, atol=1e-6)
+  # It is where Eq. 11's gradient vanishes, whatever R was before.
+  np.testing.assert_allclose(coaching.relation_gradient(exact, grams, 1.0, 2.0), 0.0,
+                             atol=1e-5)
+
+
 def test_lipschitz_deviation_steps_each_layer_by_one_over_its_smoothness():
   config = coaching.CoachingConfig(lam=1.0, beta=2.0, lr_r_rule="lipschitz")
   grams = coaching.layer_grams(TWO_CLIENTS)
@@ -212,7 +228,9 @@ def test_bad_settings_are_config_errors():
   trainer = tiny_trainer(tiny_model())
   for bad in ({"r_init": "zeros"}, {"r_constraint": "simplex"}, {"r_steps": -1},
               {"beta": -1.0}, {"lr_r_rule": "adaptive"}, {"fs": "l1"},
-              {"fs": "norm"}):  # the norm has no Lipschitz step, the default rule
+              {"fs": "norm"},  # the norm has no Lipschitz step, the default rule
+              {"lr_r_rule": "exact", "r_constraint": "simplex_others"},
+              {"lr_r_rule": "exact", "beta": 0.0}):
     with pytest.raises(ConfigError, match="coaching: "):
       coaching.coaching(coaching.CoachingConfig()._replace(**bad), trainer)
 

@@ -69,6 +69,10 @@ The step size, and the deviations (off by default), behind config fields:
     step then multiplies any error in a row's sum by |1 - 0.01 L_r| (~8) every round:
     measured here, R and the losses reach NaN by round 8-10 on MNIST (Dirichlet 0.1, 10
     clients, the MLP and the CNN; docs/coaching.md). The lipschitz step stays stable.
+  * lr_r_rule="exact": R set each round to Eq. 10's minimiser at the current models
+    (closed form for the squared f_s: relation_minimiser), the point E_r -> infinity
+    steps converge to; block coordinate descent with an exact R block. A deviation: it
+    asks what a learned R gives, where one step of 1/L_r leaves R at its random start.
   * fs="norm": f_s the l_2 norm itself, not its square (see f_s above); it is not smooth
     at s = w, so it has no L_r and runs with lr_r_rule="fixed" (the set-up's 0.01).
 The earlier defaults (r_steps = 10, lambda = 0.5, a ridge penalty beta ||R||^2 with beta
@@ -95,7 +99,7 @@ Params = Any
 COACHING_LOSSES = ("squared", "norm")
 R_CONSTRAINTS = ("none", "simplex_others")
 R_INITS = ("random", "uniform")
-LR_R_RULES = ("fixed", "lipschitz")
+LR_R_RULES = ("fixed", "lipschitz", "exact")
 
 
 class CoachingConfig(NamedTuple):
@@ -127,7 +131,9 @@ FLAG_HELP = {
                     " the other clients, r_ii = 0)",
     "lr_r_rule": "Coaching: 'lipschitz' (eta_r = 1/L_r per layer, the step of the paper's"
                  " Theorem 1; coach_lr_r unused) or 'fixed' (eta_r = coach_lr_r, the 0.01 of"
-                 " the paper's set-up, which diverges on real models)",
+                 " the paper's set-up, which diverges on real models) or, a deviation,"
+                 " 'exact' (R set to Eq. 10's minimiser at the current models: the limit of"
+                 " many steps; squared f_s, no constraint)",
     "fs": "Coaching: the coaching loss f_s per layer, 'squared' (||s - w||^2) or 'norm'"
           " (||s - w||, the paper's 'l_2-norm' read literally; needs"
           " coach_lr_r_rule=fixed)",
@@ -156,9 +162,15 @@ def validate(config: CoachingConfig) -> CoachingConfig:
   check_one_of("coaching", config, "r_constraint", R_CONSTRAINTS)
   check_one_of("coaching", config, "lr_r_rule", LR_R_RULES)
   check_one_of("coaching", config, "fs", COACHING_LOSSES)
-  if config.fs == "norm" and config.lr_r_rule == "lipschitz":
+  if config.fs == "norm" and config.lr_r_rule != "fixed":
     raise FieldError("coaching", "lr_r_rule", "must be fixed with the norm f_s (fs=norm),"
-                     " which is not smooth and so has no Lipschitz step 1/L_r")
+                     " which is not smooth and so has no Lipschitz step 1/L_r nor a closed"
+                     " form minimiser")
+  if config.lr_r_rule == "exact" and config.r_constraint != "none":
+    raise FieldError("coaching", "lr_r_rule", "exact (the unconstrained minimiser) needs"
+                     " r_constraint=none")
+  if config.lr_r_rule == "exact" and config.beta <= 0:
+    raise FieldError("coaching", "lr_r_rule", "exact needs beta > 0 (a unique minimiser)")
   return config
 
 
@@ -254,8 +266,28 @@ def relation_step(relation: jax.Array, grams: jax.Array, config: CoachingConfig)
   return relation
 
 
+def relation_minimiser(grams: jax.Array, lam: float, beta: float) -> jax.Array:
+  """[N, L, N]: each r_i^l at the minimum of Eq. (10) with f_s the squared distance,
+  r_i^l = 1/N + (G_l + mu I)^-1 G_l (e_i - 1/N), mu = beta / (2 lam), from the
+  eigendecomposition of G_l. The map sigma^2 -> sigma^2 / (sigma^2 + mu) changes by at
+  most d / mu when an eigenvalue is off by d, so float32 rounding of G_l (~1e-7 of its
+  largest eigenvalue) moves R by ~1e-7 lambda_max / mu: under 1 % for real layers."""
+  num_clients = grams.shape[-1]
+  values, vectors = jnp.linalg.eigh(grams)                       # [L, N], [L, N, N]
+  values = jnp.maximum(values, 0.0)
+  mu = beta / (2.0 * lam) if lam > 0 else jnp.inf
+  shrink = values / (values + mu)
+  # rows i of M_l = V diag(shrink) V^T applied to e_i - 1/N: M_l (I - 1/N)[:, i].
+  centered = jnp.eye(num_clients) - 1.0 / num_clients
+  moved = jnp.einsum("lab,lb,lcb,ci->ila", vectors, shrink, vectors, centered)
+  return 1.0 / num_clients + moved
+
+
 def update_relation(relation: jax.Array, grams: jax.Array, config: CoachingConfig) -> jax.Array:
-  """Algorithm 1, lines 5-8: E_r = r_steps steps of Eq. (9)/(11) at fixed models."""
+  """Algorithm 1, lines 5-8: E_r = r_steps steps of Eq. (9)/(11) at fixed models (or,
+  lr_r_rule="exact", the point those steps converge to)."""
+  if config.lr_r_rule == "exact":
+    return relation_minimiser(grams, config.lam, config.beta).astype(relation.dtype)
   return jax.lax.fori_loop(0, config.r_steps,
                            lambda _, r: relation_step(r, grams, config), relation)
 
