@@ -48,13 +48,15 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 
 # Options that take an algorithm off its engine fast path (shared_model, uploads_unordered:
 # rounds.py) or change what its clients compute (APFL's PFLlib form: its own alpha step
-# and a round's-end mixture; coaching's norm f_s: its own pull), as "field=value[,...]",
+# and a round's-end mixture; coaching's norm f_s: its own pull; pFedLA's local view: the
+# server's stored models scored), as "field=value[,...]",
 # the CNN with its CPU convolutions (FedAvg's shared model, FEDORA's propagation) on 16x16
 # images, and BatchNorm (the tiny ResNet) in the algorithms whose gradient loops are their
 # own rather than the trainer's (and ALA's weight learning), run as their own rows;
 # "a,b" combines a plug-in with a model.
 OPTION_ROWS = (("fedprox", "evaluate=local"), ("apfl", "mixing=pfllib"),
-               ("coaching", "fs=norm,lr_r_rule=fixed"), ("fedavg", "model=cnn"),
+               ("coaching", "fs=norm,lr_r_rule=fixed"), ("pfedla", "evaluate=local"),
+               ("fedavg", "model=cnn"),
                ("fedora", "model=cnn"), ("perfedavg", "model=resnet"),
                ("pfedme", "model=resnet"), ("fedavg", "ala,model=resnet"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),

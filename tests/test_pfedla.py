@@ -87,10 +87,27 @@ def test_personalised_model_is_each_clients_layer_wise_aggregate():
   chex.assert_trees_all_close(personalised, algorithm.broadcast(state.server, state.clients))
 
 
+def test_local_view_scores_each_clients_last_trained_model():
+  algorithm, state, models = _setup(pfedla.PfedlaConfig(embed_dim=3, hidden_dim=4,
+                                                        server_lr=0.5, evaluate="local"))
+  # Before any training: the models the run started from.
+  chex.assert_trees_all_close(algorithm.personalized_params(state.server, state.clients),
+                              models)
+  received = algorithm.broadcast(state.server, state.clients)
+  uploads = jax.tree.map(lambda a: a * 0.9 - 0.01, received)
+  new = algorithm.aggregate(state.server, state.clients, uploads, jnp.array([3.0, 0.0]))
+  scored = algorithm.personalized_params(new.server, new.clients)
+  # Client 0 trained: its upload; client 1 sat out: still its starting model.
+  chex.assert_trees_all_close(tree.first(scored), tree.first(uploads))
+  chex.assert_trees_all_close(jax.tree.map(lambda a: a[1], scored),
+                              jax.tree.map(lambda a: a[1], models))
+
+
 def test_bad_hyperparameters_are_one_line_errors():
   trainer = tiny_trainer(tiny_model())
   for config, match in ((pfedla.PfedlaConfig(server_lr=0.0), "pfedla: server_lr"),
                         (pfedla.PfedlaConfig(embed_dim=0), "pfedla: embed_dim"),
-                        (pfedla.PfedlaConfig(delta_sign="up"), "pfedla: delta_sign")):
+                        (pfedla.PfedlaConfig(delta_sign="up"), "pfedla: delta_sign"),
+                        (pfedla.PfedlaConfig(evaluate="global"), "pfedla: evaluate")):
     with pytest.raises(ConfigError, match=match):
       pfedla.pfedla(config, trainer)
