@@ -271,7 +271,9 @@ def relation_minimiser(grams: jax.Array, lam: float, beta: float) -> jax.Array:
   r_i^l = 1/N + (G_l + mu I)^-1 G_l (e_i - 1/N), mu = beta / (2 lam), from the
   eigendecomposition of G_l. The map sigma^2 -> sigma^2 / (sigma^2 + mu) changes by at
   most d / mu when an eigenvalue is off by d, so float32 rounding of G_l (~1e-7 of its
-  largest eigenvalue) moves R by ~1e-7 lambda_max / mu: under 1 % for real layers."""
+  largest eigenvalue) moves R by at most ~1e-7 lambda_max / mu: 0.035 for the largest
+  layer of coaching_cnn trained on FMNIST (beta = 0.01); measured against float64 there,
+  R moves by 0.0023 at most (docs/coaching.md)."""
   num_clients = grams.shape[-1]
   values, vectors = jnp.linalg.eigh(grams)                       # [L, N], [L, N, N]
   values = jnp.maximum(values, 0.0)
