@@ -12,7 +12,7 @@ from fedora_jax.algorithms.base import InitContext
 from fedora_jax.rounds import RoundMetrics, RoundState, build_train_round
 from fedora_jax.errors import TrainingDivergedError
 from fedora_jax.simulation import check_finite
-from fedora_jax.engine import sharding
+from fedora_jax.engine import buckets, sharding
 from fedora_jax.models import default_client_chunk, default_eval_batch_size
 from tiny import TraceCounter, init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
@@ -129,19 +129,53 @@ def test_nan_stops_the_run_naming_round_and_clients():
 
 def test_client_chunks_give_the_vmapped_round():
   """lax.map over chunks of clients (the single-CPU default) computes what vmap does,
-  with a chunk that does not divide a bucket (7 = 3 + 3 + 1) and two buckets."""
+  with a chunk that does not divide a bucket (7 = 3 + 3 + 1), two buckets, and one
+  client at a time (whose padded steps are skipped, not computed)."""
   data, _ = tiny_data([4, 4, 4, 4, 4, 4, 4, 12, 12])
   model = tiny_model()
   trainer = tiny_trainer(model, batch_size=2, momentum=0.9, weight_decay=1e-3)
   algorithm = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)
   outputs = {}
-  for client_chunk in (None, 3):
+  for client_chunk in (None, 3, 1):
     round_fn = jax.jit(build_train_round(algorithm, trainer, data, client_chunk))
     state = _start(algorithm, trainer, data, init_params(model))
     for _ in range(2):
       state, metrics = round_fn(state, data.buckets, jax.random.key(1))
     outputs[client_chunk] = (state, metrics)
   chex.assert_trees_all_close(outputs[3], outputs[None], rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(outputs[1], outputs[None], rtol=1e-5, atol=1e-6)
+
+
+def _primitives(jaxpr) -> set[str]:
+  """Every primitive in a jaxpr, the bodies of its loops and branches included."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for value in eqn.params.values():
+      for inner in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          names |= _primitives(inner)
+  return names
+
+
+def test_one_client_at_a_time_branches_over_padded_steps():
+  """With --client_chunk=1 a padded SGD step or evaluation chunk is a real branch (a
+  `cond`, skipped at run time); vmapped, the branch becomes a select of both."""
+  data, _ = tiny_data([3, 5])  # one bucket: client 0 padded from 3 to 5 samples
+  model = tiny_model()
+  trainer = tiny_trainer(model, batch_size=2)
+  stacked = _stacked(init_params(model), 2)
+  bucket = data.buckets[0]
+  keys = jax.random.split(jax.random.key(0), 2)
+
+  def train_and_test(params, split, key):
+    params, _ = trainer.train(params, split.train, key)
+    return trainer.evaluate(params, split.test)
+
+  for chunk, branches in ((1, True), (None, False)):
+    jaxpr = jax.make_jaxpr(buckets.over_clients(train_and_test, chunk))(stacked, bucket, keys)
+    assert ("cond" in _primitives(jaxpr.jaxpr)) == branches, chunk
 
 
 def test_default_client_chunk_on_cpus_only():

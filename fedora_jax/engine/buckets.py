@@ -47,7 +47,10 @@ def over_clients(fn: Callable[..., Any], client_chunk: int | None = None) -> Cal
     raise ValueError(f"client_chunk must be >= 1 or None, got {client_chunk}")
 
   def chunked(*args):
-    return jax.lax.map(lambda a: fn(*a), args, batch_size=client_chunk)
+    # One client at a time without a vmap of one: a vmap would turn the padded steps'
+    # `lax.cond` (engine/local_training.py) into a select that still computes them.
+    return jax.lax.map(lambda a: fn(*a), args,
+                       batch_size=None if client_chunk == 1 else client_chunk)
 
   def mapped(*args):
     mesh = jax.sharding.get_abstract_mesh()

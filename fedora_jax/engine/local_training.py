@@ -4,7 +4,8 @@ Local training is a `lax.scan` over SGD steps. Each epoch shuffles the client's 
 samples (padding goes last) and cuts them into batches; the last batch may be partial, as
 with a PyTorch DataLoader without drop_last. Padded batch slots carry zero weight, and
 steps beyond a client's own count (a smaller client in a bucket of larger ones) leave
-its parameters and optimizer state unchanged.
+its parameters and optimizer state unchanged: a `lax.cond` skips them when clients run
+one at a time (`--client_chunk=1`), and selects the unchanged state under `vmap`.
 
 The task decides the loss and the score: classification trains on softmax cross-entropy
 and scores accuracy (higher is better); regression (one model output, float targets)
@@ -158,9 +159,8 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
       total = data_loss if regularizer is None else data_loss + regularizer(p)
       return total, data_loss
 
-    def step(carry, batch):
+    def take_step(carry, idx, w):
       params, opt_state = carry
-      idx, w = batch
       (_, data_loss), grads = jax.value_and_grad(objective, has_aux=True)(
           params, data.x[idx], data.y[idx], w)
       carried = grads
@@ -172,9 +172,17 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
         new_params = batch_stats.apply_carried_update(new_params, params, carried)
       if post_step is not None:
         new_params = post_step(new_params, params)
+      return (new_params, new_opt_state), data_loss
+
+    def step(carry, batch):
+      idx, w = batch
       active = jnp.sum(w) > 0
-      carry = optax.tree_utils.tree_where(active, (new_params, new_opt_state),
-                                          (params, opt_state))
+      # A padded step is skipped, not computed and dropped: one client at a time (a
+      # lax.map over single clients) pays only its own steps. Vmapped over clients the
+      # cond becomes a select of both branches, the padded step's cost as before.
+      skipped_loss = jnp.zeros((), jax.eval_shape(take_step, carry, idx, w)[1].dtype)
+      carry, data_loss = jax.lax.cond(active, take_step,
+                                      lambda c, *_: (c, skipped_loss), carry, idx, w)
       return carry, (data_loss, active)
 
     (params, _), (losses, active) = jax.lax.scan(
@@ -199,13 +207,17 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
       y = jnp.concatenate([y, jnp.zeros((pad,), y.dtype)])
       mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
 
-    def chunk_sums(_, batch):
-      xb, yb, mb = batch
+    def sums(xb, yb, mb):
       logits = forward(params, xb)
       ce = per_sample_loss(logits, yb)
       correct = per_sample_score(logits, yb)
       weight = mb.astype(jnp.float32)
-      return None, (jnp.sum(ce * weight), jnp.sum(correct * weight))
+      return jnp.sum(ce * weight), jnp.sum(correct * weight)
+
+    def chunk_sums(_, batch):
+      # A chunk of padding only (a small client in a large bucket) is skipped.
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(sums, *batch))
+      return None, jax.lax.cond(jnp.any(batch[2]), sums, lambda *_: zeros, *batch)
 
     _, (ce_sums, correct_sums) = jax.lax.scan(
         chunk_sums, None,
