@@ -9,6 +9,7 @@ test_mae (val_acc / test_acc for classification) (see fedora_jax.metrics for R-M
 
 import csv
 import json
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -198,7 +199,12 @@ def machines(timing_record: dict, platform: str | None = None) -> str:
 
 def run_cost(timing_record: dict, platform: str | None = None) -> dict:
   """A table row's cost from its timing.json, over every process that trained it (files
-  written before timing.json had segments know only their own process)."""
+  written before timing.json had segments know only their own process). A run whose
+  every round was trained by processes stopped before they wrote timing.json costs NaN
+  seconds (printed "—"), not 0."""
+  if timing_record.get("resumed_from_round") and not timing_record.get("segments", True):
+    return {"round_seconds": math.nan, "wall_seconds": math.nan,
+            "machine": "untimed (trained by a stopped process)"}
   return {"round_seconds": timing_record.get("round_seconds_all",
                                              timing_record["round_seconds"]),
           "wall_seconds": timing_record.get("seconds_all", timing_record["train_seconds"]),
@@ -246,18 +252,31 @@ def _read_json(path: str) -> dict | None:
     return None
 
 
-def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
-  """results.json, timing.json, clients.csv, per-round history (rounds.csv, history.npz),
-  artifacts."""
+def write_timing(workdir: str, result: RunResult) -> None:
+  """timing.json for `result`'s rounds. Written as soon as the rounds end as well as with
+  the other files, so a process stopped later (in its LOCAL reference) keeps its times;
+  writing it again for the same result changes nothing."""
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(results, f, indent=2)
   timing_path = os.path.join(workdir, "timing.json")
   earlier = _read_json(timing_path) if result.resumed_from_round else None
   trained = np.shape(result.history.test_score)[0] > result.resumed_from_round
   if trained or earlier is None:  # a rerun of a finished run keeps the times it measured
     with open(timing_path, "w") as f:
       json.dump(timing(result, earlier, this_machine()), f, indent=2)
+
+
+def seconds_text(seconds: float, digits: int) -> str:
+  """A table's seconds, "—" for an untimed run (NaN)."""
+  return "—" if math.isnan(seconds) else f"{seconds:.{digits}f}"
+
+
+def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
+  """results.json, timing.json, clients.csv, per-round history (rounds.csv, history.npz),
+  artifacts."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  write_timing(workdir, result)
   with open(os.path.join(workdir, "clients.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(results["clients"][0]))
     writer.writeheader()

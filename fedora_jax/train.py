@@ -246,6 +246,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
     result = run_algorithm(config.algorithm, algorithm_config, model, data, train,
                            on_round=log_round, checkpointer=checkpointer,
                            progress=progress)
+  results_lib.write_timing(workdir, result)
   ours = results_lib.client_scores(result, spec.task)
   if config.algorithm == "local":
     local = ours

@@ -150,6 +150,17 @@ def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
   # One core is "1 core", in new records and in old ones read back.
   old = {"segments": [{"machine": "cpu x1, 1 cores"}, {"machine": "cpu x2, 2 cores"}]}
   assert results_lib.machines(old) == "cpu x1, 1 core + cpu x2, 2 cores"
+  # write_timing twice for one result (when its rounds end, then with the other files)
+  # writes the same record; a run whose rounds no finished process timed costs NaN ("—").
+  results_lib.write_timing(str(tmp_path / "run"), first)
+  once = (tmp_path / "run" / "timing.json").read_text()
+  results_lib.write_timing(str(tmp_path / "run"), first)
+  assert (tmp_path / "run" / "timing.json").read_text() == once
+  untimed = results_lib.run_cost(results_lib.timing(finished))
+  assert np.isnan(untimed["round_seconds"]) and np.isnan(untimed["wall_seconds"])
+  assert results_lib.seconds_text(untimed["round_seconds"], 3) == "—"
+  assert results_lib.seconds_text(2.5, 3) == "2.500"
+  assert results_lib.run_cost(timing)["round_seconds"] == timing["round_seconds_all"]
 
 
 # --- The CLI: kill -9 and resume, determinism, refusal. ---------------------------------
