@@ -131,7 +131,7 @@ def test_client_chunks_give_the_vmapped_round():
   """lax.map over chunks of clients (the single-CPU default) computes what vmap does,
   with a chunk that does not divide a bucket (7 = 3 + 3 + 1), two buckets, and one
   client at a time (whose padded steps are skipped, not computed)."""
-  data, _ = tiny_data([4, 4, 4, 4, 4, 4, 4, 12, 12])
+  data, _ = tiny_data([2, 4, 4, 4, 4, 4, 4, 12, 12])  # client 0: a padded step an epoch
   model = tiny_model()
   trainer = tiny_trainer(model, batch_size=2, momentum=0.9, weight_decay=1e-3)
   algorithm = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)
