@@ -424,9 +424,7 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
       imp = (f" {_cell(e.get('imp'), signed=True)} | {_cell(e.get('paper_imp'), signed=True)} |"
              if has_imp else "")
       best_round = ",".join(map(str, e.get("best_round", []))) or "—"
-      timing = (f"{results_lib.seconds_text(e['round_seconds'], 3)} |"
-                f" {results_lib.seconds_text(e['wall_seconds'], 0)} | {e['machine']}"
-                if "round_seconds" in e else "— | — | —")
+      timing = results_lib.cost_cells(e) if "round_seconds" in e else "— | — | —"
       lines.append(f"| {e['row']} | {_cell(e['acc'], e['acc_std'])} |"
                    f" {_cell(e['paper_acc'], e['paper_std'])} | {_cell(e['diff'], signed=True)} |"
                    f"{imp} {best_round} | {_cell(e.get('final_acc'))} | {timing} | {label} |")

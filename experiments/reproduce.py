@@ -294,8 +294,7 @@ def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
   for r in rows:
     r_acc = None if r["algorithm"] == "local" else r["r_acc"]
     ptr = None if r["algorithm"] == "local" else r["ptr"]
-    timing = (f"{results_lib.seconds_text(r['round_seconds'], 3)} |"
-              f" {results_lib.seconds_text(r['wall_seconds'], 0)} | {r['machine']}")
+    timing = results_lib.cost_cells(r)
     paper_row = r.get("paper_row") or "—"
     if r["algorithm"] in EXTRA_ROWS:
       paper_row += " (ours: the equations as printed)"

@@ -270,6 +270,12 @@ def seconds_text(seconds: float, digits: int) -> str:
   return "—" if math.isnan(seconds) else f"{seconds:.{digits}f}"
 
 
+def cost_cells(cost: dict) -> str:
+  """A table row's "s/round | wall s | machine" cells from its run_cost fields."""
+  return (f"{seconds_text(cost['round_seconds'], 3)} | {seconds_text(cost['wall_seconds'], 0)}"
+          f" | {cost['machine']}")
+
+
 def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
   """results.json, timing.json, clients.csv, per-round history (rounds.csv, history.npz),
   artifacts."""
