@@ -80,6 +80,8 @@ FLAGS = run_flags.FLAGS
 logger = logging.getLogger("experiments")
 PAPER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper")
 PAPER_FILES = ("coaching_tables.json", "fedala_tables.json", "confree_tables.json")
+# --scored_clients: whose accuracies a round's mean takes (-> the metric's text).
+SCORED_CLIENTS = {"all": "every client", "sampled": "only the clients sampled to train that round"}
 
 # The flags that say which cell or row a run is: reproduce sets them, never the command.
 COLUMN_FLAGS = ("dataset", "partition", "dirichlet_alpha", "classes_per_client")
@@ -308,15 +310,27 @@ class RowRun(NamedTuple):
   results: str            # results.json
 
 
-def read_row_run(directory: str, weighting: str, sample_every: int) -> RowRun:
+def read_row_run(directory: str, weighting: str, sample_every: int,
+                 scored_clients: str = "all") -> RowRun:
   """The row's best-round accuracy from its per-round test accuracies (history.npz) and
-  clients' test sizes (results.json), with its timing."""
+  clients' test sizes (results.json), with its timing. `scored_clients`: "all" averages
+  every client each round; "sampled" only the clients that trained that round (their
+  local steps in history.npz), which differs from "all" under partial participation."""
   with open(os.path.join(directory, "results.json")) as f:
     results = json.load(f)
   with np.load(os.path.join(directory, "history.npz")) as history:
     test_acc = history["test_acc"]
+    scored = None
+    if scored_clients == "sampled":
+      if "local_steps" not in history:
+        raise ConfigError(f"{directory}: history.npz has no local_steps, so the clients"
+                          " each round sampled are not known; run the row again")
+      scored = history["local_steps"] > 0
+      if not scored.any(axis=1).all():
+        raise ConfigError(f"{directory}: a round trained no client, so"
+                          " --scored_clients=sampled has nothing to score in it")
   n_test = np.array([c["n_test"] for c in results["clients"]])
-  per_round = metrics.accuracy_per_round(test_acc, n_test, weighting)
+  per_round = metrics.accuracy_per_round(test_acc, n_test, weighting, scored)
   if np.isnan(per_round).any():
     raise ConfigError(f"{directory}: test was not scored every round (--eval_every > 1),"
                       " and this table's metric is the best round's; run the row again")
@@ -403,7 +417,8 @@ def column_heading(table: dict, column: str) -> str:
 
 
 def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
-                    settings: list[str], rounds: dict[str, int]) -> str:
+                    settings: list[str], rounds: dict[str, int],
+                    scored_clients: str = "all") -> str:
   """<table>.md: the settings, one table per column run (every row, ours beside the
   paper), then the paper's numbers of the columns not run."""
   lines = [f"# {title}", ""] + [f"- {s}" for s in settings] + [""]
@@ -452,6 +467,7 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
   lines += [
       f"ours: {table['metric']['name']} in %, the best over the rounds the paper sampled of"
       f" the {'plain mean over clients' if table['metric']['clients'] == 'mean' else 'test-sample-weighted mean over clients'}"
+      f"{'' if scored_clients == 'all' else f' ({SCORED_CLIENTS[scored_clients]})'}"
       " of per-client test accuracy (history.npz), mean ± population std over seeds; paper:"
       f" {table['paper']}, {table['table']} (shared/papers/{table['text']}, lines"
       f" {table['lines']}); imp: the row's accuracy minus its host's (ours: per seed, then"
@@ -488,7 +504,7 @@ def table_title(table_name: str, table: dict, columns: list[str]) -> str:
 
 
 def setting_lines(table: dict, overrides: dict[str, object], others: dict[str, object],
-                  first_seed: int, seeds: int) -> list[str]:
+                  first_seed: int, seeds: int, scored_clients: str = "all") -> list[str]:
   """The table's settings with their sources, then what this run changed."""
   lines = []
   for s in table["settings"]:
@@ -498,6 +514,10 @@ def setting_lines(table: dict, overrides: dict[str, object], others: dict[str, o
   runs = table["metric"].get("runs")
   lines.append(f"seeds: {seeds} from {first_seed}"
                + (f" (the paper: {runs} runs)" if runs else ""))
+  if scored_clients != "all":
+    lines.append(f"clients scored each round: {SCORED_CLIENTS[scored_clients]} ->"
+                 f" `--scored_clients={scored_clients}` (a reading the paper does not"
+                 " state; the default scores every client every round)")
   for name, value in overrides.items():
     lines.append(f"DEPARTURE from the table's settings: {_flag_text(name, value)} (command"
                  " line)")
@@ -531,8 +551,9 @@ def check_before_the_sweep(table: dict, plan: list[tuple[str, int, str]], workdi
 
 
 def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str],
-              seeds: int) -> dict:
-  """Runs the table's rows in its columns; writes and prints the table."""
+              seeds: int, scored_clients: str = "all") -> dict:
+  """Runs the table's rows in its columns; writes and prints the table. Scored over only
+  each round's sampled clients, its files are <table>_sampled.*, beside the default's."""
   table = load_tables()[table_name]
   overrides = check_command_line(table_name, table)
   columns = pick_columns(table_name, table, wanted_columns)
@@ -560,14 +581,16 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
       locals_here.setdefault(local_settings(table, column, row), own_local)
     spec = table["columns"][column]
     runs[column][row].append(read_row_run(FLAGS.workdir, table["metric"]["clients"],
-                                          spec["sample_every"]))
+                                          spec["sample_every"], scored_clients))
   summary = {c: summarize_cell(table, c, runs[c]) for c in columns}
   rounds = {c: len(runs[c][REFERENCE_ROW][0].per_round) for c in columns}
   title = table_title(table_name, table, columns)
-  settings = setting_lines(table, overrides, other_given_flags(table), first_seed, seeds)
+  settings = setting_lines(table, overrides, other_given_flags(table), first_seed, seeds,
+                           scored_clients)
   document = {"table": table_name, "title": title, "settings": settings,
               "seeds": list(range(first_seed, first_seed + seeds)),
               "command": command_line(), "metric": table["metric"],
+              "scored_clients": scored_clients,
               "columns": {c: {"label": table["columns"][c]["label"],
                               "heading": column_heading(table, c), "rounds": rounds[c],
                               "paper_rounds": cell_flags(table, c).get("rounds"),
@@ -575,16 +598,17 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
               "not_run": {c: why_not_run(table, c) for c in table["columns"]
                           if c not in columns}}
   os.makedirs(workdir, exist_ok=True)
-  out = os.path.join(workdir, table_name)
+  name = table_name if scored_clients == "all" else f"{table_name}_{scored_clients}"
+  out = os.path.join(workdir, name)
   with open(f"{out}.json", "w") as f:
     json.dump(document, f, indent=2)
-  markdown = format_markdown(title, table, summary, settings, rounds)
+  markdown = format_markdown(title, table, summary, settings, rounds, scored_clients)
   with open(f"{out}.md", "w") as f:
     f.write(markdown)
   for c in columns:
-    with open(os.path.join(workdir, c, f"{table_name}.md"), "w") as f:
+    with open(os.path.join(workdir, c, f"{name}.md"), "w") as f:
       f.write(format_markdown(table_title(table_name, table, [c]), table, {c: summary[c]},
-                              settings, rounds))
+                              settings, rounds, scored_clients))
   write_csv(f"{out}.csv", summary)
   labels = {c: f"{column_heading(table, c).replace('`', '')}; {_rounds_note(table, c, rounds[c])}"
             for c in columns}
@@ -593,5 +617,5 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
                 for r in rows} for c in columns}
   plots.save_figure(plots.table_curves_figure(curves, labels, title), f"{out}_curves.png")
   print(markdown)
-  print(f"table in {out}.md (each column's in <column>/{table_name}.md)")
+  print(f"table in {out}.md (each column's in <column>/{name}.md)")
   return document

@@ -138,6 +138,12 @@ flags.DEFINE_integer("seeds", 1, "Run seeds --seed .. --seed+N-1 and report mean
                      lower_bound=1)
 flags.DEFINE_list("rows", [], "Rows to run (default: every row of the table; LOCAL always"
                   " runs).")
+flags.DEFINE_enum("scored_clients", "all", list(paper_tables.SCORED_CLIENTS),
+                  "coaching1, coaching2, fedala1, fedala_ala, confree2: whose test accuracy"
+                  " a round's mean takes: every client's (all), or only the clients sampled"
+                  " to train that round (sampled: history.npz's local_steps > 0; differs"
+                  " only under partial participation). The sampled view's files are"
+                  " <table>_sampled.*, beside the default's; its rows are the same runs.")
 flags.DEFINE_list("columns", [], "coaching1, coaching2, fedala1, fedala_ala, confree2: the"
                   " columns (cells) to run (default: the table's columns on the data held"
                   " in shared/data). FEDORA's tables run the --dataset column.")
@@ -390,7 +396,11 @@ def check_before_the_sweep(rows: list[str], workdir: str, first_seed: int) -> No
 
 def reproduce() -> dict:
   if FLAGS.table in paper_tables.TABLES:
-    return paper_tables.reproduce(FLAGS.table, FLAGS.columns, FLAGS.rows, FLAGS.seeds)
+    return paper_tables.reproduce(FLAGS.table, FLAGS.columns, FLAGS.rows, FLAGS.seeds,
+                                  FLAGS.scored_clients)
+  if FLAGS.scored_clients != "all":
+    raise ConfigError(f"--scored_clients picks whose accuracy {', '.join(paper_tables.TABLES)}"
+                      f" average each round; --table={FLAGS.table} reports every client's")
   if FLAGS.columns:
     raise ConfigError(f"--columns picks the cells of {', '.join(paper_tables.TABLES)};"
                       f" --table={FLAGS.table} runs the --dataset column")

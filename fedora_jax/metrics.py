@@ -116,17 +116,25 @@ WEIGHTINGS = ("mean", "weighted")
 
 
 def accuracy_per_round(test_acc: np.ndarray, n_test: np.ndarray,
-                       weighting: str = "mean") -> np.ndarray:
+                       weighting: str = "mean",
+                       scored: np.ndarray | None = None) -> np.ndarray:
   """[R] accuracy over clients each round from [R, K] per-client test accuracies: "mean",
   the plain mean over clients; "weighted", each client weighed by its test samples
-  `n_test` [K] (the fraction of all test samples classified right)."""
+  `n_test` [K] (the fraction of all test samples classified right). `scored` [R, K]
+  (bool), if given, keeps only those clients in each round's mean (the clients a round
+  sampled); a round that scores none is NaN."""
   test_acc = np.asarray(test_acc, np.float64)
-  if weighting == "mean":
-    return test_acc.mean(axis=1)
-  if weighting == "weighted":
-    n_test = np.asarray(n_test, np.float64)
-    return test_acc @ n_test / n_test.sum()
-  raise ValueError(f"unknown weighting {weighting!r}; known: {', '.join(WEIGHTINGS)}")
+  if weighting not in WEIGHTINGS:
+    raise ValueError(f"unknown weighting {weighting!r}; known: {', '.join(WEIGHTINGS)}")
+  weights = np.ones(test_acc.shape[1]) if weighting == "mean" else np.asarray(n_test,
+                                                                             np.float64)
+  weights = np.broadcast_to(weights, test_acc.shape)
+  if scored is not None:
+    weights = np.where(np.asarray(scored, bool), weights, 0.0)
+    test_acc = np.where(np.asarray(scored, bool), test_acc, 0.0)  # a NaN left out stays out
+  total = weights.sum(axis=1)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(total > 0, (test_acc * weights).sum(axis=1) / total, np.nan)
 
 
 def best_sampled_round(per_round: np.ndarray, sample_every: int = 1) -> tuple[int, float]:

@@ -227,6 +227,35 @@ def test_best_round_accuracy_by_hand():
     metrics.accuracy_per_round(test_acc, n_test, "median")
 
 
+def test_a_round_s_mean_over_its_sampled_clients_by_hand(tmp_path):
+  test_acc = np.array([[0.5, 1.0, 0.2], [0.9, 0.4, 0.6]])
+  n_test = np.array([30, 10, 20])
+  sampled = np.array([[True, False, True], [False, True, True]])
+  np.testing.assert_allclose(metrics.accuracy_per_round(test_acc, n_test, "mean", sampled),
+                             [(0.5 + 0.2) / 2, (0.4 + 0.6) / 2])
+  np.testing.assert_allclose(metrics.accuracy_per_round(test_acc, n_test, "weighted", sampled),
+                             [(15 + 4) / 50, (4 + 12) / 30])
+  assert np.isnan(metrics.accuracy_per_round(test_acc, n_test, "mean",
+                                             np.zeros((2, 3), bool))).all()
+  # A row's run: the clients with local steps that round are the ones it sampled.
+  np.savez(tmp_path / "history.npz", test_acc=test_acc,
+           local_steps=np.where(sampled, 5, 0))
+  (tmp_path / "results.json").write_text(json.dumps(
+      {"clients": [{"n_test": int(n)} for n in n_test]}))
+  (tmp_path / "timing.json").write_text(json.dumps({"round_seconds": 1.0,
+                                                    "train_seconds": 2.0}))
+  every = paper_tables.read_row_run(str(tmp_path), "mean", 1)
+  only_sampled = paper_tables.read_row_run(str(tmp_path), "mean", 1, "sampled")
+  np.testing.assert_allclose(every.per_round, [1.7 / 3, 1.9 / 3])
+  assert (only_sampled.best_round, only_sampled.best) == (2, pytest.approx(0.5))
+  np.savez(tmp_path / "history.npz", test_acc=test_acc, local_steps=np.zeros((2, 3)))
+  with pytest.raises(ConfigError, match="a round trained no client"):
+    paper_tables.read_row_run(str(tmp_path), "mean", 1, "sampled")
+  np.savez(tmp_path / "history.npz", test_acc=test_acc)
+  with pytest.raises(ConfigError, match="history.npz has no local_steps"):
+    paper_tables.read_row_run(str(tmp_path), "mean", 1, "sampled")
+
+
 def test_a_row_without_every_round_s_test_scores_is_refused(tmp_path):
   test_acc = np.array([[0.5, 0.7], [np.nan, np.nan], [0.6, 0.8]])  # run with --eval_every
   np.savez(tmp_path / "history.npz", test_acc=test_acc)
@@ -321,6 +350,21 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   assert json.loads((tmp_path / "coaching1.json").read_text())["columns"] == table["columns"]
   assert (tmp_path / "mnist_0.3" / "seed0" / "fedavg" / "timing.json").read_text() == timing
 
+  # Scored over each round's sampled clients: its own files, beside the default's. Every
+  # client trains every round in this table, so the numbers are the same.
+  flag_values(["reproduce", "--rows=local,fedavg", f"--workdir={tmp_path}",
+               "--scored_clients=sampled", *TINY])
+  try:
+    reproduce.reproduce()
+  finally:
+    flag_values.unparse_flags()
+  sampled = json.loads((tmp_path / "coaching1_sampled.json").read_text())
+  assert sampled["scored_clients"] == "sampled" and table["scored_clients"] == "all"
+  assert sampled["columns"] == table["columns"]
+  assert ("clients scored each round: only the clients sampled to train that round"
+          in (tmp_path / "mnist_0.3" / "coaching1_sampled.md").read_text())
+  assert json.loads((tmp_path / "coaching1.json").read_text())["columns"] == table["columns"]
+
 
 def test_rows_off_the_cells_training_settings_share_one_local(tmp_path, monkeypatch):
   # Two rows at 2 local epochs, beside the cell's 1-epoch LOCAL: the first trains its
@@ -362,6 +406,9 @@ def test_rows_off_the_cells_training_settings_share_one_local(tmp_path, monkeypa
     (["--table=fedora1", "--columns=mnist_0.1"],
      "--columns picks the cells of coaching1, coaching2, fedala1, fedala_ala, confree2;"
      " --table=fedora1 runs the --dataset column"),
+    (["--table=fedora3", "--scored_clients=sampled"],
+     "--scored_clients picks whose accuracy coaching1, coaching2, fedala1, fedala_ala,"
+     " confree2 average each round; --table=fedora3 reports every client's"),
 ])
 def test_bad_tables_columns_and_rows_are_refused_in_one_line(args, message):
   flag_values = reproduce.FLAGS
