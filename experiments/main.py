@@ -12,7 +12,10 @@ reference it trained to <workdir>/local/, and prints a per-client table with the
 On a terminal each run shows a live progress bar; otherwise a line every --log_every rounds.
 """
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 
 from absl import app
@@ -27,6 +30,7 @@ from fedora_jax import results as results_lib
 from fedora_jax import train
 
 FLAGS = run_flags.FLAGS
+logger = logging.getLogger("experiments")
 
 
 def run(progress: progress_lib.Progress | None = None) -> dict:
@@ -75,6 +79,32 @@ def finished_results(workdir: str) -> dict | None:
                                       run_flags.identity_defaults()):
     return None
   return results
+
+
+# Held (flock) by the process running or reading a row in its workdir.
+ROW_LOCK = ".row.lock"
+
+
+@contextlib.contextmanager
+def row_claimed(workdir: str):
+  """Holds `workdir`'s row for this process. Another `reproduce` process sharing the
+  workdir (several side by side on one machine) waits here until this one is done, then
+  reads the finished row instead of training it a second time. A multi-process run's
+  processes run each row together, so they take no lock."""
+  if jax.process_count() > 1:
+    yield
+    return
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, ROW_LOCK), "a") as lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      logger.info("%s: another process is running this row; waiting for it", workdir)
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def main(argv):

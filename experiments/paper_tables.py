@@ -571,11 +571,12 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
     reference = row_reference(table, column, row, locals_here)
     use_row(table, column, row, seed, workdir, reference, overrides, defaults)
     label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
-    if main_lib.finished_results(FLAGS.workdir) is None:
-      logger.info("%s -> %s", label, FLAGS.workdir)
-      main_lib.run(cli.progress_reporter(label))
-    else:
-      logger.info("%s: finished in %s, read", label, FLAGS.workdir)
+    with main_lib.row_claimed(FLAGS.workdir):
+      if main_lib.finished_results(FLAGS.workdir) is None:
+        logger.info("%s -> %s", label, FLAGS.workdir)
+        main_lib.run(cli.progress_reporter(label))
+      else:
+        logger.info("%s: finished in %s, read", label, FLAGS.workdir)
     own_local = trained_local(FLAGS.workdir, row)
     if own_local:
       locals_here.setdefault(local_settings(table, column, row), own_local)

@@ -233,13 +233,14 @@ def run_row(row: str, seed: int, workdir: str, reference: str | None,
   `label` names its progress (default: the algorithm)."""
   _use_row(row, seed, workdir, reference)
   name = label or f"{row} seed {seed}"
-  results = main_lib.finished_results(FLAGS.workdir)
-  if results is None:
-    logger.info("%s -> %s", name, FLAGS.workdir)
-    results = main_lib.run(cli.progress_reporter(label))
-  else:
-    logger.info("%s: finished in %s, read", name, FLAGS.workdir)
-    results = results_lib.resummarize(results)  # written before a metric changed, maybe
+  with main_lib.row_claimed(FLAGS.workdir):
+    results = main_lib.finished_results(FLAGS.workdir)
+    if results is None:
+      logger.info("%s -> %s", name, FLAGS.workdir)
+      results = main_lib.run(cli.progress_reporter(label))
+    else:
+      logger.info("%s: finished in %s, read", name, FLAGS.workdir)
+      results = results_lib.resummarize(results)  # written before a metric changed, maybe
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
     timing = json.load(f)
   return {**{m: results[m] for m in METRICS},

@@ -13,7 +13,9 @@
 #     '--table=coaching1 --columns=mnist_0.1 --workdir=runs/coaching1 --data_dir=D' \
 #     '--table=coaching1 --columns=mnist_0.3 --workdir=runs/coaching1 --data_dir=D'
 # Commands of the other papers' tables may share a --workdir (their rows live under
-# <column>/seed<s>/); FEDORA's tables keep one per dataset. A row stopped at LIMIT leaves
+# <column>/seed<s>/); FEDORA's tables keep one per dataset. Commands that share a row
+# (LOCAL, which each runs first) train it once: the first to reach it holds it, the others
+# wait, then read it (experiments/main.py, row_claimed). A row stopped at LIMIT leaves
 # no results.json and is not packed; the exit status is 1 if any command did not finish.
 set -uo pipefail
 

@@ -1,16 +1,19 @@
 """`python -m experiments.reproduce`: a tiny table end to end, extended, and its errors."""
 
 import csv
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 from experiments import flags as run_flags
+from experiments import main as main_lib
 from experiments import reproduce
 from fedora_jax import algorithms
 from fedora_jax.algorithms import fedora as fedora_lib
@@ -342,3 +345,24 @@ def test_imbalanced_tables_break_r_acc_down_by_distance_from_the_large_client(tm
   no_angles = tmp_path / "dirichlet.json"
   no_angles.write_text(json.dumps({"clients": [{"n_train": 5, "r_acc": 0.0}]}))
   assert reproduce.r_acc_by_distance([str(no_angles)]) is None
+
+
+def test_a_row_another_process_holds_is_waited_for(tmp_path):
+  # Another process running the row holds its lock (flock: any other open of the file).
+  held = open(tmp_path / main_lib.ROW_LOCK, "a")
+  fcntl.flock(held, fcntl.LOCK_EX)
+  entered = threading.Event()
+
+  def claim():
+    with main_lib.row_claimed(str(tmp_path)):
+      entered.set()
+
+  waiter = threading.Thread(target=claim)
+  waiter.start()
+  assert not entered.wait(0.5)  # still waiting while the row is held
+  fcntl.flock(held, fcntl.LOCK_UN)
+  held.close()
+  waiter.join(10)
+  assert entered.is_set()
+  with main_lib.row_claimed(str(tmp_path)):  # released again: taken at once
+    pass
