@@ -126,12 +126,12 @@ def accuracy_per_round(test_acc: np.ndarray, n_test: np.ndarray,
   test_acc = np.asarray(test_acc, np.float64)
   if weighting not in WEIGHTINGS:
     raise ValueError(f"unknown weighting {weighting!r}; known: {', '.join(WEIGHTINGS)}")
-  weights = np.ones(test_acc.shape[1]) if weighting == "mean" else np.asarray(n_test,
-                                                                             np.float64)
-  weights = np.broadcast_to(weights, test_acc.shape)
+  weights = np.ones(test_acc.shape[1]) if weighting == "mean" else n_test
+  weights = np.broadcast_to(np.asarray(weights, np.float64), test_acc.shape)
   if scored is not None:
-    weights = np.where(np.asarray(scored, bool), weights, 0.0)
-    test_acc = np.where(np.asarray(scored, bool), test_acc, 0.0)  # a NaN left out stays out
+    scored = np.asarray(scored, bool)
+    weights = np.where(scored, weights, 0.0)
+    test_acc = np.where(scored, test_acc, 0.0)  # an unscored client's NaN drops out too
   total = weights.sum(axis=1)
   with np.errstate(invalid="ignore", divide="ignore"):
     return np.where(total > 0, (test_acc * weights).sum(axis=1) / total, np.nan)
