@@ -107,6 +107,19 @@ def row_claimed(workdir: str):
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def run_or_read(name: str, label: str | None) -> tuple[dict, bool]:
+  """(results, read): the row the flags describe, in --workdir, read if it is finished
+  there and run otherwise, with the row claimed meanwhile (row_claimed). `name` names it
+  in the log, `label` its progress."""
+  with row_claimed(FLAGS.workdir):
+    results = finished_results(FLAGS.workdir)
+    if results is not None:
+      logger.info("%s: finished in %s, read", name, FLAGS.workdir)
+      return results, True
+    logger.info("%s -> %s", name, FLAGS.workdir)
+    return run(cli.progress_reporter(label)), False
+
+
 def main(argv):
   cli.run_command(argv, run)
 

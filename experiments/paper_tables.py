@@ -57,14 +57,12 @@ rounds, leaves alone.
 
 import csv
 import json
-import logging
 import os
 import sys
 from typing import NamedTuple
 
 import numpy as np
 
-from experiments import cli
 from experiments import flags as run_flags
 from experiments import main as main_lib
 from fedora_jax import algorithms
@@ -77,7 +75,6 @@ from fedora_jax.errors import ConfigError
 from fedora_jax.models import MODELS
 
 FLAGS = run_flags.FLAGS
-logger = logging.getLogger("experiments")
 PAPER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper")
 PAPER_FILES = ("coaching_tables.json", "fedala_tables.json", "confree_tables.json")
 # --scored_clients: whose accuracies a round's mean takes (-> the metric's text).
@@ -571,12 +568,7 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
     reference = row_reference(table, column, row, locals_here)
     use_row(table, column, row, seed, workdir, reference, overrides, defaults)
     label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
-    with main_lib.row_claimed(FLAGS.workdir):
-      if main_lib.finished_results(FLAGS.workdir) is None:
-        logger.info("%s -> %s", label, FLAGS.workdir)
-        main_lib.run(cli.progress_reporter(label))
-      else:
-        logger.info("%s: finished in %s, read", label, FLAGS.workdir)
+    main_lib.run_or_read(label, label)
     own_local = trained_local(FLAGS.workdir, row)
     if own_local:
       locals_here.setdefault(local_settings(table, column, row), own_local)

@@ -50,7 +50,6 @@ rotation distance from the large client, the paper's Figure 3 claim in numbers.
 
 import csv
 import json
-import logging
 import os
 import sys
 from typing import NamedTuple
@@ -71,7 +70,6 @@ from fedora_jax import train as train_lib
 from fedora_jax.errors import ConfigError
 
 FLAGS = run_flags.FLAGS
-logger = logging.getLogger("experiments")
 PAPER_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper",
                             "fedora_tables.json")
 METRICS = ("acc", "r_acc", "ptr")
@@ -233,14 +231,9 @@ def run_row(row: str, seed: int, workdir: str, reference: str | None,
   `label` names its progress (default: the algorithm)."""
   _use_row(row, seed, workdir, reference)
   name = label or f"{row} seed {seed}"
-  with main_lib.row_claimed(FLAGS.workdir):
-    results = main_lib.finished_results(FLAGS.workdir)
-    if results is None:
-      logger.info("%s -> %s", name, FLAGS.workdir)
-      results = main_lib.run(cli.progress_reporter(label))
-    else:
-      logger.info("%s: finished in %s, read", name, FLAGS.workdir)
-      results = results_lib.resummarize(results)  # written before a metric changed, maybe
+  results, read = main_lib.run_or_read(name, label)
+  if read:
+    results = results_lib.resummarize(results)  # written before a metric changed, maybe
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
     timing = json.load(f)
   return {**{m: results[m] for m in METRICS},
