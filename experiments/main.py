@@ -86,23 +86,27 @@ ROW_LOCK = ".row.lock"
 
 
 @contextlib.contextmanager
-def row_claimed(workdir: str):
-  """Holds `workdir`'s row for this process. Another `reproduce` process sharing the
-  workdir (several side by side on one machine) waits here until this one is done, then
-  reads the finished row instead of training it a second time. A multi-process run's
-  processes run each row together, so they take no lock."""
+def row_claimed(workdir: str, wait: bool = True):
+  """Holds `workdir`'s row for this process, yielding True. Another `reproduce` process
+  sharing the workdir (several side by side on one machine) waits here until this one is
+  done, then reads the finished row instead of training it a second time; with
+  wait=False it gets False at once instead. A multi-process run's processes run each row
+  together, so they take no lock."""
   if jax.process_count() > 1:
-    yield
+    yield True
     return
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, ROW_LOCK), "a") as lock:
     try:
       fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+      if not wait:
+        yield False
+        return
       logger.info("%s: another process is running this row; waiting for it", workdir)
       fcntl.flock(lock, fcntl.LOCK_EX)
     try:
-      yield
+      yield True
     finally:
       fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -118,6 +122,21 @@ def run_or_read(name: str, label: str | None) -> tuple[dict, bool]:
       return results, True
     logger.info("%s -> %s", name, FLAGS.workdir)
     return run(cli.progress_reporter(label)), False
+
+
+def read_if_finished(name: str) -> dict | None:
+  """The row the flags describe if it is finished in --workdir; trains nothing. None for a
+  row not there, not finished, or held by a process running it now (its files may be
+  half written)."""
+  if not os.path.isdir(FLAGS.workdir):
+    results, why = None, "not run"
+  else:
+    with row_claimed(FLAGS.workdir, wait=False) as claimed:
+      results = finished_results(FLAGS.workdir) if claimed else None
+    why = "not finished" if claimed else "another process is running it"
+  logger.info("%s: %s", name, f"finished in {FLAGS.workdir}, read" if results
+              else f"{why}; left out")
+  return results
 
 
 def main(argv):

@@ -52,7 +52,9 @@ Writes <workdir>/<table>.md, <table>.json, <table>.csv (a line per cell and row)
 each row's accuracy per round, the metric's curve), named by the table because tables
 share a workdir (fedala_ala's hosts are fedala1's rows); and each column's own
 <workdir>/<column>/<table>.md, which a later command over other columns, or at other
-rounds, leaves alone.
+rounds, leaves alone. With --finished_only nothing trains: the table holds the rows
+finished in the workdir so far, and every column that has one (the whole table of cells
+run by separate commands, as scripts/run_rows.sh runs them).
 """
 
 import csv
@@ -344,10 +346,12 @@ def _rounded(value: float | None, places: int = 2) -> float | None:
   return None if value is None or not np.isfinite(value) else round(float(value) + 0.0, places)
 
 
-def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]]) -> list[dict]:
+def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]],
+                   seeds: int | None = None) -> list[dict]:
   """Every row of the table in one cell, in its order: ours (percent, mean and population
-  std over seeds; None where it did not run) beside the paper's, with the improvement
-  over its host for a plug-in row."""
+  std over the seeds it has; None where it did not run) beside the paper's, with the
+  improvement over its host for a plug-in row. A row of `runs` with fewer than `seeds`
+  runs (a sweep in progress, read with --finished_only) says so."""
   paper = table["columns"][column]["values"]
   # A cell the paper did not run may borrow its plug-in gains from one it did (imp_from).
   imp_from = table["columns"][column].get("imp_from")
@@ -382,7 +386,10 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]]) -> l
           machine=results_lib.joined_machines(r.machine for r in row_runs),
           results=[r.results for r in row_runs])
     else:
-      entry["not_run"] = row_problem(table, row) or "not asked for (--rows)"
+      entry["not_run"] = row_problem(table, row) or (
+          "not finished in the workdir" if row in runs else "not asked for (--rows)")
+    if seeds and 0 < len(ours) < seeds:
+      entry["partial"] = f"only {len(ours)} of {seeds} seeds finished"
     entries.append(entry)
   return entries
 
@@ -415,9 +422,10 @@ def column_heading(table: dict, column: str) -> str:
 
 def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
                     settings: list[str], rounds: dict[str, int],
-                    scored_clients: str = "all") -> str:
+                    scored_clients: str = "all", not_run: dict[str, str] | None = None) -> str:
   """<table>.md: the settings, one table per column run (every row, ours beside the
-  paper), then the paper's numbers of the columns not run."""
+  paper), then the paper's numbers of the columns not run, each with why (`not_run`;
+  default why_not_run)."""
   lines = [f"# {title}", ""] + [f"- {s}" for s in settings] + [""]
   has_imp = any("improves" in spec for spec in table["rows"].values())
   for column, entries in summary.items():
@@ -433,6 +441,8 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
       label = e["label"] or "— (ours: the LOCAL reference, not a paper row)"
       if "not_run" in e:
         label += f"; not run: {e['not_run']}"
+      if "partial" in e:
+        label += f"; {e['partial']}"
       imp = (f" {_cell(e.get('imp'), signed=True)} | {_cell(e.get('paper_imp'), signed=True)} |"
              if has_imp else "")
       best_round = ",".join(map(str, e.get("best_round", []))) or "—"
@@ -455,7 +465,8 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
           text += f" ({value['imp']:+.2f})"
         cells.append(text)
       lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    lines += [""] + [f"- {table['columns'][c]['label']}: {why_not_run(table, c)}"
+    why = not_run or {}
+    lines += [""] + [f"- {table['columns'][c]['label']}: {why.get(c) or why_not_run(table, c)}"
                      for c in others] + [""]
   row_notes = [f"- {row}: {spec['note']}" for row, spec in table["rows"].items()
                if spec.get("note")]
@@ -501,7 +512,8 @@ def table_title(table_name: str, table: dict, columns: list[str]) -> str:
 
 
 def setting_lines(table: dict, overrides: dict[str, object], others: dict[str, object],
-                  first_seed: int, seeds: int, scored_clients: str = "all") -> list[str]:
+                  first_seed: int, seeds: int, scored_clients: str = "all",
+                  finished_only: bool = False) -> list[str]:
   """The table's settings with their sources, then what this run changed."""
   lines = []
   for s in table["settings"]:
@@ -515,6 +527,9 @@ def setting_lines(table: dict, overrides: dict[str, object], others: dict[str, o
     lines.append(f"clients scored each round: {SCORED_CLIENTS[scored_clients]} ->"
                  f" `--scored_clients={scored_clients}` (a reading the paper does not"
                  " state; the default scores every client every round)")
+  if finished_only:
+    lines.append("rows: those finished in the workdir, read; none trained"
+                 " (`--finished_only`: a sweep in progress)")
   for name, value in overrides.items():
     lines.append(f"DEPARTURE from the table's settings: {_flag_text(name, value)} (command"
                  " line)")
@@ -547,10 +562,38 @@ def check_before_the_sweep(table: dict, plan: list[tuple[str, int, str]], workdi
                                  identity_defaults)
 
 
+def run_cells(table: dict, plan: list[tuple[str, int, str]], workdir: str,
+              overrides: dict, defaults: dict, scored_clients: str,
+              finished_only: bool) -> dict[str, dict[str, list[RowRun]]]:
+  """column -> row -> its runs, one per seed: each row of `plan` run, or read where it is
+  finished; with `finished_only`, only read, and a row not finished has no run."""
+  runs = {c: {r: [] for _, _, r in plan} for c, _, _ in plan}
+  trained_locals = {(c, s): {} for c, s, _ in plan}
+  for number, (column, seed, row) in enumerate(plan, 1):
+    locals_here = trained_locals[(column, seed)]
+    reference = row_reference(table, column, row, locals_here)
+    use_row(table, column, row, seed, workdir, reference, overrides, defaults)
+    label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
+    if finished_only:
+      if main_lib.read_if_finished(label) is None:
+        continue
+    else:
+      main_lib.run_or_read(label, label)
+    own_local = trained_local(FLAGS.workdir, row)
+    if own_local:
+      locals_here.setdefault(local_settings(table, column, row), own_local)
+    spec = table["columns"][column]
+    runs[column][row].append(read_row_run(FLAGS.workdir, table["metric"]["clients"],
+                                          spec["sample_every"], scored_clients))
+  return runs
+
+
 def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str],
-              seeds: int, scored_clients: str = "all") -> dict:
+              seeds: int, scored_clients: str = "all", finished_only: bool = False) -> dict:
   """Runs the table's rows in its columns; writes and prints the table. Scored over only
-  each round's sampled clients, its files are <table>_sampled.*, beside the default's."""
+  each round's sampled clients, its files are <table>_sampled.*, beside the default's.
+  With `finished_only` it trains nothing: the table of the rows finished in the workdir
+  (a sweep in progress), leaving out the columns with none."""
   table = load_tables()[table_name]
   overrides = check_command_line(table_name, table)
   columns = pick_columns(table_name, table, wanted_columns)
@@ -561,25 +604,18 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
   plan = [(c, s, r) for c in columns for s in range(first_seed, first_seed + seeds)
           for r in rows]
   check_before_the_sweep(table, plan, workdir, overrides, defaults)
-  runs = {c: {r: [] for r in rows} for c in columns}
-  trained_locals = {(c, s): {} for c in columns for s in range(first_seed, first_seed + seeds)}
-  for number, (column, seed, row) in enumerate(plan, 1):
-    locals_here = trained_locals[(column, seed)]
-    reference = row_reference(table, column, row, locals_here)
-    use_row(table, column, row, seed, workdir, reference, overrides, defaults)
-    label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
-    main_lib.run_or_read(label, label)
-    own_local = trained_local(FLAGS.workdir, row)
-    if own_local:
-      locals_here.setdefault(local_settings(table, column, row), own_local)
-    spec = table["columns"][column]
-    runs[column][row].append(read_row_run(FLAGS.workdir, table["metric"]["clients"],
-                                          spec["sample_every"], scored_clients))
-  summary = {c: summarize_cell(table, c, runs[c]) for c in columns}
-  rounds = {c: len(runs[c][REFERENCE_ROW][0].per_round) for c in columns}
+  runs = run_cells(table, plan, workdir, overrides, defaults, scored_clients, finished_only)
+  columns = [c for c in columns if any(runs[c].values())]
+  if not columns:
+    raise ConfigError(f"--finished_only: no row of --table={table_name} is finished in"
+                      f" {workdir} (for these columns, rows and seeds)")
+  not_run = {c: ("no row finished in the workdir (--finished_only)" if c in runs
+                 else why_not_run(table, c)) for c in table["columns"] if c not in columns}
+  summary = {c: summarize_cell(table, c, runs[c], seeds) for c in columns}
+  rounds = {c: len(next(r for r in runs[c].values() if r)[0].per_round) for c in columns}
   title = table_title(table_name, table, columns)
   settings = setting_lines(table, overrides, other_given_flags(table), first_seed, seeds,
-                           scored_clients)
+                           scored_clients, finished_only)
   document = {"table": table_name, "title": title, "settings": settings,
               "seeds": list(range(first_seed, first_seed + seeds)),
               "command": command_line(), "metric": table["metric"],
@@ -588,14 +624,13 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
                               "heading": column_heading(table, c), "rounds": rounds[c],
                               "paper_rounds": cell_flags(table, c).get("rounds"),
                               "rows": summary[c]} for c in columns},
-              "not_run": {c: why_not_run(table, c) for c in table["columns"]
-                          if c not in columns}}
+              "finished_only": finished_only, "not_run": not_run}
   os.makedirs(workdir, exist_ok=True)
   name = table_name if scored_clients == "all" else f"{table_name}_{scored_clients}"
   out = os.path.join(workdir, name)
   with open(f"{out}.json", "w") as f:
     json.dump(document, f, indent=2)
-  markdown = format_markdown(title, table, summary, settings, rounds, scored_clients)
+  markdown = format_markdown(title, table, summary, settings, rounds, scored_clients, not_run)
   with open(f"{out}.md", "w") as f:
     f.write(markdown)
   for c in columns:
@@ -607,7 +642,7 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
             for c in columns}
   plots.save_figure(plots.paper_cells_figure(summary, labels, title), f"{out}.png")
   curves = {c: {r: np.mean([100 * run.per_round for run in runs[c][r]], axis=0)
-                for r in rows} for c in columns}
+                for r in rows if runs[c][r]} for c in columns}
   plots.save_figure(plots.table_curves_figure(curves, labels, title), f"{out}_curves.png")
   print(markdown)
   print(f"table in {out}.md (each column's in <column>/{name}.md)")

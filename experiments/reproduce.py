@@ -39,7 +39,9 @@ Every row is one `experiments.main` run on the same split and seed, LOCAL first,
 algorithm measured against it (--reference), so R-Acc and PTR compare like with like.
 Each row keeps its own run directory <workdir>/seed<s>/<row> with checkpoints: a killed
 sweep rerun with the same command resumes where it stopped; a row directory holding a
-run with other settings is refused before anything trains. All run flags (--rounds,
+run with other settings is refused before anything trains. --finished_only trains
+nothing and writes the table of the rows finished so far (a sweep in progress, or cells
+run by separate commands), each row's seeds those finished. All run flags (--rounds,
 --lr, --<algorithm>_<field>, ...) pass through to every row.
 
 Writes <workdir>/table.md, table.json, table.csv (a line per row: ours, mean and std over
@@ -142,6 +144,10 @@ flags.DEFINE_enum("scored_clients", "all", list(paper_tables.SCORED_CLIENTS),
                   " to train that round (sampled: history.npz's local_steps > 0; differs"
                   " only under partial participation). The sampled view's files are"
                   " <table>_sampled.*, beside the default's; its rows are the same runs.")
+flags.DEFINE_bool("finished_only", False, "Train nothing: the table of the rows already"
+                  " finished in --workdir (a sweep in progress, or one whose cells ran as"
+                  " separate commands); a row not finished, or running in another process"
+                  " now, is left out.")
 flags.DEFINE_list("columns", [], "coaching1, coaching2, fedala1, fedala_ala, confree2: the"
                   " columns (cells) to run (default: the table's columns on the data held"
                   " in shared/data). FEDORA's tables run the --dataset column.")
@@ -226,12 +232,18 @@ def row_label(row: str, seed: int, number: int, total: int) -> str:
 
 
 def run_row(row: str, seed: int, workdir: str, reference: str | None,
-            label: str | None = None) -> dict:
+            label: str | None = None, finished_only: bool = False) -> dict | None:
   """One row: experiments.main with this row's algorithm, its own workdir and LOCAL;
-  `label` names its progress (default: the algorithm)."""
+  `label` names its progress (default: the algorithm). With `finished_only`, the row
+  only if it is finished there (else None), trained nothing."""
   _use_row(row, seed, workdir, reference)
   name = label or f"{row} seed {seed}"
-  results, read = main_lib.run_or_read(name, label)
+  if finished_only:
+    results, read = main_lib.read_if_finished(name), True
+    if results is None:
+      return None
+  else:
+    results, read = main_lib.run_or_read(name, label)
   if read:
     results = results_lib.resummarize(results)  # written before a metric changed, maybe
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
@@ -275,7 +287,7 @@ def _paper_columns(row: str, paper: dict) -> dict:
 
 def table_summary(table: str, runs: dict[str, list[dict]], paper: dict) -> list[dict]:
   """The rows we ran in the paper's order, each (mean over seeds) beside the paper's."""
-  return [summarize(row, runs[row], paper) for row in table_rows(table) if row in runs]
+  return [summarize(row, runs[row], paper) for row in table_rows(table) if runs.get(row)]
 
 
 def _cell(value, std=None, signed=False) -> str:
@@ -286,7 +298,7 @@ def _cell(value, std=None, signed=False) -> str:
   return text + (f" ± {std:.4f}" if std is not None else "")
 
 
-def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
+def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1) -> str:
   lines = [f"# {title}", "", settings, "",
            "| algorithm | acc | r_acc | ptr | paper_acc | paper_r_acc | paper_ptr |"
            " s/round | wall s | machine | paper's row |",
@@ -298,6 +310,8 @@ def format_markdown(title: str, settings: str, rows: list[dict]) -> str:
     paper_row = r.get("paper_row") or "—"
     if r["algorithm"] in EXTRA_ROWS:
       paper_row += " (ours: the equations as printed)"
+    if r["seeds"] < seeds:  # --finished_only, a sweep in progress
+      paper_row += f"; ours: only {r['seeds']} of {seeds} seeds finished"
     lines.append(
         f"| {r['algorithm']} | {_cell(r['acc'], r['acc_std'])} |"
         f" {_cell(r_acc, r['r_acc_std'], signed=True)} | {_cell(ptr, r['ptr_std'])} |"
@@ -391,7 +405,7 @@ def check_before_the_sweep(rows: list[str], workdir: str, first_seed: int) -> No
 def reproduce() -> dict:
   if FLAGS.table in paper_tables.TABLES:
     return paper_tables.reproduce(FLAGS.table, FLAGS.columns, FLAGS.rows, FLAGS.seeds,
-                                  FLAGS.scored_clients)
+                                  FLAGS.scored_clients, FLAGS.finished_only)
   if FLAGS.scored_clients != "all":
     raise ConfigError(f"--scored_clients picks whose accuracy {', '.join(paper_tables.TABLES)}"
                       f" average each round; --table={FLAGS.table} reports every client's")
@@ -417,18 +431,27 @@ def reproduce() -> dict:
   total = len(rows) * FLAGS.seeds
   for seed in range(first_seed, first_seed + FLAGS.seeds):
     for row in rows:
-      reference = None if row == "local" else runs["local"][-1]["results"]
+      # --reference is not part of a run's identity: a row read without its LOCAL is it.
+      reference = runs["local"][-1]["results"] if row != "local" and runs["local"] else None
       label = row_label(row, seed, sum(map(len, runs.values())) + 1, total)
-      runs[row].append(run_row(row, seed, workdir, reference, label))
+      run = run_row(row, seed, workdir, reference, label, FLAGS.finished_only)
+      if run is not None:
+        runs[row].append(run)
+  if not any(runs.values()):
+    raise ConfigError(f"--finished_only: no row of --table={FLAGS.table} is finished in"
+                      f" {workdir} (for these rows and seeds)")
   summary = table_summary(FLAGS.table, runs, paper)
   for row in summary if FLAGS.setting == "imbalanced" else []:
     row["r_acc_by_distance"] = r_acc_by_distance(row["results"])
   by_distance = bool(summary) and all(r.get("r_acc_by_distance") for r in summary)
   column = paper_table["datasets"][FLAGS.dataset]["column"]
   title = f"FEDORA Table {paper_table['table']} ({column}): {paper_table['caption']}"
-  settings = (f"{FLAGS.dataset}, {FLAGS.setting}, {summary[0]['seeds']} seed(s) from"
+  settings = (f"{FLAGS.dataset}, {FLAGS.setting}, {FLAGS.seeds} seed(s) from"
               f" {first_seed}, {FLAGS.rounds} rounds, {FLAGS.local_epochs} local epochs,"
               f" batch {FLAGS.batch_size}, lr {FLAGS.lr}; `{command_line()}`")
+  if FLAGS.finished_only:
+    settings += ("; rows: those finished in the workdir, read, none trained"
+                 " (`--finished_only`: a sweep in progress)")
   if column_flags:
     why = paper_table["datasets"][FLAGS.dataset]["flags_why"]
     settings += (f"; the column's own flags: "
@@ -440,7 +463,7 @@ def reproduce() -> dict:
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "table.json"), "w") as f:
     json.dump(document, f, indent=2)
-  markdown = format_markdown(title, settings, summary)
+  markdown = format_markdown(title, settings, summary, FLAGS.seeds)
   if by_distance:
     markdown += "\n" + format_distance_section(summary)
   with open(os.path.join(workdir, "table.md"), "w") as f:

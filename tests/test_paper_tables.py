@@ -2,6 +2,7 @@
 tiny table end to end, the best-round metric, and the refused requests."""
 
 import csv
+import fcntl
 import json
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import flags as run_flags
+from experiments import main as main_lib
 from experiments import paper_tables
 from experiments import reproduce
 from fedora_jax import algorithms, metrics
@@ -364,6 +366,40 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   assert ("clients scored each round: only the clients sampled to train that round"
           in (tmp_path / "mnist_0.3" / "coaching1_sampled.md").read_text())
   assert json.loads((tmp_path / "coaching1.json").read_text())["columns"] == table["columns"]
+
+  # --finished_only trains nothing: the rows finished so far, in every column that has
+  # one. Another process is running fedavg now (it holds its lock), so it is left out;
+  # fedprox, seed 1 and MNIST alpha 0.1 have no finished row.
+  held = open(tmp_path / "mnist_0.3" / "seed0" / "fedavg" / main_lib.ROW_LOCK, "a")
+  fcntl.flock(held, fcntl.LOCK_EX)
+  flag_values(["reproduce", "--finished_only", "--seeds=2", "--rows=local,fedavg,fedprox",
+               f"--workdir={tmp_path}", TINY[0], "--columns=mnist_0.1,mnist_0.3", *TINY[2:]])
+  try:
+    document = reproduce.reproduce()
+  finally:
+    flag_values.unparse_flags()
+    held.close()
+  assert list(document["columns"]) == ["mnist_0.3"] and document["finished_only"]
+  assert document["not_run"]["mnist_0.1"] == "no row finished in the workdir (--finished_only)"
+  read = {r["row"]: r for r in document["columns"]["mnist_0.3"]["rows"]}
+  assert read["local"]["acc"] == rows["local"]["acc"] and read["local"]["seeds"] == 1
+  assert read["local"]["partial"] == "only 1 of 2 seeds finished"
+  assert read["fedavg"]["acc"] is None and read["fedprox"]["acc"] is None
+  assert read["fedavg"]["not_run"] == read["fedprox"]["not_run"] == "not finished in the workdir"
+  assert read["fedbn"]["not_run"] == "not asked for (--rows)"
+  assert not (tmp_path / "mnist_0.1").exists() and not (tmp_path / "mnist_0.3" / "seed1").exists()
+  markdown = (tmp_path / "coaching1.md").read_text()
+  assert "rows: those finished in the workdir, read; none trained (`--finished_only`" in markdown
+  assert "- MNIST alpha=0.1: no row finished in the workdir (--finished_only)" in markdown
+  local_line = next(l for l in markdown.splitlines() if l.startswith("| local |"))
+  assert local_line.endswith("; only 1 of 2 seeds finished |")
+  flag_values(["reproduce", "--finished_only", f"--workdir={tmp_path / 'none'}", *TINY])
+  try:
+    with pytest.raises(ConfigError, match="--finished_only: no row of --table=coaching1 is"
+                       " finished in"):
+      reproduce.reproduce()
+  finally:
+    flag_values.unparse_flags()
 
 
 def test_rows_off_the_cells_training_settings_share_one_local(tmp_path, monkeypatch):

@@ -47,7 +47,7 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   assert list(rows) == ["local", "fedavg", "fedora"]  # LOCAL always, in the table's order
   for row in rows.values():
     assert 0.0 <= row["acc"] <= 1.0 and row["round_seconds"] > 0 and row["wall_seconds"] > 0
-    assert row["machine"].startswith("cpu x") and row["machine"].endswith(" cores")
+    assert row["machine"].startswith("cpu x") and row["machine"].endswith((" core", " cores"))
   fedavg = json.loads((tmp_path / "seed0" / "fedavg" / "results.json").read_text())
   assert rows["fedavg"]["acc"] == pytest.approx(fedavg["acc"], abs=1e-4)
   assert rows["local"]["r_acc"] == pytest.approx(0.0, abs=1e-6)
@@ -76,6 +76,21 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
     assert line["seeds"] == "1" and line["acc_std"] == ""  # one seed: no spread
     assert line["paper_source"] == row["paper_source"]
   np.testing.assert_equal(table["rounds"], 2)
+
+  # --finished_only trains nothing: the rows finished so far, with the seeds they have.
+  reproduce.FLAGS(["reproduce", "--finished_only", "--seeds=2", "--rows=fedavg,fedprox",
+                   *common])
+  try:
+    read = reproduce.reproduce()
+  finally:
+    reproduce.FLAGS.unparse_flags()
+  assert [row["algorithm"] for row in read["rows"]] == ["local", "fedavg"]
+  assert [row["seeds"] for row in read["rows"]] == [1, 1]
+  assert read["rows"][1]["acc"] == rows["fedavg"]["acc"]
+  assert not (tmp_path / "seed0" / "fedprox").exists() and not (tmp_path / "seed1").exists()
+  markdown = (tmp_path / "table.md").read_text()
+  assert "2 seed(s) from 0" in markdown and "(`--finished_only`: a sweep in progress)" in markdown
+  assert _line(markdown, "fedavg").endswith("FedAvg [25]; ours: only 1 of 2 seeds finished |")
 
 
 def _line(markdown: str, row: str) -> str:
@@ -360,9 +375,11 @@ def test_a_row_another_process_holds_is_waited_for(tmp_path):
   waiter = threading.Thread(target=claim)
   waiter.start()
   assert not entered.wait(0.5)  # still waiting while the row is held
+  with main_lib.row_claimed(str(tmp_path), wait=False) as claimed:
+    assert not claimed  # --finished_only's read: at once, without the row
   fcntl.flock(held, fcntl.LOCK_UN)
   held.close()
   waiter.join(10)
   assert entered.is_set()
-  with main_lib.row_claimed(str(tmp_path)):  # released again: taken at once
-    pass
+  with main_lib.row_claimed(str(tmp_path)) as claimed:  # released again: taken at once
+    assert claimed
