@@ -111,10 +111,13 @@ def row_claimed(workdir: str, wait: bool = True):
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def run_or_read(name: str, label: str | None) -> tuple[dict, bool]:
+def run_or_read(name: str, label: str | None, train: bool = True) -> tuple[dict | None, bool]:
   """(results, read): the row the flags describe, in --workdir, read if it is finished
   there and run otherwise, with the row claimed meanwhile (row_claimed). `name` names it
-  in the log, `label` its progress."""
+  in the log, `label` its progress. With train=False (--finished_only) nothing runs:
+  results is None for a row not finished (read_if_finished)."""
+  if not train:
+    return read_if_finished(name), True
   with row_claimed(FLAGS.workdir):
     results = finished_results(FLAGS.workdir)
     if results is not None:

@@ -90,6 +90,13 @@ ROW_FLAGS = ("algorithm", "ala", "aggregation")  # and the row algorithm's own <
 NEUTRAL_FLAGS = (*checkpoint_lib.NOT_IDENTITY, "seed", "data_dir", "data_source",
                  "client_chunk", "eval_batch_size")
 REFERENCE_ROW = "local"
+# What --finished_only's tables say of their rows (here and in reproduce's FEDORA tables).
+FINISHED_ONLY_ROWS = ("rows: those finished in the workdir, read; none trained"
+                      " (`--finished_only`: a sweep in progress)")
+
+
+def seeds_finished(finished: int, seeds: int) -> str:
+  return f"only {finished} of {seeds} seeds finished"
 
 
 def load_tables() -> dict[str, dict]:
@@ -389,7 +396,7 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]],
       entry["not_run"] = row_problem(table, row) or (
           "not finished in the workdir" if row in runs else "not asked for (--rows)")
     if seeds and 0 < len(ours) < seeds:
-      entry["partial"] = f"only {len(ours)} of {seeds} seeds finished"
+      entry["partial"] = seeds_finished(len(ours), seeds)
     entries.append(entry)
   return entries
 
@@ -528,8 +535,7 @@ def setting_lines(table: dict, overrides: dict[str, object], others: dict[str, o
                  f" `--scored_clients={scored_clients}` (a reading the paper does not"
                  " state; the default scores every client every round)")
   if finished_only:
-    lines.append("rows: those finished in the workdir, read; none trained"
-                 " (`--finished_only`: a sweep in progress)")
+    lines.append(FINISHED_ONLY_ROWS)
   for name, value in overrides.items():
     lines.append(f"DEPARTURE from the table's settings: {_flag_text(name, value)} (command"
                  " line)")
@@ -574,11 +580,8 @@ def run_cells(table: dict, plan: list[tuple[str, int, str]], workdir: str,
     reference = row_reference(table, column, row, locals_here)
     use_row(table, column, row, seed, workdir, reference, overrides, defaults)
     label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
-    if finished_only:
-      if main_lib.read_if_finished(label) is None:
-        continue
-    else:
-      main_lib.run_or_read(label, label)
+    if main_lib.run_or_read(label, label, train=not finished_only)[0] is None:
+      continue  # --finished_only: not finished
     own_local = trained_local(FLAGS.workdir, row)
     if own_local:
       locals_here.setdefault(local_settings(table, column, row), own_local)

@@ -238,12 +238,9 @@ def run_row(row: str, seed: int, workdir: str, reference: str | None,
   only if it is finished there (else None), trained nothing."""
   _use_row(row, seed, workdir, reference)
   name = label or f"{row} seed {seed}"
-  if finished_only:
-    results, read = main_lib.read_if_finished(name), True
-    if results is None:
-      return None
-  else:
-    results, read = main_lib.run_or_read(name, label)
+  results, read = main_lib.run_or_read(name, label, train=not finished_only)
+  if results is None:
+    return None
   if read:
     results = results_lib.resummarize(results)  # written before a metric changed, maybe
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
@@ -311,7 +308,7 @@ def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1)
     if r["algorithm"] in EXTRA_ROWS:
       paper_row += " (ours: the equations as printed)"
     if r["seeds"] < seeds:  # --finished_only, a sweep in progress
-      paper_row += f"; ours: only {r['seeds']} of {seeds} seeds finished"
+      paper_row += f"; ours: {paper_tables.seeds_finished(r['seeds'], seeds)}"
     lines.append(
         f"| {r['algorithm']} | {_cell(r['acc'], r['acc_std'])} |"
         f" {_cell(r_acc, r['r_acc_std'], signed=True)} | {_cell(ptr, r['ptr_std'])} |"
@@ -450,8 +447,7 @@ def reproduce() -> dict:
               f" {first_seed}, {FLAGS.rounds} rounds, {FLAGS.local_epochs} local epochs,"
               f" batch {FLAGS.batch_size}, lr {FLAGS.lr}; `{command_line()}`")
   if FLAGS.finished_only:
-    settings += ("; rows: those finished in the workdir, read, none trained"
-                 " (`--finished_only`: a sweep in progress)")
+    settings += f"; {paper_tables.FINISHED_ONLY_ROWS}"
   if column_flags:
     why = paper_table["datasets"][FLAGS.dataset]["flags_why"]
     settings += (f"; the column's own flags: "
