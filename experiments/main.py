@@ -17,6 +17,7 @@ import fcntl
 import json
 import logging
 import os
+from typing import NamedTuple
 
 from absl import app
 
@@ -111,35 +112,51 @@ def row_claimed(workdir: str, wait: bool = True):
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def run_or_read(name: str, label: str | None, train: bool = True) -> tuple[dict | None, bool]:
-  """(results, read): the row the flags describe, in --workdir, read if it is finished
-  there and run otherwise, with the row claimed meanwhile (row_claimed). `name` names it
-  in the log, `label` its progress. With train=False (--finished_only) nothing runs:
-  results is None for a row not finished (read_if_finished)."""
+class RowOutcome(NamedTuple):
+  """A reproduce row: its results document, or None where --finished_only finds it not
+  finished; whether it was read from a finished run rather than trained here; and for
+  a row not finished, what it is instead ("not started", "stopped after round 30 of
+  50", "running in another process")."""
+  results: dict | None
+  read: bool
+  unfinished: str | None = None
+
+
+def run_or_read(name: str, label: str | None, train: bool = True) -> RowOutcome:
+  """The row the flags describe, in --workdir, read if it is finished there and run
+  otherwise, with the row claimed meanwhile (row_claimed). `name` names it in the log,
+  `label` its progress. With train=False (--finished_only) nothing runs: a row not
+  finished has no results and says why (read_if_finished)."""
   if not train:
-    return read_if_finished(name), True
+    return read_if_finished(name)
   with row_claimed(FLAGS.workdir):
     results = finished_results(FLAGS.workdir)
     if results is not None:
       logger.info("%s: finished in %s, read", name, FLAGS.workdir)
-      return results, True
+      return RowOutcome(results, read=True)
     logger.info("%s -> %s", name, FLAGS.workdir)
-    return run(cli.progress_reporter(label)), False
+    return RowOutcome(run(cli.progress_reporter(label)), read=False)
 
 
-def read_if_finished(name: str) -> dict | None:
-  """The row the flags describe if it is finished in --workdir; trains nothing. None for a
-  row not there, not finished, or held by a process running it now (its files may be
-  half written)."""
-  if not os.path.isdir(FLAGS.workdir):
-    results, why = None, "not run"
-  else:
+def read_if_finished(name: str) -> RowOutcome:
+  """The row the flags describe if it is finished in --workdir; trains nothing. A row not
+  there, not finished, or held by a process running it now (its files may be half
+  written) has no results, and `unfinished` says which."""
+  results, why = None, "not started"
+  if os.path.isdir(FLAGS.workdir):
     with row_claimed(FLAGS.workdir, wait=False) as claimed:
-      results = finished_results(FLAGS.workdir) if claimed else None
-    why = "not finished" if claimed else "another process is running it"
+      if not claimed:
+        why = "running in another process"
+      else:
+        results = finished_results(FLAGS.workdir)
+        saved = None if results else checkpoint_lib.rounds_saved(FLAGS.workdir)
+        if saved is not None:  # a run of fewer --rounds than the table's is stopped short
+          why = f"stopped after round {saved} of {FLAGS.rounds}"
+        elif checkpoint_lib.holds_a_run(FLAGS.workdir):
+          why = "not finished, no checkpoint saved"
   logger.info("%s: %s", name, f"finished in {FLAGS.workdir}, read" if results
               else f"{why}; left out")
-  return results
+  return RowOutcome(results, read=True, unfinished=None if results else why)
 
 
 def main(argv):

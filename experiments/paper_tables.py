@@ -354,11 +354,14 @@ def _rounded(value: float | None, places: int = 2) -> float | None:
 
 
 def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]],
-                   seeds: int | None = None) -> list[dict]:
+                   seeds: int | None = None,
+                   unfinished: dict[str, list[str]] | None = None) -> list[dict]:
   """Every row of the table in one cell, in its order: ours (percent, mean and population
   std over the seeds it has; None where it did not run) beside the paper's, with the
   improvement over its host for a plug-in row. A row of `runs` with fewer than `seeds`
-  runs (a sweep in progress, read with --finished_only) says so."""
+  runs (a sweep in progress, read with --finished_only) says so, and what its other
+  seeds are (`unfinished`: "seed 1: not started")."""
+  unfinished = unfinished or {}
   paper = table["columns"][column]["values"]
   # A cell the paper did not run may borrow its plug-in gains from one it did (imp_from).
   imp_from = table["columns"][column].get("imp_from")
@@ -383,6 +386,7 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]],
       entry["imp"] = (_rounded(np.mean([100 * (a.best - b.best) for a, b in pairs]))
                       if pairs else None)
       entry["paper_imp"] = paper_imps.get(row, {}).get("imp")
+    why = f" ({'; '.join(unfinished[row])})" if unfinished.get(row) else ""
     if ours:
       row_runs = runs[row]
       entry.update(
@@ -394,9 +398,9 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]],
           results=[r.results for r in row_runs])
     else:
       entry["not_run"] = row_problem(table, row) or (
-          "not finished in the workdir" if row in runs else "not asked for (--rows)")
+          f"not finished in the workdir{why}" if row in runs else "not asked for (--rows)")
     if seeds and 0 < len(ours) < seeds:
-      entry["partial"] = seeds_finished(len(ours), seeds)
+      entry["partial"] = seeds_finished(len(ours), seeds) + why
     entries.append(entry)
   return entries
 
@@ -568,27 +572,37 @@ def check_before_the_sweep(table: dict, plan: list[tuple[str, int, str]], workdi
                                  identity_defaults)
 
 
+class CellRuns(NamedTuple):
+  """column -> row -> its runs, one per seed; and, with --finished_only, column -> row ->
+  what its seeds not finished are instead ("seed 1: not started")."""
+  runs: dict[str, dict[str, list[RowRun]]]
+  unfinished: dict[str, dict[str, list[str]]]
+
+
 def run_cells(table: dict, plan: list[tuple[str, int, str]], workdir: str,
               overrides: dict, defaults: dict, scored_clients: str,
-              finished_only: bool) -> dict[str, dict[str, list[RowRun]]]:
-  """column -> row -> its runs, one per seed: each row of `plan` run, or read where it is
-  finished; with `finished_only`, only read, and a row not finished has no run."""
+              finished_only: bool) -> CellRuns:
+  """Each row of `plan` run, or read where it is finished; with `finished_only`, only
+  read, and a row not finished has no run but says why."""
   runs = {c: {r: [] for _, _, r in plan} for c, _, _ in plan}
+  unfinished = {c: {r: [] for _, _, r in plan} for c, _, _ in plan}
   trained_locals = {(c, s): {} for c, s, _ in plan}
   for number, (column, seed, row) in enumerate(plan, 1):
     locals_here = trained_locals[(column, seed)]
     reference = row_reference(table, column, row, locals_here)
     use_row(table, column, row, seed, workdir, reference, overrides, defaults)
     label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
-    if main_lib.run_or_read(label, label, train=not finished_only)[0] is None:
-      continue  # --finished_only: not finished
+    outcome = main_lib.run_or_read(label, label, train=not finished_only)
+    if outcome.results is None:  # --finished_only: not finished
+      unfinished[column][row].append(f"seed {seed}: {outcome.unfinished}")
+      continue
     own_local = trained_local(FLAGS.workdir, row)
     if own_local:
       locals_here.setdefault(local_settings(table, column, row), own_local)
     spec = table["columns"][column]
     runs[column][row].append(read_row_run(FLAGS.workdir, table["metric"]["clients"],
                                           spec["sample_every"], scored_clients))
-  return runs
+  return CellRuns(runs, unfinished)
 
 
 def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str],
@@ -607,14 +621,15 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
   plan = [(c, s, r) for c in columns for s in range(first_seed, first_seed + seeds)
           for r in rows]
   check_before_the_sweep(table, plan, workdir, overrides, defaults)
-  runs = run_cells(table, plan, workdir, overrides, defaults, scored_clients, finished_only)
+  runs, unfinished = run_cells(table, plan, workdir, overrides, defaults, scored_clients,
+                               finished_only)
   columns = [c for c in columns if any(runs[c].values())]
   if not columns:
     raise ConfigError(f"--finished_only: no row of --table={table_name} is finished in"
                       f" {workdir} (for these columns, rows and seeds)")
   not_run = {c: ("no row finished in the workdir (--finished_only)" if c in runs
                  else why_not_run(table, c)) for c in table["columns"] if c not in columns}
-  summary = {c: summarize_cell(table, c, runs[c], seeds) for c in columns}
+  summary = {c: summarize_cell(table, c, runs[c], seeds, unfinished[c]) for c in columns}
   rounds = {c: len(next(r for r in runs[c].values() if r)[0].per_round) for c in columns}
   title = table_title(table_name, table, columns)
   settings = setting_lines(table, overrides, other_given_flags(table), first_seed, seeds,

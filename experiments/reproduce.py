@@ -147,7 +147,8 @@ flags.DEFINE_enum("scored_clients", "all", list(paper_tables.SCORED_CLIENTS),
 flags.DEFINE_bool("finished_only", False, "Train nothing: the table of the rows already"
                   " finished in --workdir (a sweep in progress, or one whose cells ran as"
                   " separate commands); a row not finished, or running in another process"
-                  " now, is left out.")
+                  " now, is left out, saying which (\"seed 1: stopped after round 30 of"
+                  " 50\").")
 flags.DEFINE_list("columns", [], "coaching1, coaching2, fedala1, fedala_ala, confree2: the"
                   " columns (cells) to run (default: the table's columns on the data held"
                   " in shared/data). FEDORA's tables run the --dataset column.")
@@ -232,22 +233,24 @@ def row_label(row: str, seed: int, number: int, total: int) -> str:
 
 
 def run_row(row: str, seed: int, workdir: str, reference: str | None,
-            label: str | None = None, finished_only: bool = False) -> dict | None:
+            label: str | None = None,
+            finished_only: bool = False) -> tuple[dict | None, str | None]:
   """One row: experiments.main with this row's algorithm, its own workdir and LOCAL;
-  `label` names its progress (default: the algorithm). With `finished_only`, the row
-  only if it is finished there (else None), trained nothing."""
+  `label` names its progress (default: the algorithm). Returns its numbers, and None.
+  With `finished_only` it trains nothing, and a row not finished there gives None and
+  what it is instead ("not started": main.read_if_finished)."""
   _use_row(row, seed, workdir, reference)
   name = label or f"{row} seed {seed}"
-  results, read = main_lib.run_or_read(name, label, train=not finished_only)
+  results, read, unfinished = main_lib.run_or_read(name, label, train=not finished_only)
   if results is None:
-    return None
+    return None, unfinished
   if read:
     results = results_lib.resummarize(results)  # written before a metric changed, maybe
   with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
     timing = json.load(f)
   return {**{m: results[m] for m in METRICS},
           **results_lib.run_cost(timing, results.get("platform")),
-          "results": os.path.join(FLAGS.workdir, "results.json")}
+          "results": os.path.join(FLAGS.workdir, "results.json")}, None
 
 
 def _paper_entry(row: str, paper: dict) -> dict:
@@ -295,7 +298,11 @@ def _cell(value, std=None, signed=False) -> str:
   return text + (f" ± {std:.4f}" if std is not None else "")
 
 
-def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1) -> str:
+def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1,
+                    unfinished: dict[str, list[str]] | None = None) -> str:
+  """The table as markdown. `unfinished` (--finished_only): row -> what its seeds not
+  finished are ("seed 1: not started"); a row with none finished is listed below."""
+  unfinished = unfinished or {}
   lines = [f"# {title}", "", settings, "",
            "| algorithm | acc | r_acc | ptr | paper_acc | paper_r_acc | paper_ptr |"
            " s/round | wall s | machine | paper's row |",
@@ -308,12 +315,18 @@ def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1)
     if r["algorithm"] in EXTRA_ROWS:
       paper_row += " (ours: the equations as printed)"
     if r["seeds"] < seeds:  # --finished_only, a sweep in progress
-      paper_row += f"; ours: {paper_tables.seeds_finished(r['seeds'], seeds)}"
+      why = unfinished.get(r["algorithm"])
+      paper_row += (f"; ours: {paper_tables.seeds_finished(r['seeds'], seeds)}"
+                    + (f" ({'; '.join(why)})" if why else ""))
     lines.append(
         f"| {r['algorithm']} | {_cell(r['acc'], r['acc_std'])} |"
         f" {_cell(r_acc, r['r_acc_std'], signed=True)} | {_cell(ptr, r['ptr_std'])} |"
         f" {_cell(r['paper_acc'])} | {_cell(r['paper_r_acc'], signed=True)} |"
         f" {_cell(r['paper_ptr'])} | {timing} | {paper_row} |")
+  shown = {r["algorithm"] for r in rows}
+  left_out = [f"- {row}: not finished in the workdir ({'; '.join(why)})"
+              for row, why in unfinished.items() if row not in shown]
+  lines += [""] + left_out if left_out else []
   lines += ["", "acc: mean per-client test accuracy at the final round; r_acc: mean relative"
             " accuracy against LOCAL on the same split and seed; ptr: fraction of clients"
             " at or above LOCAL. paper_*: experiments/paper/fedora_tables.json; — : the"
@@ -425,15 +438,18 @@ def reproduce() -> dict:
   first_seed = FLAGS.seed
   check_before_the_sweep(rows, workdir, first_seed)
   runs = {row: [] for row in rows}
+  unfinished = {row: [] for row in rows}  # --finished_only: "seed 1: not started"
   total = len(rows) * FLAGS.seeds
   for seed in range(first_seed, first_seed + FLAGS.seeds):
     for row in rows:
       # --reference is not part of a run's identity: a row read without its LOCAL is it.
       reference = runs["local"][-1]["results"] if row != "local" and runs["local"] else None
       label = row_label(row, seed, sum(map(len, runs.values())) + 1, total)
-      run = run_row(row, seed, workdir, reference, label, FLAGS.finished_only)
+      run, why = run_row(row, seed, workdir, reference, label, FLAGS.finished_only)
       if run is not None:
         runs[row].append(run)
+      else:
+        unfinished[row].append(f"seed {seed}: {why}")
   if not any(runs.values()):
     raise ConfigError(f"--finished_only: no row of --table={FLAGS.table} is finished in"
                       f" {workdir} (for these rows and seeds)")
@@ -459,7 +475,9 @@ def reproduce() -> dict:
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "table.json"), "w") as f:
     json.dump(document, f, indent=2)
-  markdown = format_markdown(title, settings, summary, FLAGS.seeds)
+  unfinished = {row: why for row, why in unfinished.items() if why}
+  document["unfinished"] = unfinished
+  markdown = format_markdown(title, settings, summary, FLAGS.seeds, unfinished)
   if by_distance:
     markdown += "\n" + format_distance_section(summary)
   with open(os.path.join(workdir, "table.md"), "w") as f:

@@ -222,6 +222,11 @@ def holds_a_run(workdir: str) -> bool:
           (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
 
 
+def rounds_saved(workdir: str) -> int | None:
+  """Rounds done by the latest checkpoint in `workdir`, or None if it holds none."""
+  return Checkpointer(os.path.join(workdir, CHECKPOINTS), every=0).latest_round()
+
+
 def _without_defaults(identity: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
   return {k: v for k, v in identity.items() if k not in defaults or v != defaults[k]}
 

@@ -383,16 +383,19 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   assert document["not_run"]["mnist_0.1"] == "no row finished in the workdir (--finished_only)"
   read = {r["row"]: r for r in document["columns"]["mnist_0.3"]["rows"]}
   assert read["local"]["acc"] == rows["local"]["acc"] and read["local"]["seeds"] == 1
-  assert read["local"]["partial"] == "only 1 of 2 seeds finished"
+  assert read["local"]["partial"] == "only 1 of 2 seeds finished (seed 1: not started)"
   assert read["fedavg"]["acc"] is None and read["fedprox"]["acc"] is None
-  assert read["fedavg"]["not_run"] == read["fedprox"]["not_run"] == "not finished in the workdir"
+  assert read["fedavg"]["not_run"] == ("not finished in the workdir (seed 0: running in"
+                                       " another process; seed 1: not started)")
+  assert read["fedprox"]["not_run"] == ("not finished in the workdir (seed 0: not started;"
+                                        " seed 1: not started)")
   assert read["fedbn"]["not_run"] == "not asked for (--rows)"
   assert not (tmp_path / "mnist_0.1").exists() and not (tmp_path / "mnist_0.3" / "seed1").exists()
   markdown = (tmp_path / "coaching1.md").read_text()
   assert "rows: those finished in the workdir, read; none trained (`--finished_only`" in markdown
   assert "- MNIST alpha=0.1: no row finished in the workdir (--finished_only)" in markdown
   local_line = next(l for l in markdown.splitlines() if l.startswith("| local |"))
-  assert local_line.endswith("; only 1 of 2 seeds finished |")
+  assert local_line.endswith("; only 1 of 2 seeds finished (seed 1: not started) |")
   flag_values(["reproduce", "--finished_only", f"--workdir={tmp_path / 'none'}", *TINY])
   try:
     with pytest.raises(ConfigError, match="--finished_only: no row of --table=coaching1 is"

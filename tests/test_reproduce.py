@@ -90,7 +90,22 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   assert not (tmp_path / "seed0" / "fedprox").exists() and not (tmp_path / "seed1").exists()
   markdown = (tmp_path / "table.md").read_text()
   assert "2 seed(s) from 0" in markdown and "(`--finished_only`: a sweep in progress)" in markdown
-  assert _line(markdown, "fedavg").endswith("FedAvg [25]; ours: only 1 of 2 seeds finished |")
+  assert _line(markdown, "fedavg").endswith(
+      "FedAvg [25]; ours: only 1 of 2 seeds finished (seed 1: not started) |")
+  assert read["unfinished"]["fedprox"] == ["seed 0: not started", "seed 1: not started"]
+  assert ("- fedprox: not finished in the workdir (seed 0: not started; seed 1: not started)"
+          in markdown.splitlines())
+
+  # Asked for more rounds than they ran, the rows are not finished: LOCAL's checkpoint
+  # says where it stopped; fedavg's checkpoints were removed above.
+  for row, why in (("local", "stopped after round 2 of 3"),
+                   ("fedavg", "not finished, no checkpoint saved")):
+    reproduce.FLAGS(["reproduce", *common, f"--workdir={tmp_path / 'seed0' / row}",
+                     "--rounds=3"])
+    try:
+      assert main_lib.read_if_finished(row) == (None, True, why)
+    finally:
+      reproduce.FLAGS.unparse_flags()
 
 
 def _line(markdown: str, row: str) -> str:
