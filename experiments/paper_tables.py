@@ -99,6 +99,11 @@ def seeds_finished(finished: int, seeds: int) -> str:
   return f"only {finished} of {seeds} seeds finished"
 
 
+def seeds_unfinished(whys: list[str] | None) -> str:
+  """What a row's seeds not finished are, to follow its text: " (seed 1: not started)"."""
+  return f" ({'; '.join(whys)})" if whys else ""
+
+
 def load_tables() -> dict[str, dict]:
   """Table name -> the table as experiments/paper/*_tables.json hold it, each row given
   as {"row_of": table} resolved to that table's row of the same name."""
@@ -386,7 +391,7 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]],
       entry["imp"] = (_rounded(np.mean([100 * (a.best - b.best) for a, b in pairs]))
                       if pairs else None)
       entry["paper_imp"] = paper_imps.get(row, {}).get("imp")
-    why = f" ({'; '.join(unfinished[row])})" if unfinished.get(row) else ""
+    why = seeds_unfinished(unfinished.get(row))
     if ours:
       row_runs = runs[row]
       entry.update(

@@ -315,16 +315,15 @@ def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1,
     if r["algorithm"] in EXTRA_ROWS:
       paper_row += " (ours: the equations as printed)"
     if r["seeds"] < seeds:  # --finished_only, a sweep in progress
-      why = unfinished.get(r["algorithm"])
       paper_row += (f"; ours: {paper_tables.seeds_finished(r['seeds'], seeds)}"
-                    + (f" ({'; '.join(why)})" if why else ""))
+                    f"{paper_tables.seeds_unfinished(unfinished.get(r['algorithm']))}")
     lines.append(
         f"| {r['algorithm']} | {_cell(r['acc'], r['acc_std'])} |"
         f" {_cell(r_acc, r['r_acc_std'], signed=True)} | {_cell(ptr, r['ptr_std'])} |"
         f" {_cell(r['paper_acc'])} | {_cell(r['paper_r_acc'], signed=True)} |"
         f" {_cell(r['paper_ptr'])} | {timing} | {paper_row} |")
   shown = {r["algorithm"] for r in rows}
-  left_out = [f"- {row}: not finished in the workdir ({'; '.join(why)})"
+  left_out = [f"- {row}: not finished in the workdir{paper_tables.seeds_unfinished(why)}"
               for row, why in unfinished.items() if row not in shown]
   lines += [""] + left_out if left_out else []
   lines += ["", "acc: mean per-client test accuracy at the final round; r_acc: mean relative"
