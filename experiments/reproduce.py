@@ -470,13 +470,12 @@ def reproduce() -> dict:
   document = {"table": FLAGS.table, "title": title, "dataset": FLAGS.dataset,
               "setting": FLAGS.setting, "rounds": FLAGS.rounds,
               "seeds": list(range(first_seed, first_seed + FLAGS.seeds)),
-              "command": command_line(), "rows": summary}
+              "command": command_line(), "rows": summary,
+              "unfinished": {row: why for row, why in unfinished.items() if why}}
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "table.json"), "w") as f:
     json.dump(document, f, indent=2)
-  unfinished = {row: why for row, why in unfinished.items() if why}
-  document["unfinished"] = unfinished
-  markdown = format_markdown(title, settings, summary, FLAGS.seeds, unfinished)
+  markdown = format_markdown(title, settings, summary, FLAGS.seeds, document["unfinished"])
   if by_distance:
     markdown += "\n" + format_distance_section(summary)
   with open(os.path.join(workdir, "table.md"), "w") as f:

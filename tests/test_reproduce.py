@@ -93,6 +93,7 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   assert _line(markdown, "fedavg").endswith(
       "FedAvg [25]; ours: only 1 of 2 seeds finished (seed 1: not started) |")
   assert read["unfinished"]["fedprox"] == ["seed 0: not started", "seed 1: not started"]
+  assert json.loads((tmp_path / "table.json").read_text())["unfinished"] == read["unfinished"]
   assert ("- fedprox: not finished in the workdir (seed 0: not started; seed 1: not started)"
           in markdown.splitlines())
 
