@@ -99,9 +99,18 @@ def seeds_finished(finished: int, seeds: int) -> str:
   return f"only {finished} of {seeds} seeds finished"
 
 
+def seed_unfinished(seed: int, why: str) -> str:
+  return f"seed {seed}: {why}"
+
+
 def seeds_unfinished(whys: list[str] | None) -> str:
   """What a row's seeds not finished are, to follow its text: " (seed 1: not started)"."""
   return f" ({'; '.join(whys)})" if whys else ""
+
+
+def not_finished(whys: list[str] | None) -> str:
+  """A row with no seed finished: "not finished in the workdir (seed 0: not started)"."""
+  return f"not finished in the workdir{seeds_unfinished(whys)}"
 
 
 def load_tables() -> dict[str, dict]:
@@ -391,7 +400,6 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]],
       entry["imp"] = (_rounded(np.mean([100 * (a.best - b.best) for a, b in pairs]))
                       if pairs else None)
       entry["paper_imp"] = paper_imps.get(row, {}).get("imp")
-    why = seeds_unfinished(unfinished.get(row))
     if ours:
       row_runs = runs[row]
       entry.update(
@@ -403,9 +411,9 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[RowRun]],
           results=[r.results for r in row_runs])
     else:
       entry["not_run"] = row_problem(table, row) or (
-          f"not finished in the workdir{why}" if row in runs else "not asked for (--rows)")
+          not_finished(unfinished.get(row)) if row in runs else "not asked for (--rows)")
     if seeds and 0 < len(ours) < seeds:
-      entry["partial"] = seeds_finished(len(ours), seeds) + why
+      entry["partial"] = seeds_finished(len(ours), seeds) + seeds_unfinished(unfinished.get(row))
     entries.append(entry)
   return entries
 
@@ -599,7 +607,7 @@ def run_cells(table: dict, plan: list[tuple[str, int, str]], workdir: str,
     label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
     outcome = main_lib.run_or_read(label, label, train=not finished_only)
     if outcome.results is None:  # --finished_only: not finished
-      unfinished[column][row].append(f"seed {seed}: {outcome.unfinished}")
+      unfinished[column][row].append(seed_unfinished(seed, outcome.unfinished))
       continue
     own_local = trained_local(FLAGS.workdir, row)
     if own_local:

@@ -323,7 +323,7 @@ def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1,
         f" {_cell(r['paper_acc'])} | {_cell(r['paper_r_acc'], signed=True)} |"
         f" {_cell(r['paper_ptr'])} | {timing} | {paper_row} |")
   shown = {r["algorithm"] for r in rows}
-  left_out = [f"- {row}: not finished in the workdir{paper_tables.seeds_unfinished(why)}"
+  left_out = [f"- {row}: {paper_tables.not_finished(why)}"
               for row, why in unfinished.items() if row not in shown]
   lines += [""] + left_out if left_out else []
   lines += ["", "acc: mean per-client test accuracy at the final round; r_acc: mean relative"
@@ -448,7 +448,7 @@ def reproduce() -> dict:
       if run is not None:
         runs[row].append(run)
       else:
-        unfinished[row].append(f"seed {seed}: {why}")
+        unfinished[row].append(paper_tables.seed_unfinished(seed, why))
   if not any(runs.values()):
     raise ConfigError(f"--finished_only: no row of --table={FLAGS.table} is finished in"
                       f" {workdir} (for these rows and seeds)")
