@@ -496,9 +496,11 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
                if spec.get("note")]
   if row_notes:
     lines += ["Rows run other than at their algorithm's defaults:", ""] + row_notes + [""]
+  over_clients = ("plain mean over clients" if table["metric"]["clients"] == "mean"
+                  else "test-sample-weighted mean over clients")
   lines += [
       f"ours: {table['metric']['name']} in %, the best over the rounds the paper sampled of"
-      f" the {'plain mean over clients' if table['metric']['clients'] == 'mean' else 'test-sample-weighted mean over clients'}"
+      f" the {over_clients}"
       f"{'' if scored_clients == 'all' else f' ({SCORED_CLIENTS[scored_clients]})'}"
       " of per-client test accuracy (history.npz), mean ± population std over seeds; paper:"
       f" {table['paper']}, {table['table']} (shared/papers/{table['text']}, lines"

@@ -130,7 +130,8 @@ def test_impossible_requests_are_one_line_errors():
 SHARED_CIFAR = os.path.join(SHARED_DATA, "cifar10")
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_CIFAR), reason="shared/data is not beside this checkout")
+@pytest.mark.skipif(not os.path.isdir(SHARED_CIFAR),
+                    reason="shared/data is not beside this checkout")
 def test_ten_clients_of_the_real_jpeg_copy():
   data = cifar.load_cifar10(SHARED_CIFAR)
   part = make_partition(data, 10, PartitionConfig("pathological", split="authors"), seed=42)

@@ -88,7 +88,8 @@ def test_bad_cifar_inputs_are_one_line_data_errors(tmp_path):
     cifar.load_cifar10(str(tmp_path))
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_CIFAR), reason="shared/data is not beside this checkout")
+@pytest.mark.skipif(not os.path.isdir(SHARED_CIFAR),
+                    reason="shared/data is not beside this checkout")
 def test_real_jpeg_copy_and_fedoras_pathological_split():
   data = cifar.load_cifar10(SHARED_CIFAR)
   assert data.name == "CIFAR-10 (JPEG copy)"

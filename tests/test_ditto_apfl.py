@@ -235,7 +235,8 @@ def test_apfl_output_mixing_step_and_evaluation_as_the_authors_code():
     return ce(a * model.apply(v, x) + (1 - a) * model.apply(global_params, x))
   grad_v, grad_alpha = jax.grad(personal_loss, argnums=(0, 1))(local, alpha)
   # d CE / d alpha = mean over samples of <v(x) - w(x), softmax - onehot>, by hand:
-  probs = jax.nn.softmax(alpha * model.apply(local, x) + (1 - alpha) * model.apply(global_params, x))
+  logits = alpha * model.apply(local, x) + (1 - alpha) * model.apply(global_params, x)
+  probs = jax.nn.softmax(logits)
   by_hand = jnp.mean(jnp.sum((model.apply(local, x) - model.apply(global_params, x))
                              * (probs - jax.nn.one_hot(y, probs.shape[-1])), -1))
   np.testing.assert_allclose(grad_alpha, by_hand, rtol=1e-5)

@@ -44,7 +44,8 @@ def _np_mmd(x, y):
 def test_gated_output_matches_the_authors_forward():
   rng = np.random.default_rng(0)
   d, c, b = 3, 2, 4
-  policy = {k: np.asarray(v, np.float32) for k, v in fedcp.init_policy(jax.random.key(1), d).items()}
+  policy = {k: np.asarray(v, np.float32)
+            for k, v in fedcp.init_policy(jax.random.key(1), d).items()}
   policy["scale"] = rng.normal(size=2 * d).astype(np.float32)
   policy["offset"] = rng.normal(size=2 * d).astype(np.float32)
   head_p = {"kernel": rng.normal(size=(d, c)), "bias": rng.normal(size=c)}

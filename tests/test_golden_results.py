@@ -24,7 +24,8 @@ RUNS = {
     "fedora_authors": ("--algorithm=fedora",),
     "fedora_paper": ("--algorithm=fedora", "--fedora_variant=paper"),
     "fedavg": ("--algorithm=fedavg",),
-    "ditto": ("--algorithm=ditto", "--ditto_lambda_selection=fixed"),  # the default until 2026-11-26
+    # fixed lambda was ditto's default until 2026-11-26
+    "ditto": ("--algorithm=ditto", "--ditto_lambda_selection=fixed"),
     "fedala": ("--algorithm=fedala",),
     "fedavg_ala": ("--algorithm=fedavg", "--ala"),
 }

@@ -318,7 +318,8 @@ def test_each_ablation_row_is_the_fedora_row_with_its_own_flags(tmp_path):
   try:
     def row_config(row):
       reproduce._use_row(row, 0, str(tmp_path), None)
-      return run_flags.algorithm_config("fedora", run_flags.train_config()), run_flags.run_identity("fedora")
+      return (run_flags.algorithm_config("fedora", run_flags.train_config()),
+              run_flags.run_identity("fedora"))
 
     fedora_row, fedora_identity = row_config("fedora")
     assert fedora_row == fedora_lib.config_for_variant("authors", lr=flag_values.lr)

@@ -142,7 +142,8 @@ class AlaHooks(NamedTuple):
   model's loss (the paper's Eq. 1: the loss of the initialised local model).
   """
   received: Callable[[PyTree], Params]                       # message -> global model
-  replace: Callable[[PyTree, PyTree, Params], tuple[PyTree, PyTree]]  # (state, message, theta_hat) -> (state, message)
+  # (state, message, theta_hat) -> (state, message)
+  replace: Callable[[PyTree, PyTree, Params], tuple[PyTree, PyTree]]
   trained: Callable[[ClientOutput], Params]                   # the client's next theta_i
   personal_is_local: bool  # evaluate theta_i (hosts whose own personal model is the global one)
   # (host state, theta_i, theta_hat, host's key) -> the model the host trains from; None:

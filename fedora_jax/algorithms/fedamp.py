@@ -142,8 +142,8 @@ def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
       logging.getLogger("fedora_jax").warning(
           "fedamp: with %d clients, alpha_k=%g and sigma=%g the first cloud models "
           "extrapolate (self weight xi_ii = %.3g < 0); the paper's analysis needs "
-          "alpha_k <= sigma / (K - 1) = %.3g (clip_step=True)", num_clients, config.alpha_k, config.sigma,
-          self_weight, config.sigma / (num_clients - 1))
+          "alpha_k <= sigma / (K - 1) = %.3g (clip_step=True)",
+          num_clients, config.alpha_k, config.sigma, self_weight, config.sigma / (num_clients - 1))
     server = FedAmpServer(attention=attention_matrix(context.params, config))
     return AlgorithmState(server=server, clients=context.params)
 

@@ -30,7 +30,8 @@ Server:
      (tools.protos_aggregation, weighted by class counts);
    * classifier collaboration (the paper's bias-variance objective, tools.
      get_head_agg_weight): for each sampled client i, over the sampled clients j,
-         alpha_i = argmin_{alpha in simplex}  sum_j alpha_j^2 V_j + || sum_j alpha_j (h_i - h_j) ||^2
+         alpha_i = argmin_{alpha in simplex}
+                     sum_j alpha_j^2 V_j + || sum_j alpha_j (h_i - h_j) ||^2
                  = argmin  alpha^T (diag(V) + D^i) alpha,  D^i_jl = <h_i - h_j, h_i - h_l>,
      and g_i <- sum_j alpha_ij g_j (the trained heads). The authors solve it with cvxpy;
      here by accelerated projected gradient (FISTA, `qp_steps` iterations, step 1 / L
