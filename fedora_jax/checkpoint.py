@@ -82,11 +82,15 @@ class Checkpointer(NamedTuple):
   every: int            # save after every `every` rounds, and after the last one
   max_to_keep: int = 3
 
-  def _manager(self) -> ocp.CheckpointManager:
+  def _manager(self, cleanup: bool = False) -> ocp.CheckpointManager:
+    # `cleanup` removes the temporary folders of an interrupted save. orbax does it in a
+    # background thread that its save waits for but its close() does not, so only the
+    # saving manager asks for it: a manager that only reads, closed just before a run
+    # exits (a refused workdir), would leave that thread printing a traceback at exit.
     logging.getLogger("absl").addFilter(_DROP_ORBAX_INFO)  # a no-op once added
     options = ocp.CheckpointManagerOptions(
         max_to_keep=self.max_to_keep, enable_async_checkpointing=False,
-        cleanup_tmp_directories=True)
+        cleanup_tmp_directories=cleanup)
     return ocp.CheckpointManager(os.path.abspath(self.directory), options=options)
 
   def latest_round(self) -> int | None:
@@ -102,7 +106,7 @@ class Checkpointer(NamedTuple):
   def save(self, state: RoundState, history: list[RoundMetrics]) -> None:
     """Saves the state after len(history) rounds and the history of those rounds."""
     _check_no_typed_keys(state)
-    with self._manager() as manager:
+    with self._manager(cleanup=True) as manager:
       manager.save(len(history), args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           history=ocp.args.StandardSave(stack_history(history))))
