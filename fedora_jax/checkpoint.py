@@ -19,6 +19,7 @@ another identity is refused instead of being mixed into it.
 import json
 import logging
 import os
+import shutil
 from typing import Any, NamedTuple
 
 import jax
@@ -160,8 +161,8 @@ def _write_json_atomically(path: str, document: dict) -> None:
 # a run short is refused by open_run). `reference` only changes what R-Acc compares with;
 # `eval_every` only which rounds' test scores the history holds.
 NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "eval_every",
-                "checkpoint_every", "verbose", "distributed", "coordinator_address",
-                "num_processes", "process_id", "cpu_devices")
+                "checkpoint_every", "keep_checkpoints", "verbose", "distributed",
+                "coordinator_address", "num_processes", "process_id", "cpu_devices")
 # Settings whose default changed, and the value a run recorded before the change ran with.
 # run_config.json records every identity setting's value, default or not, so such a run
 # holds the old value and is refused by the new default (never resumed as the other
@@ -273,6 +274,14 @@ def claim_workdir(workdir: str, identity: dict[str, Any],
     return
   os.makedirs(workdir, exist_ok=True)
   _write_json_atomically(os.path.join(workdir, RUN_CONFIG), json.loads(json.dumps(identity)))
+
+
+def remove_checkpoints(workdir: str) -> None:
+  """Deletes a finished run's checkpoints (--nokeep_checkpoints); its results.json,
+  history.npz and timing.json stay, and they are all a finished row is read from. In a
+  multi-process run only process 0 deletes, after every process has saved its last."""
+  if jax.process_index() == 0:
+    shutil.rmtree(os.path.join(workdir, CHECKPOINTS), ignore_errors=True)
 
 
 def open_run(workdir: str, identity: dict[str, Any], rounds: int,

@@ -55,6 +55,7 @@ class ExperimentConfig:
   train: TrainConfig = TrainConfig()
   reference: str | None = None      # a LOCAL run's results.json to compare against
   checkpoint_every: int = 50        # 0: no checkpoints
+  keep_checkpoints: bool = True     # False: a finished run deletes its checkpoints
   new_clients: int = 0              # FEDORA's Algorithm 2: clients held out of training
   new_client_epochs: int = 5
 
@@ -114,7 +115,7 @@ def config_identity(config: ExperimentConfig, algorithm: str) -> dict:
   own = algorithm == config.algorithm
   identity = dataclasses.asdict(dataclasses.replace(
       config, algorithm=algorithm, algorithm_config=None, reference=None,
-      checkpoint_every=0))
+      checkpoint_every=0, keep_checkpoints=True))
   identity["algorithm_config"] = repr(resolved_algorithm_config(config)) if own else None
   identity["train"] = {k: v for k, v in _train_info(config.train).items()
                        if k not in ("rounds", "log_every", "eval_every")}
@@ -262,6 +263,8 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
     # Kept as a LOCAL run of its own, so later runs can pass it as `reference`.
     save(os.path.join(workdir, "local"), {**run_info, "algorithm": "local"}, local_result,
          local, local)
+    if not config.keep_checkpoints:
+      checkpoint_lib.remove_checkpoints(os.path.join(checkpoint_root, "local"))
 
   info = dict(run_info)
   if config.algorithm == "fedora":
@@ -273,7 +276,10 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   if federated.new_data is not None:
     info["new_clients"] = serve_new_clients(federated, algorithm_config, model, train,
                                             result, config.new_client_epochs, progress)
-  return save(workdir, info, result, ours, local)
+  results = save(workdir, info, result, ours, local)
+  if not config.keep_checkpoints:
+    checkpoint_lib.remove_checkpoints(checkpoint_root)
+  return results
 
 
 def serve_new_clients(federated, config, model, train: TrainConfig, fedora_result,

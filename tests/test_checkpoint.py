@@ -292,6 +292,20 @@ def test_same_flags_give_identical_results(straight, cli_env, tmp_path):
   _assert_same_results(tmp_path / "again", straight)
 
 
+def test_nokeep_checkpoints_deletes_them_once_finished(straight, cli_env, tmp_path):
+  # Saved as usual while training (a killed run resumes), gone once the run and its
+  # LOCAL reference are finished; what a finished row is read from stays.
+  workdir = tmp_path / "pruned"
+  proc = _run_main(cli_env, workdir, "--nokeep_checkpoints")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for run in (workdir, workdir / "local"):
+    assert (run / "run_config.json").is_file() and not (run / "checkpoints").exists()
+    for name in ("results.json", "history.npz", "timing.json"):
+      assert (run / name).is_file(), name
+  assert (straight / "checkpoints").is_dir() and (straight / "local" / "checkpoints").is_dir()
+  _assert_same_results(workdir, straight)
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--lr=0.1"], "holds a run with other settings: lr=0.005 (now 0.1)"),
     (["--fedora_variant=paper"], "other settings: fedora_variant='authors' (now 'paper')"),
