@@ -17,7 +17,8 @@ The K x K system is factored once and applied to all d columns.
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsl
+
+from fedora_jax import linalg
 
 
 def kappa_from_alpha(alpha: float) -> float:
@@ -39,8 +40,8 @@ def propagate(theta: jax.Array, similarity: jax.Array, alpha: float = 1.0,
               kappa: float | None = None) -> jax.Array:
   """Closed form: theta [K, d] -> theta_hat [K, d]. `kappa` overrides alpha/(1+alpha)."""
   kappa = kappa_from_alpha(alpha) if kappa is None else kappa
-  lu_and_pivots = jsl.lu_factor(_system_matrix(similarity, kappa))
-  return jsl.lu_solve(lu_and_pivots, (1.0 - kappa) * theta)
+  lu_and_pivots = linalg.lu_factor(_system_matrix(similarity, kappa))
+  return linalg.lu_solve(lu_and_pivots, (1.0 - kappa) * theta)
 
 
 def propagate_iterative(theta: jax.Array, similarity: jax.Array, alpha: float = 1.0,
@@ -65,7 +66,7 @@ def propagation_matrix(similarity: jax.Array, alpha: float = 1.0,
   """
   kappa = kappa_from_alpha(alpha) if kappa is None else kappa
   k = similarity.shape[0]
-  return jnp.linalg.solve(_system_matrix(similarity, kappa),
+  return linalg.solve(_system_matrix(similarity, kappa),
                           (1.0 - kappa) * jnp.eye(k, dtype=similarity.dtype))
 
 

@@ -42,6 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from fedora_jax import linalg
 from fedora_jax.errors import ConfigError
 
 
@@ -76,7 +77,7 @@ def client_subspace(z: jax.Array, p: int, mask: jax.Array | None = None,
   if mask is not None:
     z = jnp.where(mask[:, None], z, 0.0)
   if method == "svd" or p + oversample >= min(z.shape):
-    _, _, vt = jnp.linalg.svd(z, full_matrices=False)
+    _, _, vt = linalg.svd(z)
     return fix_signs(vt[:p].T)
   return fix_signs(subspace_iteration(z, p, oversample, tol, max_iters))
 
@@ -114,8 +115,8 @@ def subspace_iteration(z: jax.Array, p: int, oversample: int = 10, tol: float = 
 
   def step(carry):
     i, product, _, _ = carry
-    q = jnp.linalg.qr(product)[0]
-    left, ritz_values, rows = jnp.linalg.svd(matmul(q.T, z), full_matrices=False)
+    q = linalg.qr(product)[0]
+    left, ritz_values, rows = linalg.svd(matmul(q.T, z))
     product = matmul(z, rows.T)  # the next step's Z B'^T; its first p columns are Z V_p
     residual = product[:, :p] - matmul(q, left[:, :p]) * ritz_values[:p]
     gap = ritz_values[p - 1] - ritz_values[p]
@@ -139,7 +140,7 @@ def principal_angle_cosines(subspaces: jax.Array,
   """
   others = subspaces if others is None else others
   overlaps = jnp.einsum("adp,bdq->abpq", subspaces, others)
-  cosines = jnp.linalg.svd(overlaps, compute_uv=False)
+  cosines = linalg.singular_values(overlaps)
   # Rounding can push a cosine of identical subspaces a hair above 1.
   return jnp.clip(cosines, 0.0, 1.0)
 

@@ -88,7 +88,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedora_jax import tree
+from fedora_jax import linalg, tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import layer_names
 from fedora_jax.engine.local_training import ClientTrainer
@@ -252,7 +252,7 @@ def step_sizes(grams: jax.Array, config: CoachingConfig) -> jax.Array:
   different layers are independent problems."""
   if config.lr_r_rule == "fixed":
     return jnp.full((grams.shape[0], 1), config.lr_r, grams.dtype)
-  top = jnp.linalg.eigvalsh(grams)[:, -1]
+  top = linalg.eigvalsh(grams)[:, -1]
   return (1.0 / (config.beta + 2.0 * config.lam * jnp.maximum(top, 0.0)))[:, None]
 
 
@@ -275,7 +275,7 @@ def relation_minimiser(grams: jax.Array, lam: float, beta: float) -> jax.Array:
   layer of coaching_cnn trained on FMNIST (beta = 0.01); measured against float64 there,
   R moves by 0.0023 at most (docs/coaching.md)."""
   num_clients = grams.shape[-1]
-  values, vectors = jnp.linalg.eigh(grams)                       # [L, N], [L, N, N]
+  values, vectors = linalg.eigh(grams)                            # [L, N], [L, N, N]
   values = jnp.maximum(values, 0.0)
   mu = beta / (2.0 * lam) if lam > 0 else jnp.inf
   shrink = values / (values + mu)

@@ -238,10 +238,8 @@ def _subspace_client_chunk(data: FederatedData) -> int | None:
   """Clients per chunk of the init's lax.map (None: all at once, vmapped).
 
   On CPU one client at a time: it was as fast as vmap (1000 rotated-MNIST clients:
-  0.65 s against 1.2 s; CIFAR-10: 1.0 s against 1.9 s, fewer page faults), and jaxlib's
-  batched LAPACK kernels (QR, SVD) split their batch over the intra-op thread pool and
-  wait for it, which deadlocked when two CPU devices ran them at once (jax 0.10, gdb:
-  both pool threads blocked in ParallelBatchMap inside lapack_sgeqrf_ffi).
+  0.65 s against 1.2 s; CIFAR-10: 1.0 s against 1.9 s, fewer page faults). (The QR and
+  SVD inside go one matrix at a time on CPU either way: fedora_jax/linalg.py.)
   """
   if jax.default_backend() == "cpu":
     return 1
