@@ -3,16 +3,18 @@ output (our messages as plain lines, a progress bar on a terminal, the libraries
 XLA's logs at WARNING unless --verbose), and errors as one line with a non-zero exit
 (experiments.main, reproduce and benchmark)."""
 
+import contextlib
 import logging
 import os
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 from absl import logging as absl_logging
 import jax
 
 from experiments import flags as run_flags
 from fedora_jax import progress as progress_lib
+from fedora_jax import watchdog as watchdog_lib
 from fedora_jax.engine import sharding
 from fedora_jax.errors import ConfigError, FedoraError, FieldError
 
@@ -93,6 +95,33 @@ def progress_reporter(label: str | None = None) -> progress_lib.Progress:
   if use_progress_bar():
     return progress_lib.ProgressBar(label)
   return progress_lib.LogProgress(FLAGS.log_every, label)
+
+
+def stall_limits() -> watchdog_lib.StallLimits | None:
+  """--stall_timeout and --compile_timeout as the watchdog's limits (None: no watchdog)."""
+  if FLAGS.stall_timeout == 0:
+    return None
+  if not FLAGS.compile_timeout > 0:
+    raise ConfigError(f"--compile_timeout must be > 0, got {FLAGS.compile_timeout}")
+  return watchdog_lib.StallLimits(round_seconds=FLAGS.stall_timeout,
+                                  compile_seconds=FLAGS.compile_timeout)
+
+
+def exit_on_stall(message: str) -> None:
+  """A command's answer to a stalled run: one line, exit status 75, and how to resume."""
+  watchdog_lib.exit_process(f"{message}; rerun the same command to resume")
+
+
+@contextlib.contextmanager
+def watching(on_stall: Callable[[str], None] = exit_on_stall
+             ) -> Iterator[watchdog_lib.Watchdog | None]:
+  """The watchdog the flags ask for, running (None with --stall_timeout=0)."""
+  limits = stall_limits()
+  if limits is None:
+    yield None
+    return
+  with watchdog_lib.Watchdog(limits, on_stall) as watchdog:
+    yield watchdog
 
 
 def run_command(argv, run_fn: Callable[[], object], interrupted: str = "interrupted",

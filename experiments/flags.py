@@ -98,6 +98,14 @@ flags.DEFINE_integer("checkpoint_every", 50, "Checkpoint every N rounds and afte
                      " one, into <workdir>/checkpoints; rerunning the same command resumes"
                      " from the latest (0: no checkpoints, always start afresh).",
                      lower_bound=0)
+flags.DEFINE_float("stall_timeout", None, "Seconds a round may run without finishing before"
+                   " the run ends with a one-line error and exit status 75, its last"
+                   " checkpoint kept, so that rerunning the command resumes (a hung run"
+                   " never waits forever). Default: 20 times the median round so far, at"
+                   " least 600 s. 0: no watchdog.", lower_bound=0)
+flags.DEFINE_float("compile_timeout", 3600, "Seconds the model and algorithm init,"
+                   " compilation and the first round may take before the run ends as with"
+                   " --stall_timeout.", lower_bound=0)
 flags.DEFINE_bool("keep_checkpoints", True, "Keep <workdir>/checkpoints once the run has"
                   " finished. --nokeep_checkpoints deletes them then (and its LOCAL"
                   " reference's): results.json, history.npz and timing.json stay, which is"

@@ -14,10 +14,14 @@ On a terminal each run shows a live progress bar; otherwise a line every --log_e
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
-from typing import NamedTuple
+import sys
+import time
+from typing import Callable, NamedTuple
+import uuid
 
 from absl import app
 
@@ -34,14 +38,17 @@ FLAGS = run_flags.FLAGS
 logger = logging.getLogger("experiments")
 
 
-def run(progress: progress_lib.Progress | None = None) -> dict:
+def run(progress: progress_lib.Progress | None = None,
+        on_stall: Callable[[str], None] = cli.exit_on_stall) -> dict:
   """The run the flags describe; returns its results document. `progress` reports its
-  rounds (default: cli.progress_reporter(), a bar on a terminal)."""
+  rounds (default: cli.progress_reporter(), a bar on a terminal); `on_stall` is told
+  when the watchdog finds it stalled (--stall_timeout; default: one line and exit)."""
   config = run_flags.experiment_config()
   workdir = FLAGS.workdir or train.default_workdir(config)
-  results = train.train_and_evaluate(config, workdir, run_flags.run_identity,
-                                     run_flags.identity_defaults(),
-                                     progress or cli.progress_reporter())
+  with cli.watching(on_stall) as watchdog:
+    results = train.train_and_evaluate(config, workdir, run_flags.run_identity,
+                                       run_flags.identity_defaults(),
+                                       progress or cli.progress_reporter(), watchdog)
   own = workdir if jax.process_index() == 0 else os.path.join(
       workdir, f"process{jax.process_index()}")
   for directory in (own, os.path.join(own, "local")):
@@ -112,6 +119,47 @@ def row_claimed(workdir: str, wait: bool = True):
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+# A row that stalled (--stall_timeout) in a sweep: recorded in its workdir, so that the
+# sweep, started again in the same process (os.execv: a stalled runtime cannot be
+# recovered in place), leaves it out as failed and goes on with the next row. The record
+# names its sweep (SWEEP_ENV, kept across the re-executions): a later sweep retries it.
+STALLED_ROW = "stalled.json"
+SWEEP_ENV = "FEDORA_JAX_SWEEP_ID"
+
+
+def sweep_id() -> str:
+  """This sweep's id, the same in its re-executions."""
+  return os.environ.setdefault(SWEEP_ENV, uuid.uuid4().hex)
+
+
+def _stall_record(workdir: str) -> dict | None:
+  try:
+    with open(os.path.join(workdir, STALLED_ROW)) as f:
+      record = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return record if isinstance(record, dict) and "message" in record else None
+
+
+def fail_row_and_go_on(workdir: str, name: str, message: str) -> None:
+  """A sweep's on_stall: records the row as failed and starts the sweep again, which
+  reads the finished rows, leaves this one out and runs the rest."""
+  record = {"sweep": sweep_id(), "message": message,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+  try:
+    with open(os.path.join(workdir, STALLED_ROW + ".tmp"), "w") as f:
+      json.dump(record, f)
+    os.replace(os.path.join(workdir, STALLED_ROW + ".tmp"),
+               os.path.join(workdir, STALLED_ROW))
+  except OSError as e:  # unrecorded, it would stall again on every restart
+    cli.exit_on_stall(f"{message} (and the row could not be recorded as failed: {e})")
+  sys.stdout.flush()
+  sys.stderr.write(f"\nerror: {name}: {message}; the row is left out as failed and the"
+                   " sweep goes on (a later run of the same command retries it)\n")
+  sys.stderr.flush()
+  os.execv(sys.executable, sys.orig_argv)
+
+
 class RowOutcome(NamedTuple):
   """A reproduce row: its results document, or None where --finished_only finds it not
   finished; whether it was read from a finished run rather than trained here; and for
@@ -134,8 +182,18 @@ def run_or_read(name: str, label: str | None, train: bool = True) -> RowOutcome:
     if results is not None:
       logger.info("%s: finished in %s, read", name, FLAGS.workdir)
       return RowOutcome(results, read=True)
+    stalled = _stall_record(FLAGS.workdir)
+    if stalled is not None and stalled.get("sweep") == sweep_id():
+      why = f"failed: {stalled['message']}"
+      logger.info("%s: %s; left out", name, why)
+      return RowOutcome(None, read=True, unfinished=why)
     logger.info("%s -> %s", name, FLAGS.workdir)
-    return RowOutcome(run(cli.progress_reporter(label)), read=False)
+    on_stall = (cli.exit_on_stall if jax.process_count() > 1 else
+                functools.partial(fail_row_and_go_on, FLAGS.workdir, name))
+    results = run(cli.progress_reporter(label), on_stall)
+    if stalled is not None:  # an earlier sweep's failure, retried and finished now
+      os.remove(os.path.join(FLAGS.workdir, STALLED_ROW))
+    return RowOutcome(results, read=False)
 
 
 def read_if_finished(name: str) -> RowOutcome:
@@ -154,6 +212,9 @@ def read_if_finished(name: str) -> RowOutcome:
           why = f"stopped after round {saved} of {FLAGS.rounds}"
         elif checkpoint_lib.holds_a_run(FLAGS.workdir):
           why = "not finished, no checkpoint saved"
+        stalled = None if results else _stall_record(FLAGS.workdir)
+        if stalled is not None:
+          why = f"failed: {stalled['message']}"
   logger.info("%s: %s", name, f"finished in {FLAGS.workdir}, read" if results
               else f"{why}; left out")
   return RowOutcome(results, read=True, unfinished=None if results else why)

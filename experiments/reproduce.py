@@ -438,17 +438,21 @@ def reproduce() -> dict:
   check_before_the_sweep(rows, workdir, first_seed)
   runs = {row: [] for row in rows}
   unfinished = {row: [] for row in rows}  # --finished_only: "seed 1: not started"
-  total = len(rows) * FLAGS.seeds
-  for seed in range(first_seed, first_seed + FLAGS.seeds):
-    for row in rows:
-      # --reference is not part of a run's identity: a row read without its LOCAL is it.
-      reference = runs["local"][-1]["results"] if row != "local" and runs["local"] else None
-      label = row_label(row, seed, sum(map(len, runs.values())) + 1, total)
-      run, why = run_row(row, seed, workdir, reference, label, FLAGS.finished_only)
-      if run is not None:
-        runs[row].append(run)
-      else:
-        unfinished[row].append(paper_tables.seed_unfinished(seed, why))
+  plan = [(seed, row) for seed in range(first_seed, first_seed + FLAGS.seeds) for row in rows]
+  local_of_seed = {}  # seed -> its LOCAL row's results.json, where that row finished
+  for number, (seed, row) in enumerate(plan, 1):
+    # --reference is not part of a run's identity: a row read without its LOCAL is it.
+    # A seed whose LOCAL did not finish (failed, or --finished_only) has none: its rows
+    # train their own.
+    reference = local_of_seed.get(seed) if row != "local" else None
+    label = row_label(row, seed, number, len(plan))
+    run, why = run_row(row, seed, workdir, reference, label, FLAGS.finished_only)
+    if run is not None:
+      runs[row].append(run)
+      if row == "local":
+        local_of_seed[seed] = run["results"]
+    else:
+      unfinished[row].append(paper_tables.seed_unfinished(seed, why))
   if not any(runs.values()):
     raise ConfigError(f"--finished_only: no row of --table={FLAGS.table} is finished in"
                       f" {workdir} (for these rows and seeds)")

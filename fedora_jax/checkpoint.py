@@ -161,7 +161,8 @@ def _write_json_atomically(path: str, document: dict) -> None:
 # a run short is refused by open_run). `reference` only changes what R-Acc compares with;
 # `eval_every` only which rounds' test scores the history holds.
 NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "eval_every",
-                "checkpoint_every", "keep_checkpoints", "verbose", "distributed",
+                "checkpoint_every", "keep_checkpoints", "stall_timeout", "compile_timeout",
+                "verbose", "distributed",
                 "coordinator_address", "num_processes", "process_id", "cpu_devices")
 # Settings whose default changed, and the value a run recorded before the change ran with.
 # run_config.json records every identity setting's value, default or not, so such a run

@@ -16,6 +16,7 @@ from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.engine import batch_stats, sharding
 from fedora_jax.progress import LogProgress, Progress
+from fedora_jax.watchdog import Watchdog
 from fedora_jax.rounds import (RoundMetrics, RoundState, build_test_evaluation,
                                build_train_round)
 from fedora_jax.errors import TrainingDivergedError
@@ -180,22 +181,58 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
                   train: TrainConfig,
                   on_round: Callable[[int, RoundMetrics], None] | None = None,
                   checkpointer: Checkpointer | None = None, mesh=None,
-                  progress: Progress | None = None) -> RunResult:
+                  progress: Progress | None = None,
+                  watchdog: Watchdog | None = None) -> RunResult:
   """Trains `name` for train.rounds rounds; returns per-round per-client metrics.
 
   With a checkpointer, starts from its latest checkpoint (state and the history of the
   rounds before it; `on_round` is not called for those) and saves as it goes.
   `progress` hears of the compile and every round (fedora_jax/progress.py; default: a
-  log line every train.log_every rounds).
+  log line every train.log_every rounds). A `watchdog` (fedora_jax/watchdog.py, already
+  entered) is told each stage, compiling and every round, with its time limit.
   """
   if progress is None:
     progress = LogProgress(train.log_every)
   progress.start(name, train.rounds, data.task)
   try:
     return _train(name, algorithm_config, model, data, train, on_round, checkpointer, mesh,
-                  progress)
+                  progress, _StageReporter(name, train.rounds, watchdog, checkpointer))
   finally:
     progress.close()
+    if watchdog is not None:
+      watchdog.idle()
+
+
+class _StageReporter:
+  """Tells a watchdog (if any) where a run is, with each stage's limit and what a stall
+  there leaves to resume from."""
+
+  def __init__(self, name: str, rounds: int, watchdog: Watchdog | None,
+               checkpointer: Checkpointer | None):
+    self.name, self.rounds, self.watchdog = name, rounds, watchdog
+    self.checkpointer = checkpointer
+    self.saved_round = None
+
+  def _note(self) -> str:
+    if self.checkpointer is None:
+      return "the run keeps no checkpoints"
+    if self.saved_round is None:
+      return "no checkpoint saved yet"
+    return f"its checkpoint of round {self.saved_round} is kept"
+
+  def compiling(self) -> None:
+    if self.watchdog is not None:
+      self.watchdog.stage(f"{self.name}: compiling", self.watchdog.limits.compile_seconds,
+                          self._note())
+
+  def round(self, number: int, durations: list[float]) -> None:
+    if self.watchdog is not None:
+      median = float(np.median(durations)) if durations else None
+      self.watchdog.stage(f"{self.name}: round {number} of {self.rounds}",
+                          self.watchdog.limits.round_limit(median), self._note())
+
+  def saved(self, number: int) -> None:
+    self.saved_round = number
 
 
 def _best_mean(history: list[RoundMetrics], lower_is_better: bool,
@@ -209,7 +246,8 @@ def _best_mean(history: list[RoundMetrics], lower_is_better: bool,
 
 
 def _train(name, algorithm_config, model, data, train, on_round, checkpointer, mesh,
-           progress: Progress) -> RunResult:
+           progress: Progress, stages: _StageReporter) -> RunResult:
+  stages.compiling()
   prepared = prepare_run(name, algorithm_config, model, data, train, mesh)
   algorithm, keys, buckets = prepared.algorithm, prepared.keys, prepared.buckets
   state, compiled, compile_seconds = (prepared.state, prepared.compiled,
@@ -220,6 +258,7 @@ def _train(name, algorithm_config, model, data, train, on_round, checkpointer, m
               checkpointer.restore(state, compiled.out_info[1], train.rounds))
   if restored is not None:
     state, history = restored.state, unstack_history(restored.history)
+    stages.saved(len(history))
     logger.info("%s: resuming after round %d of %d from %s", name, len(history),
                 train.rounds, checkpointer.directory)
   resumed_from_round = len(history)
@@ -228,6 +267,7 @@ def _train(name, algorithm_config, model, data, train, on_round, checkpointer, m
   best_mean_val = _best_mean(history, lower_is_better)
   run_start = time.perf_counter()
   for r in range(resumed_from_round, train.rounds):
+    stages.round(r + 1, durations)
     tic = time.perf_counter()
     state, metrics = compiled(state, buckets, keys["train"])
     metrics = to_host(metrics)  # also waits for the round to finish
@@ -243,6 +283,7 @@ def _train(name, algorithm_config, model, data, train, on_round, checkpointer, m
       on_round(r + 1, metrics)
     if checkpointer is not None and checkpointer.due(r + 1, train.rounds):
       checkpointer.save(state, history)
+      stages.saved(r + 1)
     progress.round_done(r + 1, metrics, float(np.median(durations)))
   total_seconds = time.perf_counter() - run_start
 

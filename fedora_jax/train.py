@@ -31,6 +31,7 @@ from fedora_jax.models import build_model, check_inputs
 from fedora_jax.progress import Progress
 from fedora_jax.rounds import CLIENT_WEIGHTS
 from fedora_jax.simulation import TrainConfig, root_keys, run_algorithm
+from fedora_jax.watchdog import Watchdog
 
 logger = logging.getLogger("fedora_jax")
 
@@ -179,12 +180,14 @@ def _client_info(federated) -> dict:
 def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
                        identity: Callable[[str], dict] | None = None,
                        identity_defaults: dict | None = None,
-                       progress: Progress | None = None) -> dict:
+                       progress: Progress | None = None,
+                       watchdog: Watchdog | None = None) -> dict:
   """Runs the experiment `config` into `workdir` (default `default_workdir`); returns the
   results document (results.json) and prints nothing.
 
   `progress` reports every run it trains, the LOCAL reference included (default: a log
-  line every config.train.log_every rounds; fedora_jax/progress.py).
+  line every config.train.log_every rounds; fedora_jax/progress.py). A `watchdog`
+  (fedora_jax/watchdog.py, entered) watches every run's compilation and rounds.
 
   `identity(algorithm)` is what run_config.json records for the run of `algorithm` (the
   config's, or "local" for its reference) and a rerun must match to resume from the
@@ -246,7 +249,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   with metric_writer.RoundWriter(workdir, config.algorithm, spec.task) as log_round:
     result = run_algorithm(config.algorithm, algorithm_config, model, data, train,
                            on_round=log_round, checkpointer=checkpointer,
-                           progress=progress)
+                           progress=progress, watchdog=watchdog)
   results_lib.write_timing(workdir, result)
   ours = results_lib.client_scores(result, spec.task)
   if config.algorithm == "local":
@@ -258,7 +261,8 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
     with metric_writer.RoundWriter(workdir, "local", spec.task) as log_round:
       local_result = run_algorithm("local", algorithms.default_config("local", train), model,
                                    data, train, on_round=log_round,
-                                   checkpointer=local_checkpointer, progress=progress)
+                                   checkpointer=local_checkpointer, progress=progress,
+                                   watchdog=watchdog)
     local = results_lib.client_scores(local_result, spec.task)
     # Kept as a LOCAL run of its own, so later runs can pass it as `reference`.
     save(os.path.join(workdir, "local"), {**run_info, "algorithm": "local"}, local_result,
@@ -275,7 +279,8 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
         "aggregation": algorithm_config.aggregation and algorithm_config.aggregation._asdict()}
   if federated.new_data is not None:
     info["new_clients"] = serve_new_clients(federated, algorithm_config, model, train,
-                                            result, config.new_client_epochs, progress)
+                                            result, config.new_client_epochs, progress,
+                                            watchdog)
   results = save(workdir, info, result, ours, local)
   if not config.keep_checkpoints:
     checkpoint_lib.remove_checkpoints(checkpoint_root)
@@ -283,11 +288,13 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
 
 
 def serve_new_clients(federated, config, model, train: TrainConfig, fedora_result,
-                      epochs: int, progress: Progress | None = None) -> dict:
+                      epochs: int, progress: Progress | None = None,
+                      watchdog: Watchdog | None = None) -> dict:
   """Trains FedAvg on the same clients, then serves the held-out ones (Algorithm 2)."""
   logger.info("training FedAvg on the same clients as the new-client baseline")
   fedavg_result = run_algorithm("fedavg", algorithms.default_config("fedavg", train), model,
-                                federated.data, train, progress=progress)
+                                federated.data, train, progress=progress,
+                                watchdog=watchdog)
   finetune_trainer = make_client_trainer(
       model.apply, make_optimizer(train.lr, train.momentum, train.weight_decay),
       epochs, train.batch_size, train.eval_batch_size)

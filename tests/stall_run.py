@@ -1,0 +1,43 @@
+"""Runs `experiments.main` or `experiments.reproduce` with one round of one algorithm
+stalled, as a hung runtime stalls it (tests/test_watchdog.py).
+
+  STALL_ALGORITHM=fedavg STALL_ROUND=3 python tests/stall_run.py main FLAGS...
+
+That algorithm's run blocks forever in that round, after its training and before its
+metrics are checked (where a deadlocked device leaves the main thread: waiting, not
+running Python); everything else runs as the command does.
+"""
+
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=wrong-import-position
+from absl import app
+
+from experiments import main as main_lib
+from experiments import reproduce
+from fedora_jax import simulation
+
+_running = {}
+_prepare_run, _check_finite = simulation.prepare_run, simulation.check_finite
+
+
+def prepare_run(name, *args, **kwargs):
+  _running["algorithm"] = name
+  return _prepare_run(name, *args, **kwargs)
+
+
+def check_finite(metrics, round_number):
+  if (_running.get("algorithm") == os.environ["STALL_ALGORITHM"]
+      and round_number == int(os.environ["STALL_ROUND"])):
+    threading.Event().wait()  # forever
+  _check_finite(metrics, round_number)
+
+
+if __name__ == "__main__":
+  simulation.prepare_run, simulation.check_finite = prepare_run, check_finite
+  command = sys.argv.pop(1)
+  app.run({"main": main_lib.main, "reproduce": reproduce.main}[command])
