@@ -4,7 +4,7 @@ accepts, two rounds on each engine path (tests/test_algorithm_matrix.py).
 Run as a script it prints the multi-device rows as one JSON line (one process per device
 count: JAX fixes the CPU device count when it starts):
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/algorithm_matrix.py 0 2
-(shard 0 of 2).
+(shard 0 of 2); a third argument runs that many clients (SIZES repeated) in place of six.
 """
 
 import json
@@ -86,11 +86,15 @@ def config_of(name: str, plugin: str):
   return config
 
 
-def run_path(name: str, plugin: str, path: Path) -> dict:
+def client_sizes(num_clients: int) -> tuple[int, ...]:
+  return tuple(SIZES[i % len(SIZES)] for i in range(num_clients))
+
+
+def run_path(name: str, plugin: str, path: Path, num_clients: int = len(SIZES)) -> dict:
   """Two rounds on `path`: the per-client metrics of both, as lists."""
   models = [MODEL_ROWS[p] for p in plugin.split(",") if p in MODEL_ROWS]
   make_model, x_shape = models[0] if models else (tiny.tiny_model, None)
-  data, _ = tiny.tiny_data(SIZES, x_shape=x_shape)
+  data, _ = tiny.tiny_data(client_sizes(num_clients), x_shape=x_shape)
   model = make_model()
   train = TrainConfig(rounds=2, local_epochs=2, batch_size=4, lr=0.1, momentum=0.9,
                       log_every=0, client_chunk=path.client_chunk,
@@ -103,16 +107,16 @@ def run_path(name: str, plugin: str, path: Path) -> dict:
           "local_steps": history.local_steps.tolist()}
 
 
-def main(shard: int, num_shards: int) -> None:
+def main(shard: int, num_shards: int, num_clients: int = len(SIZES)) -> None:
   assert jax.device_count() >= 2, jax.devices()
   rows = {}
   for name, plugin in pairings()[shard::num_shards]:
     try:
-      rows[f"{name}+{plugin}"] = [run_path(name, plugin, p) for p in PATHS]
+      rows[f"{name}+{plugin}"] = [run_path(name, plugin, p, num_clients) for p in PATHS]
     except Exception as e:  # pylint: disable=broad-except
       rows[f"{name}+{plugin}"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
   print(json.dumps(rows))
 
 
 if __name__ == "__main__":
-  main(int(sys.argv[1]), int(sys.argv[2]))
+  main(*map(int, sys.argv[1:4]))
