@@ -16,7 +16,7 @@ from experiments import flags as run_flags
 from fedora_jax import progress as progress_lib
 from fedora_jax import watchdog as watchdog_lib
 from fedora_jax.engine import sharding
-from fedora_jax.errors import ConfigError, FedoraError, FieldError
+from fedora_jax.errors import ConfigError, FedoraError, FieldError, RunInterrupted
 
 FLAGS = run_flags.FLAGS
 
@@ -124,10 +124,10 @@ def watching(on_stall: Callable[[str], None] = exit_on_stall
     yield watchdog
 
 
-def run_command(argv, run_fn: Callable[[], object], interrupted: str = "interrupted",
+def run_command(argv, run_fn: Callable[[], object], resume_hint: str | None = None,
                 log_level: int = logging.INFO) -> None:
   """Runs `run_fn` as a command: one-line errors and a non-zero exit, never a traceback
-  unless --verbose."""
+  unless --verbose; Ctrl-C says where it stopped, and `resume_hint` how to go on."""
   if len(argv) > 1:
     print(f"error: unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
     sys.exit(1)
@@ -143,8 +143,11 @@ def run_command(argv, run_fn: Callable[[], object], interrupted: str = "interrup
   except FedoraError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
-  except KeyboardInterrupt:
-    print(f"error: {interrupted}", file=sys.stderr)
+  except KeyboardInterrupt as e:  # RunInterrupted says where, and what is kept
+    stopped = str(e) if isinstance(e, RunInterrupted) else "interrupted"
+    # On a terminal the ^C and a progress bar hold the line.
+    print(("\n" if sys.stderr.isatty() else "") + f"error: {stopped}"
+          + (f"; {resume_hint}" if resume_hint else ""), file=sys.stderr)
     sys.exit(130)
   except Exception as e:  # pylint: disable=broad-except
     if FLAGS.verbose:

@@ -26,8 +26,11 @@ from fedora_jax.train import ExperimentConfig
 FLAGS = flags.FLAGS
 
 # Run and data.
-flags.DEFINE_enum("algorithm", "fedora", sorted(algorithms.REGISTRY), "Algorithm to run.")
-flags.DEFINE_enum("dataset", "rmnist", sorted(datasets.DATASETS), "Federated dataset.")
+# Names in any case (PFLlib's FedAvg is fedavg); the flag holds the registry's spelling.
+flags.DEFINE_enum("algorithm", "fedora", sorted(algorithms.REGISTRY), "Algorithm to run.",
+                  case_sensitive=False)
+flags.DEFINE_enum("dataset", "rmnist", sorted(datasets.DATASETS), "Federated dataset.",
+                  case_sensitive=False)
 flags.DEFINE_string("data_dir", None, "Data root, one folder per dataset (mnist/,"
                     " fashion-mnist/, cifar10/, cifar100/, gtsrb/, yearbook/, leaf/);"
                     " a missing one with a public source is downloaded into it; or one"

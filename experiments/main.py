@@ -221,7 +221,7 @@ def read_if_finished(name: str) -> RowOutcome:
 
 
 def main(argv):
-  cli.run_command(argv, run)
+  cli.run_command(argv, run, "rerun the same command to resume")
 
 
 if __name__ == "__main__":

@@ -494,8 +494,7 @@ def reproduce() -> dict:
 
 
 def main(argv):
-  cli.run_command(argv, reproduce,
-                       "interrupted (rerun the same command to resume the sweep)")
+  cli.run_command(argv, reproduce, "rerun the same command to resume the sweep")
 
 
 if __name__ == "__main__":

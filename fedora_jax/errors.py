@@ -32,3 +32,7 @@ class DataError(FedoraError):
 
 class TrainingDivergedError(FedoraError):
   """NaN or Inf appeared in training."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+  """Ctrl-C during a run; the message says where and what is kept to resume from."""

@@ -19,7 +19,7 @@ from fedora_jax.progress import LogProgress, Progress
 from fedora_jax.watchdog import Watchdog
 from fedora_jax.rounds import (RoundMetrics, RoundState, build_test_evaluation,
                                build_train_round)
-from fedora_jax.errors import TrainingDivergedError
+from fedora_jax.errors import RunInterrupted, TrainingDivergedError
 
 logger = logging.getLogger("fedora_jax")
 
@@ -194,9 +194,14 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
   if progress is None:
     progress = LogProgress(train.log_every)
   progress.start(name, train.rounds, data.task)
+  stages = _StageReporter(name, train.rounds, watchdog, checkpointer)
   try:
     return _train(name, algorithm_config, model, data, train, on_round, checkpointer, mesh,
-                  progress, _StageReporter(name, train.rounds, watchdog, checkpointer))
+                  progress, stages)
+  except RunInterrupted:
+    raise
+  except KeyboardInterrupt as e:  # Ctrl-C: say where, and what is kept
+    raise RunInterrupted(f"{stages.where} interrupted; {stages.note()}") from e
   finally:
     progress.close()
     if watchdog is not None:
@@ -204,16 +209,17 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
 
 
 class _StageReporter:
-  """Tells a watchdog (if any) where a run is, with each stage's limit and what a stall
-  there leaves to resume from."""
+  """Where a run is (`where`) and what stopping it there leaves to resume from (`note`),
+  told to a watchdog, if any, with each stage's limit."""
 
   def __init__(self, name: str, rounds: int, watchdog: Watchdog | None,
                checkpointer: Checkpointer | None):
     self.name, self.rounds, self.watchdog = name, rounds, watchdog
     self.checkpointer = checkpointer
     self.saved_round = None
+    self.where = f"{name}:"
 
-  def _note(self) -> str:
+  def note(self) -> str:
     if self.checkpointer is None:
       return "the run keeps no checkpoints"
     if self.saved_round is None:
@@ -221,15 +227,16 @@ class _StageReporter:
     return f"its checkpoint of round {self.saved_round} is kept"
 
   def compiling(self) -> None:
+    self.where = f"{self.name}: compiling"
     if self.watchdog is not None:
-      self.watchdog.stage(f"{self.name}: compiling", self.watchdog.limits.compile_seconds,
-                          self._note())
+      self.watchdog.stage(self.where, self.watchdog.limits.compile_seconds, self.note())
 
   def round(self, number: int, durations: list[float]) -> None:
+    self.where = f"{self.name}: round {number} of {self.rounds}"
     if self.watchdog is not None:
       median = float(np.median(durations)) if durations else None
-      self.watchdog.stage(f"{self.name}: round {number} of {self.rounds}",
-                          self.watchdog.limits.round_limit(median), self._note())
+      self.watchdog.stage(self.where, self.watchdog.limits.round_limit(median),
+                          self.note())
 
   def saved(self, number: int) -> None:
     self.saved_round = number

@@ -195,6 +195,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   default) lets a setting added later count as absent at its default (see
   checkpoint.check_workdir).
   """
+  config = dataclasses.replace(config, algorithm=algorithms.canonical_name(config.algorithm))
   check_config(config)
   spec = datasets.get_spec(config.dataset)
   algorithm_config = resolved_algorithm_config(config)

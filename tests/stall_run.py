@@ -5,10 +5,12 @@ stalled, as a hung runtime stalls it (tests/test_watchdog.py).
 
 That algorithm's run blocks forever in that round, after its training and before its
 metrics are checked (where a deadlocked device leaves the main thread: waiting, not
-running Python); everything else runs as the command does.
+running Python); everything else runs as the command does. With STALL_WITH=sigint the
+process gets a SIGINT there instead, as from Ctrl-C.
 """
 
 import os
+import signal
 import sys
 import threading
 
@@ -33,6 +35,8 @@ def prepare_run(name, *args, **kwargs):
 def check_finite(metrics, round_number):
   if (_running.get("algorithm") == os.environ["STALL_ALGORITHM"]
       and round_number == int(os.environ["STALL_ROUND"])):
+    if os.environ.get("STALL_WITH") == "sigint":
+      signal.raise_signal(signal.SIGINT)
     threading.Event().wait()  # forever
   _check_finite(metrics, round_number)
 

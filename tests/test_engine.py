@@ -195,3 +195,12 @@ def test_default_eval_batch_is_small_for_the_cnns_on_cpus_only():
 def test_default_mesh_spans_no_more_cpu_devices_than_the_smallest_bucket():
   assert sharding.default_mesh([36]).size == 1  # this process has one CPU device
   assert sharding.default_mesh([35, 1]).size == 1
+
+
+def test_algorithm_names_are_taken_in_any_case():
+  from fedora_jax import algorithms  # pylint: disable=import-outside-toplevel
+  from fedora_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  assert algorithms.canonical_name("FedAvg") == "fedavg"
+  assert algorithms.get("PFEDME") is algorithms.REGISTRY["pfedme"]
+  with pytest.raises(ConfigError, match="unknown algorithm 'FedNope'"):
+    algorithms.canonical_name("FedNope")

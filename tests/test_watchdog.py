@@ -52,8 +52,9 @@ def test_a_stage_past_its_limit_is_reported_once_and_others_are_not():
                     " its checkpoint of round 5 is kept"]
 
 
-def _stalled(command, *args, algorithm="fedavg", round_number=3):
-  env = dict(os.environ, STALL_ALGORITHM=algorithm, STALL_ROUND=str(round_number))
+def _stalled(command, *args, algorithm="fedavg", round_number=3, stall_with="hang"):
+  env = dict(os.environ, STALL_ALGORITHM=algorithm, STALL_ROUND=str(round_number),
+             STALL_WITH=stall_with)
   return subprocess.run([sys.executable, STALL_RUN, command, *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 
@@ -79,6 +80,16 @@ def test_a_stalled_round_ends_the_run_with_one_line_and_a_rerun_resumes(tmp_path
   assert "fedavg: resuming after round 2 of 4" in proc.stderr
   results = json.loads((tmp_path / "results.json").read_text())
   assert results["rounds"] == 4 and len(results["clients"]) == 4
+
+
+def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path):
+  args = ["--dataset=rmnist", "--algorithm=FedAvg", f"--workdir={tmp_path}", *FAST,
+          "--checkpoint_every=1"]
+  proc = _stalled("main", *args, round_number=2, stall_with="sigint")
+  assert proc.returncode == 130, proc.stderr[-3000:]
+  assert proc.stderr.splitlines()[-1] == (
+      "error: fedavg: round 2 of 2 interrupted; its checkpoint of round 1 is kept; rerun"
+      " the same command to resume")
 
 
 def test_a_sweep_leaves_a_stalled_row_out_as_failed_and_goes_on(tmp_path):

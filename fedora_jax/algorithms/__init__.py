@@ -113,10 +113,18 @@ REGISTRY: dict[str, Registered] = {
 }
 
 
+def canonical_name(name: str) -> str:
+  """The registry's spelling of algorithm `name`, given in any case ("FedAvg": fedavg)."""
+  if name in REGISTRY:
+    return name
+  if name.lower() in REGISTRY:
+    return name.lower()
+  raise ConfigError(f"unknown algorithm {name!r}; known: {', '.join(sorted(REGISTRY))}")
+
+
 def get(name: str) -> Registered:
-  if name not in REGISTRY:
-    raise ConfigError(f"unknown algorithm {name!r}; known: {', '.join(sorted(REGISTRY))}")
-  return REGISTRY[name]
+  """The registered algorithm `name`, in any case."""
+  return REGISTRY[canonical_name(name)]
 
 
 def default_config(name: str, train: Any = None, preset: str | None = None, **overrides):
