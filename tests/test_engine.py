@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedora_jax import tree
+from fedora_jax import algorithms, tree
 from fedora_jax.algorithms import fedavg, local
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.rounds import RoundMetrics, RoundState, build_train_round
-from fedora_jax.errors import TrainingDivergedError
+from fedora_jax.errors import ConfigError, TrainingDivergedError
 from fedora_jax.simulation import check_finite
 from fedora_jax.engine import buckets, sharding
 from fedora_jax.models import default_client_chunk, default_eval_batch_size
@@ -198,8 +198,6 @@ def test_default_mesh_spans_no_more_cpu_devices_than_the_smallest_bucket():
 
 
 def test_algorithm_names_are_taken_in_any_case():
-  from fedora_jax import algorithms  # pylint: disable=import-outside-toplevel
-  from fedora_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
   assert algorithms.canonical_name("FedAvg") == "fedavg"
   assert algorithms.get("PFEDME") is algorithms.REGISTRY["pfedme"]
   with pytest.raises(ConfigError, match="unknown algorithm 'FedNope'"):
