@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import sys
+import textwrap
 from typing import Callable, Iterator
 
 from absl import logging as absl_logging
@@ -95,6 +96,17 @@ def progress_reporter(label: str | None = None) -> progress_lib.Progress:
   if use_progress_bar():
     return progress_lib.ProgressBar(label)
   return progress_lib.LogProgress(FLAGS.log_every, label)
+
+
+def grouped_help(groups: dict[str, tuple[str, ...]], header: str) -> str:
+  """The flags a first use needs, by group, with defaults: what --help shows after the
+  command's docstring (absl prints the __main__ module's __doc__, %-formatted)."""
+  lines = [""] + textwrap.wrap(header, 88)
+  for group, names in groups.items():
+    lines += ["", f"{group}:"]
+    for name in names:
+      lines += run_flags.flag_lines(name)
+  return "\n".join(lines).replace("%", "%%") + "\n"
 
 
 def stall_limits() -> watchdog_lib.StallLimits | None:

@@ -8,6 +8,9 @@ with presets (FEDORA's paper and authors' settings). Presets of whole runs live 
 experiments/configs/*.flags (--flagfile).
 """
 
+import sys
+import textwrap
+
 from absl import flags
 
 import jax
@@ -114,6 +117,9 @@ flags.DEFINE_bool("keep_checkpoints", True, "Keep <workdir>/checkpoints once the
                   " reference's): results.json, history.npz and timing.json stay, which is"
                   " all `reproduce` reads a finished row from, but the run can no longer be"
                   " extended to more --rounds. A 100-client CNN run keeps ~0.7 GB.")
+
+flags.DEFINE_string("help_algorithm", None, "Show one algorithm's flags (its"
+                    " hyperparameters) with their defaults, and exit.")
 
 # Devices and processes (experiments/cli.py). The client axis is split over every device
 # of every process; results do not depend on how many there are.
@@ -222,6 +228,37 @@ for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():
 PLUGIN_FLAGS = {"ala": tuple(f"ala_{field}" for field in ala_lib.AlaConfig._fields),
                 "aggregation": tuple(f"confree_{field}"
                                      for field in confree_lib.ConfreeConfig._fields)}
+
+
+def flag_lines(name: str) -> list[str]:
+  """--name, its default and its help (an enum's choices as words), wrapped."""
+  flag = FLAGS[name]
+  default = "" if flag.default is None else f" (default: {flag.default_as_str.strip(chr(39))})"
+  text = flag.help
+  if text.startswith("<") and ">: " in text:  # absl's "<a|b|c>: " before an enum's help
+    choices, text = text[1:].split(">: ", 1)
+    text = f"{text} One of: {', '.join(choices.split('|'))}."
+  return [f"  --{name}{default}"] + textwrap.wrap(text, 86, initial_indent="      ",
+                                                  subsequent_indent="      ")
+
+
+def algorithm_help(name: str) -> str:
+  """`name`'s flags, each with its help and default, under its paper (--help_algorithm)."""
+  registered = algorithms.get(name)
+  name = algorithms.canonical_name(name)
+  paper = (sys.modules[registered.factory.__module__].__doc__ or name).strip().splitlines()[0]
+  owned = [flag for flag, owner in OWNER_OF_FLAG.items() if owner == name]
+  lines = [f"--algorithm={name}: {paper}"]
+  if not owned:
+    lines.append("  no hyperparameters of its own; the training flags (--lr,"
+                 " --local_epochs, ...) apply")
+  for flag in owned:
+    lines += flag_lines(flag)
+  if name in ala_lib.HOOKS:
+    lines.append("  takes FedALA's ALA plug-in: --ala (settings --ala_*)")
+  if name in confree_lib.HOSTS:
+    lines.append("  takes ConFREE's aggregation: --aggregation=confree (settings --confree_*)")
+  return "\n".join(lines)
 
 
 def _given(owner: str, config_class: type) -> dict:

@@ -33,6 +33,7 @@ from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import progress as progress_lib
 from fedora_jax import results as results_lib
 from fedora_jax import train
+from fedora_jax.errors import FedoraError
 
 FLAGS = run_flags.FLAGS
 logger = logging.getLogger("experiments")
@@ -220,7 +221,26 @@ def read_if_finished(name: str) -> RowOutcome:
   return RowOutcome(results, read=True, unfinished=None if results else why)
 
 
+# What --help lists after the docstring above.
+__doc__ += cli.grouped_help({  # pylint: disable=redefined-builtin
+    "data": ("dataset", "data_dir", "num_clients", "setting"),
+    "model and training": ("model", "rounds", "local_epochs", "lr", "batch_size",
+                           "participation", "seed"),
+    "algorithm": ("algorithm", "help_algorithm", "ala", "aggregation"),
+    "output": ("workdir", "log_every", "checkpoint_every", "stall_timeout"),
+    "devices": ("cpu_devices",),
+}, "The flags of a first run (--helpfull: all of them, each algorithm's as"
+   " --<algorithm>_<field>; --help_algorithm=NAME: one algorithm's):")
+
+
 def main(argv):
+  if FLAGS.help_algorithm:
+    try:
+      print(run_flags.algorithm_help(FLAGS.help_algorithm))
+    except FedoraError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(1)
+    return
   cli.run_command(argv, run, "rerun the same command to resume")
 
 

@@ -493,6 +493,15 @@ def reproduce() -> dict:
   return document
 
 
+# What --help lists after the docstring above.
+__doc__ += cli.grouped_help({  # pylint: disable=redefined-builtin
+    "the table": ("table", "dataset", "columns", "rows", "seeds", "seed", "rounds"),
+    "where": ("data_dir", "workdir", "finished_only"),
+    "output": ("log_every", "stall_timeout"),
+}, "The flags of a sweep (--helpfull: all of them; every run flag passes through to each"
+   " row):")
+
+
 def main(argv):
   cli.run_command(argv, reproduce, "rerun the same command to resume the sweep")
 

@@ -155,3 +155,18 @@ def test_bad_input_gets_a_one_line_error(tmp_path):
     assert code != 0, (args, output[-2000:])
     assert "Traceback" not in output, (args, output[-2000:])
     assert len(errors) == 1 and message in errors[0], (args, output[-2000:])
+
+
+def test_help_lists_a_first_runs_flags_by_group_with_defaults():
+  proc = run_main("--help")
+  lines = proc.stdout.splitlines()
+  for group in ("data:", "model and training:", "algorithm:", "output:", "devices:"):
+    assert group in lines, proc.stdout
+  assert "  --rounds (default: 500)" in lines and "  --dataset (default: rmnist)" in lines
+  assert len(lines) < 120  # --helpfull has the other ~200 flags
+  proc = run_main("--help_algorithm=FedProx")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith("--algorithm=fedprox: FedProx")
+  assert "  --fedprox_mu" in proc.stdout.splitlines()
+  proc = run_main("--help_algorithm=fednope")
+  assert proc.returncode == 1 and proc.stderr.startswith("error: unknown algorithm 'fednope'")
