@@ -118,6 +118,8 @@ flags.DEFINE_bool("keep_checkpoints", True, "Keep <workdir>/checkpoints once the
                   " all `reproduce` reads a finished row from, but the run can no longer be"
                   " extended to more --rounds. A 100-client CNN run keeps ~0.7 GB.")
 
+flags.DEFINE_bool("per_client", False, "Print each client's scores (they are always in"
+                  " <workdir>/clients.csv), not just the run's summary.")
 flags.DEFINE_string("help_algorithm", None, "Show one algorithm's flags (its"
                     " hyperparameters) with their defaults, and exit.")
 

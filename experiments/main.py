@@ -8,7 +8,8 @@ ExperimentConfig, and run_config.json records them so a rerun resumes from check
 Writes results.json, clients.csv, rounds.csv, history.npz, flags.txt and the algorithm's
 arrays (FEDORA: similarity.npy; coaching: relation_cube.npy) to --workdir with PNG plots
 and per-round TensorBoard events in <workdir>/tensorboard/<algorithm>, the LOCAL
-reference it trained to <workdir>/local/, and prints a per-client table with the summary.
+reference it trained to <workdir>/local/, and prints the summary (--per_client: and each
+client's scores).
 On a terminal each run shows a live progress bar; otherwise a line every --log_every rounds.
 """
 
@@ -40,10 +41,13 @@ logger = logging.getLogger("experiments")
 
 
 def run(progress: progress_lib.Progress | None = None,
-        on_stall: Callable[[str], None] = cli.exit_on_stall) -> dict:
+        on_stall: Callable[[str], None] = cli.exit_on_stall,
+        row: str | None = None) -> dict:
   """The run the flags describe; returns its results document. `progress` reports its
   rounds (default: cli.progress_reporter(), a bar on a terminal); `on_stall` is told
-  when the watchdog finds it stalled (--stall_timeout; default: one line and exit)."""
+  when the watchdog finds it stalled (--stall_timeout; default: one line and exit).
+  Prints its summary (each client's scores too with --per_client), or, as a sweep's
+  `row`, one line."""
   config = run_flags.experiment_config()
   workdir = FLAGS.workdir or train.default_workdir(config)
   with cli.watching(on_stall) as watchdog:
@@ -56,10 +60,16 @@ def run(progress: progress_lib.Progress | None = None,
     if os.path.isfile(os.path.join(directory, "results.json")):
       with open(os.path.join(directory, "flags.txt"), "w") as f:
         f.write(FLAGS.flags_into_string())
-  print(results_lib.format_table(results))
+  if row is not None:
+    print(f"{row}: {results_lib.format_row(results)}  ({own})", flush=True)
+    return results
+  if FLAGS.per_client:
+    print(results_lib.format_clients(results))
+  print(results_lib.format_summary(results))
   if "new_clients" in results:
     print(results_lib.format_new_clients(results["new_clients"]))
-  print(f"results in {own}")
+  print(f"results in {own}" + ("" if FLAGS.per_client else
+                                " (each client's in clients.csv, or with --per_client)"))
   return results
 
 
@@ -191,7 +201,7 @@ def run_or_read(name: str, label: str | None, train: bool = True) -> RowOutcome:
     logger.info("%s -> %s", name, FLAGS.workdir)
     on_stall = (cli.exit_on_stall if jax.process_count() > 1 else
                 functools.partial(fail_row_and_go_on, FLAGS.workdir, name))
-    results = run(cli.progress_reporter(label), on_stall)
+    results = run(cli.progress_reporter(label), on_stall, row=name)
     if stalled is not None:  # an earlier sweep's failure, retried and finished now
       os.remove(os.path.join(FLAGS.workdir, STALLED_ROW))
     return RowOutcome(results, read=False)

@@ -162,7 +162,7 @@ def _write_json_atomically(path: str, document: dict) -> None:
 # `eval_every` only which rounds' test scores the history holds.
 NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "eval_every",
                 "checkpoint_every", "keep_checkpoints", "stall_timeout", "compile_timeout",
-                "help_algorithm",
+                "help_algorithm", "per_client",
                 "verbose", "distributed",
                 "coordinator_address", "num_processes", "process_id", "cpu_devices")
 # Settings whose default changed, and the value a run recorded before the change ran with.

@@ -28,7 +28,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from fedora_jax.errors import ConfigError
-from fedora_jax.results import split_label
+from fedora_jax.results import run_label, split_label
 
 NEGATIVE_COLOR = "tab:red"    # R-Acc_k < 0: negative transfer
 POSITIVE_COLOR = "tab:blue"   # R-Acc_k >= 0: at least as good as LOCAL (counts in PTR)
@@ -69,11 +69,6 @@ def _label_clients(axis, client_ids: np.ndarray | None, max_ticks: int) -> None:
         lambda x, _: str(ids[int(x)]) if float(x).is_integer() and 0 <= x < len(ids) else ""))
 
 
-def _run_label(results: Mapping) -> str:
-  return (f"{results['algorithm']} on {results['dataset']} ({split_label(results)},"
-          f" {results['num_clients']} clients, seed {results['seed']})")
-
-
 def relative_accuracy_figure(r_acc: np.ndarray, title: str = "",
                              client_ids: np.ndarray | None = None) -> Figure:
   """Bars of per-client R-Acc in %, negative transfer in red, with a zero line."""
@@ -100,7 +95,7 @@ def relative_accuracy_figure(r_acc: np.ndarray, title: str = "",
 
 def relative_accuracy_title(results: Mapping) -> str:
   """The run, the round, and its headline Acc / R-Acc / PTR."""
-  return (f"{_run_label(results)}, final round {results['rounds']}\n"
+  return (f"{run_label(dict(results))}, final round {results['rounds']}\n"
           f"Acc {results['acc']:.4f} (LOCAL {results['local_acc']:.4f})"
           f"   R-Acc {100 * results['r_acc']:+.2f}%   PTR {results['ptr']:.3f}")
 
@@ -387,7 +382,7 @@ def write_run_plots(workdir: str, results: Mapping, history: Mapping[str, np.nda
   `results` is the results.json document, `history` the per-round [R, K] arrays
   (history.npz), `artifacts` the algorithm's arrays (FEDORA: similarity, graph).
   """
-  label = _run_label(results)
+  label = run_label(dict(results))
   written = []
   # results.json lists clients in the order of the history's and artifacts' client axis.
   client_ids = np.array([c["id"] for c in results["clients"]])

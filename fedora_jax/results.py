@@ -340,57 +340,82 @@ def split_label(results: dict) -> str:
   return f"{kind}, {setting}" if setting else kind
 
 
+def run_label(results: dict) -> str:
+  """"fedavg+ala on rmnist (balanced, 36 clients, seed 0, participation 0.5)": the
+  algorithm with its plug-ins, the data, and a participation below 1."""
+  plugins = results.get("plugins") or {}
+  # "aggregation" is ConFREE's, the one aggregation plug-in.
+  name = results["algorithm"] + "".join(
+      f"+{'confree' if plugin == 'aggregation' else plugin}"
+      for plugin, value in plugins.items() if value)
+  participation = (results.get("train") or {}).get("participation", 1.0)
+  extra = f", participation {participation:g}" if participation != 1.0 else ""
+  return (f"{name} on {results['dataset']} ({split_label(results)},"
+          f" {results['num_clients']} clients, seed {results['seed']}{extra})")
+
+
 def format_table(results: dict) -> str:
   """Per-client table and the summary lines, final round and best-validation round."""
+  return format_clients(results) + "\n" + format_summary(results)
+
+
+def format_clients(results: dict) -> str:
+  """One line per client: its score and LOCAL's at the final and best-validation round."""
   if task_of(results) == "regression":
-    return _format_regression_table(results)
+    lines = [f"{'client':>6} {'n_train':>7} {'mae':>9} {'local':>9} {'r_mae':>8}"
+             f" {'bv_mae':>9} {'bv_local':>9}"]
+    for c in results["clients"]:
+      lines.append(f"{c['id']:>6} {c['n_train']:>7} {c['mae']:>9.4f} {c['local_mae']:>9.4f}"
+                   f" {_signed(c['r_mae'], 8)} {c['best_val_mae']:>9.4f}"
+                   f" {c['local_best_val_mae']:>9.4f}")
+    return "\n".join(lines)
   lines = [f"{'client':>6} {'n_train':>7} {'acc':>7} {'local':>7} {'r_acc':>8}"
            f" {'bv_acc':>7} {'bv_local':>8}"]
   for c in results["clients"]:
     lines.append(f"{c['id']:>6} {c['n_train']:>7} {c['acc']:>7.4f} {c['local_acc']:>7.4f}"
                  f" {_signed(c['r_acc'], 8)} {c['best_val_acc']:>7.4f}"
                  f" {c['local_best_val_acc']:>8.4f}")
+  return "\n".join(lines)
+
+
+def format_summary(results: dict) -> str:
+  """The run's label, and its mean scores, R-Acc and PTR against LOCAL at the final and
+  the best-validation round."""
   best = results["best_val"]
-  name = results["algorithm"]
-  lines += [
-      f"{name} on {results['dataset']} ({split_label(results)}, {results['num_clients']}"
-      f" clients, seed {results['seed']}, {results['rounds']} rounds):",
+  if task_of(results) == "regression":
+    nan = float("nan")
+    fmt = lambda x, spec: format(nan if x is None else x, spec)
+    return "\n".join([
+        f"{run_label(results)}, {results['rounds']} rounds (regression; MAE: lower is"
+        " better, R-MAE = (MAE_LOCAL - MAE) / MAE_LOCAL, PTR = share of clients with MAE"
+        " <= LOCAL's):",
+        f"  final round {results['rounds']}:        MAE {fmt(results['mae'], '.4f')}"
+        f"  {_relative_mean('R-MAE', results['r_mae'], results, 'r_mae')}"
+        f"  PTR {fmt(results['ptr'], '.4f')}"
+        f"  (LOCAL MAE {fmt(results['local_mae'], '.4f')})",
+        f"  best-validation round {best['round']}: MAE {fmt(best['mae'], '.4f')}"
+        f"  {_relative_mean('R-MAE', best['r_mae'], results, 'best_val_r_mae')}"
+        f"  PTR {fmt(best['ptr'], '.4f')}"
+        f"  (LOCAL MAE {fmt(best['local_mae'], '.4f')}, its round {best['local_round']})"])
+  return "\n".join([
+      f"{run_label(results)}, {results['rounds']} rounds:",
       f"  final round {results['rounds']}:        Acc {results['acc']:.4f}"
       f"  {_relative_mean('R-Acc', results['r_acc'], results, 'r_acc')}  PTR {results['ptr']:.4f}"
       f"  (LOCAL Acc {results['local_acc']:.4f})",
       f"  best-validation round {best['round']}: Acc {best['acc']:.4f}"
       f"  {_relative_mean('R-Acc', best['r_acc'], results, 'best_val_r_acc')}"
       f"  PTR {best['ptr']:.4f}"
-      f"  (LOCAL Acc {best['local_acc']:.4f}, its round {best['local_round']})",
-  ]
-  return "\n".join(lines)
+      f"  (LOCAL Acc {best['local_acc']:.4f}, its round {best['local_round']})"])
 
 
-def _format_regression_table(results: dict) -> str:
-  lines = [f"{'client':>6} {'n_train':>7} {'mae':>9} {'local':>9} {'r_mae':>8}"
-           f" {'bv_mae':>9} {'bv_local':>9}"]
-  nan = float("nan")
-  for c in results["clients"]:
-    lines.append(f"{c['id']:>6} {c['n_train']:>7} {c['mae']:>9.4f} {c['local_mae']:>9.4f}"
-                 f" {_signed(c['r_mae'], 8)} {c['best_val_mae']:>9.4f}"
-                 f" {c['local_best_val_mae']:>9.4f}")
-  best = results["best_val"]
-  fmt = lambda x, spec: format(nan if x is None else x, spec)
-  lines += [
-      f"{results['algorithm']} on {results['dataset']} (regression,"
-      f" {results['num_clients']} clients, seed {results['seed']}, {results['rounds']}"
-      " rounds; MAE: lower is better, R-MAE = (MAE_LOCAL - MAE) / MAE_LOCAL,"
-      " PTR = share of clients with MAE <= LOCAL's):",
-      f"  final round {results['rounds']}:        MAE {fmt(results['mae'], '.4f')}"
-      f"  {_relative_mean('R-MAE', results['r_mae'], results, 'r_mae')}"
-      f"  PTR {fmt(results['ptr'], '.4f')}"
-      f"  (LOCAL MAE {fmt(results['local_mae'], '.4f')})",
-      f"  best-validation round {best['round']}: MAE {fmt(best['mae'], '.4f')}"
-      f"  {_relative_mean('R-MAE', best['r_mae'], results, 'best_val_r_mae')}"
-      f"  PTR {fmt(best['ptr'], '.4f')}"
-      f"  (LOCAL MAE {fmt(best['local_mae'], '.4f')}, its round {best['local_round']})",
-  ]
-  return "\n".join(lines)
+def format_row(results: dict) -> str:
+  """One line for a sweep's row: the final round's scores against LOCAL."""
+  if task_of(results) == "regression":
+    return (f"MAE {format(float('nan') if results['mae'] is None else results['mae'], '.4f')}"
+            f"  PTR {format(float('nan') if results['ptr'] is None else results['ptr'], '.4f')}")
+  r_acc = results["r_acc"]
+  return (f"Acc {results['acc']:.4f}  R-Acc {'n/a' if r_acc is None else format(r_acc, '+.4f')}"
+          f"  PTR {results['ptr']:.4f}  (LOCAL {results['local_acc']:.4f})")
 
 
 def new_client_results(client_ids: np.ndarray, angles: np.ndarray, accuracy,

@@ -113,3 +113,20 @@ def test_rotation_distance_and_r_acc_by_distance_from_the_large_client_by_hand()
       "far": (3, pytest.approx(0.1))}  # client 5's undefined R-Acc is left out of the mean
   assert metrics.relative_accuracy_by_distance([0, 180], [5, 1], [0.0, 0.2])["near"] == (
       0, None)
+
+
+def test_the_summary_names_plug_ins_and_participation_and_clients_print_apart():
+  ours = results.ClientScores(final=np.array([0.5, 0.2]), best_val=np.array([0.5, 0.2]),
+                              best_round=2)
+  local = results.ClientScores(final=np.array([0.4, 0.2]), best_val=np.array([0.4, 0.2]),
+                               best_round=1)
+  info = {"dataset": "rmnist", "algorithm": "fedavg", "setting": "balanced",
+          "num_clients": 2, "seed": 3, "rounds": 5, "train": {"participation": 0.5},
+          "plugins": {"ala": {"eta": 1.0}, "aggregation": None}}
+  report = results.build_results(info, None, ours, local, {"n_train": np.array([5, 6])})
+  summary = results.format_summary(report).splitlines()
+  assert summary[0] == ("fedavg+ala on rmnist (balanced, 2 clients, seed 3, participation"
+                        " 0.5), 5 rounds:")
+  assert summary[1].split()[:5] == ["final", "round", "5:", "Acc", "0.3500"]
+  assert len(results.format_clients(report).splitlines()) == 3  # a header and 2 clients
+  assert results.format_row(report) == "Acc 0.3500  R-Acc +0.1250  PTR 1.0000  (LOCAL 0.3000)"
