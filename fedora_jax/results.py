@@ -46,13 +46,14 @@ def client_scores(result: RunResult, task: str = "classification") -> ClientScor
 
 
 # Fields a LOCAL reference must share with the run it is compared against.
-_REFERENCE_KEYS = ("dataset", "setting", "num_clients", "data_seed", "seed", "rounds",
+_REFERENCE_KEYS = ("dataset", "setting", "num_clients", "data_seed", "seed",
                    "model", "hidden", "partition",  # partition: absent for rotation
                    "split")  # absent: our own sampling
+# A LOCAL run of at least as many rounds serves: it is read at this run's last round.
 _REFERENCE_TRAIN_KEYS = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay")
 # As run flags (those of these names that are flags): a run that changes one cannot use
 # that LOCAL as its reference.
-REFERENCE_FLAGS = _REFERENCE_KEYS + _REFERENCE_TRAIN_KEYS
+REFERENCE_FLAGS = _REFERENCE_KEYS + ("rounds",) + _REFERENCE_TRAIN_KEYS
 
 
 def load_reference(path: str, run_info: dict[str, Any]) -> ClientScores:
@@ -79,10 +80,35 @@ def load_reference(path: str, run_info: dict[str, Any]) -> ClientScores:
   if mismatched:
     details = ", ".join(f"{k}={theirs!r} (run: {ours!r})" for k, theirs, ours in mismatched)
     raise ConfigError(f"--reference {path} was made with other settings: {details}")
+  rounds = run_info["rounds"]
+  if reference.get("rounds") < rounds:
+    raise ConfigError(f"--reference {path} ran {reference.get('rounds')} rounds, fewer than"
+                      f" this run's {rounds}")
+  if reference["rounds"] > rounds:
+    return _reference_at_round(path, reference, rounds, task_of(run_info))
   clients = sorted(reference["clients"], key=lambda c: c["id"])
   return ClientScores(final=np.array([c[score] for c in clients]),
                           best_val=np.array([c[f"best_val_{score}"] for c in clients]),
                           best_round=reference["best_val"]["round"])
+
+
+def _reference_at_round(path: str, reference: dict, rounds: int, task: str) -> ClientScores:
+  """A longer LOCAL run's scores as they stood after `rounds` rounds, from its
+  history.npz: the test scores of that round, and of the best-validation round among
+  the first `rounds` (clients in id order, as the history holds them)."""
+  score = score_name(task)
+  history_path = os.path.join(os.path.dirname(path), "history.npz")
+  try:
+    with np.load(history_path) as history:
+      test, val = history[f"test_{score}"][:rounds], history[f"val_{score}"][:rounds]
+  except (OSError, KeyError, ValueError) as e:
+    raise ConfigError(f"--reference {path} ran {reference['rounds']} rounds; reading it at"
+                      f" round {rounds} needs its history.npz ({e})") from None
+  best = metrics.best_validation_round(val, lower_is_better=task == "regression")
+  if not (np.isfinite(test[-1]).all() and np.isfinite(test[best]).all()):
+    raise ConfigError(f"--reference {path} did not score test at round {rounds} (it ran"
+                      " with --eval_every); give it a LOCAL run of as many rounds")
+  return ClientScores(final=test[-1], best_val=test[best], best_round=best + 1)
 
 
 def _rounded(x):

@@ -70,6 +70,18 @@ def test_fedora_end_to_end_writes_results(tmp_path):
   proc = run_main("--algorithm=fedavg", f"--reference={reference}", "--lr=0.1",
                   f"--workdir={tmp_path / 'other'}", *FAST)
   assert proc.returncode != 0 and "lr=0.005 (run: 0.1)" in proc.stderr
+  # A longer LOCAL run serves, read at this run's last round from its history; a shorter
+  # one is refused.
+  proc = run_main("--algorithm=fedavg", f"--reference={reference}",
+                  f"--workdir={tmp_path / 'shorter'}", *FAST, "--rounds=1")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  shorter = json.loads((tmp_path / "shorter" / "results.json").read_text())
+  local_round_1 = np.load(workdir / "local" / "history.npz")["test_acc"][0]
+  np.testing.assert_allclose([c["local_acc"] for c in shorter["clients"]], local_round_1,
+                             atol=1e-6)
+  proc = run_main("--algorithm=fedavg", f"--reference={reference}",
+                  f"--workdir={tmp_path / 'longer'}", *FAST, "--rounds=3")
+  assert proc.returncode == 1 and "ran 2 rounds, fewer than this run's 3" in proc.stderr
 
 
 def test_new_clients_are_held_out_and_served(tmp_path):
