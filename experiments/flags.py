@@ -81,7 +81,9 @@ flags.DEFINE_integer("rounds", 500, "Communication rounds.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed of model init and training randomness.")
 flags.DEFINE_integer("data_seed", None, "Seed of the client partition (default: --seed).")
 flags.DEFINE_string("workdir", None, "Where results go (default: runs/<dataset>_"
-                    "<setting>_<algorithm>_seed<seed>).")
+                    "<setting>_<algorithm>_seed<seed>_<hash of every other setting but"
+                    " --rounds>, so a changed setting never collides and the same command"
+                    " resumes).")
 flags.DEFINE_string("reference", None, "results.json of a LOCAL run on the same split to"
                     " measure R-Acc and PTR against; without it the run trains LOCAL too."
                     " A LOCAL run of more rounds is read at this run's last round.")

@@ -13,6 +13,7 @@ rounds.csv, history.npz, the algorithm's arrays, plots and TensorBoard events to
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -105,8 +106,15 @@ def check_config(config: ExperimentConfig) -> None:
 
 
 def default_workdir(config: ExperimentConfig) -> str:
+  """runs/<dataset>_<setting>_<algorithm>_seed<seed>_<hash>: the hash is of everything
+  the run computes but its rounds (config_identity; the data's folder left out), so a
+  run with any other setting gets its own folder, and the same config, or more rounds
+  of it, resumes in the same one."""
+  identity = config_identity(config, config.algorithm)
+  del identity["data_dir"]  # moving the data changes no number
+  digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
   return os.path.join("runs", f"{config.dataset}_{config.setting}_{config.algorithm}"
-                              f"_seed{config.train.seed}")
+                              f"_seed{config.train.seed}_{digest}")
 
 
 def config_identity(config: ExperimentConfig, algorithm: str) -> dict:

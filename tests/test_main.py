@@ -182,3 +182,19 @@ def test_help_lists_a_first_runs_flags_by_group_with_defaults():
   assert "  --fedprox_mu" in proc.stdout.splitlines()
   proc = run_main("--help_algorithm=fednope")
   assert proc.returncode == 1 and proc.stderr.startswith("error: unknown algorithm 'fednope'")
+
+
+def test_default_workdirs_differ_by_setting_and_the_same_command_resumes(tmp_path):
+  def run_here(*args):
+    return subprocess.run([sys.executable, "-m", "experiments.main", "--algorithm=local",
+                           *FAST, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+  assert run_here().returncode == 0
+  assert run_here("--lr=0.01").returncode == 0
+  workdirs = sorted(os.listdir(tmp_path / "runs"))
+  assert len(workdirs) == 2, workdirs
+  assert all(re.fullmatch(r"rmnist_balanced_local_seed0_[0-9a-f]{8}", w) for w in workdirs)
+  proc = run_here()
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "local: resuming after round 2 of 2" in proc.stderr
+  assert sorted(os.listdir(tmp_path / "runs")) == workdirs
