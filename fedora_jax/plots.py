@@ -103,14 +103,16 @@ def relative_accuracy_title(results: Mapping) -> str:
 def similarity_figure(similarity: np.ndarray, graph: np.ndarray | None = None,
                       title: str = "", client_ids: np.ndarray | None = None) -> Figure:
   """Heatmaps (client x client) of the similarity and, beside it, the propagation graph."""
-  panels = [("similarity (sum of cos of principal angles)", similarity)]
+  panels = [("similarity (sum of cos of principal angles)", similarity,
+             "sum of the cosines: 0 to p, p for the same subspace")]
   if graph is not None:
-    panels.append(("propagation graph W", graph))
+    panels.append(("propagation graph W", graph,
+                   "edge weight (the authors' variant: exp(10 w), top-2 a row)"))
   fig = Figure(figsize=(5.2 * len(panels), 4.6), layout="constrained")
-  for i, (name, matrix) in enumerate(panels):
+  for i, (name, matrix, meaning) in enumerate(panels):
     ax = fig.add_subplot(1, len(panels), i + 1)
     image = ax.imshow(np.asarray(matrix), cmap="viridis", interpolation="nearest")
-    fig.colorbar(image, ax=ax, shrink=0.85)
+    fig.colorbar(image, ax=ax, shrink=0.85, label=meaning)
     ax.set_title(name, fontsize=9)
     ax.set_xlabel("client")
     ax.set_ylabel("client")
@@ -608,7 +610,7 @@ def compare_runs(directories: list[str], out: str) -> str:
 USAGE = """\
 python -m fedora_jax.plots RUN_DIR [RUN_DIR ...] [--out=PATH]
     overlays the runs' accuracy curves and per-client R-Acc in one figure
-    (default --out=comparison.png)
+    (default --out: comparison.png in the first RUN_DIR)
 python -m fedora_jax.plots --redraw RUN_DIR [RUN_DIR ...]
     (re)draws each run's own plots into its directory"""
 
@@ -617,8 +619,9 @@ def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(prog="python -m fedora_jax.plots", usage=USAGE,
                                    description=__doc__.split("\n")[0])
   parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-  parser.add_argument("--out", default="comparison.png",
-                      help="where the comparison figure goes (a .png path)")
+  parser.add_argument("--out", default=None,
+                      help="where the comparison figure goes (a .png path; default:"
+                           " comparison.png in the first RUN_DIR)")
   parser.add_argument("--redraw", action="store_true",
                       help="redraw each run's own plots instead of comparing them")
   args = parser.parse_args(argv)
@@ -629,7 +632,8 @@ def main(argv: list[str]) -> int:
         for path in write_plots_for_run_dir(run_dir):
           print(path)
     else:
-      print(compare_runs(args.run_dirs, args.out))
+      out = args.out or os.path.join(args.run_dirs[0], "comparison.png")
+      print(compare_runs(args.run_dirs, out))
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

@@ -310,6 +310,10 @@ def test_plots_command_writes_the_comparison_or_says_what_is_wrong(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.strip() == str(out)
   assert_png(out)
+  proc = run_plots(str(fedora_dir), str(fedavg_dir))  # no --out: beside the first run
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == str(fedora_dir / "comparison.png")
+  assert_png(fedora_dir / "comparison.png")
   (tmp_path / "empty").mkdir()
   (tmp_path / "garbled").mkdir()
   (tmp_path / "garbled" / "results.json").write_text("{not json")
