@@ -27,7 +27,7 @@ from fedora_jax import metric_writer, new_clients, plots
 from fedora_jax import results as results_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.models import build_model, check_inputs
 from fedora_jax.progress import Progress
 from fedora_jax.rounds import CLIENT_WEIGHTS
@@ -84,6 +84,16 @@ def check_config(config: ExperimentConfig) -> None:
   if any(w < 1 for w in config.hidden):
     raise FieldError("experiment", "hidden",
                      f"widths must be >= 1, got {','.join(map(str, config.hidden))}")
+  # A training field an algorithm's config repeats (FEDORA's, Ditto's, APFL's lr) has
+  # one source: a config built without this run's TrainConfig must still agree with it.
+  own = (algorithm_config.config if isinstance(algorithm_config, algorithms.Plugged)
+         else algorithm_config)
+  for field in algorithms.get(config.algorithm).train_fields:
+    ours, theirs = getattr(config.train, field), getattr(own, field)
+    if ours != theirs:
+      raise ConfigError(f"the {config.algorithm} config's {field}={theirs!r} differs from"
+                        f" train.{field}={ours!r}; build it with"
+                        f" algorithms.default_config({config.algorithm!r}, train)")
   # Built once around a stand-in model, so every algorithm's own checks of its
   # hyperparameters (and its plug-ins') run now.
   train = config.train

@@ -9,7 +9,7 @@ import pytest
 
 from fedora_jax import algorithms, tree
 from fedora_jax.algorithms import fedavg, local
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.simulation import TrainConfig, run_algorithm
 from fedora_jax.train import ExperimentConfig, _train_info, check_config, config_identity
 from tiny import run_rounds, tiny_data, tiny_model, tiny_trainer
@@ -76,3 +76,16 @@ def test_results_record_client_weights_only_when_uniform_and_bad_values_are_refu
       dataclasses.replace(config, train=TrainConfig()), "fedavg")["train"]
   with pytest.raises(FieldError, match="client_weights must be one of samples, uniform"):
     check_config(dataclasses.replace(config, train=TrainConfig(client_weights="size")))
+
+
+def test_a_training_field_an_algorithm_repeats_has_one_source():
+  """Ditto's config repeats the client lr: built without the run's TrainConfig, a
+  different value is an error, not silently Ditto's own."""
+  train = TrainConfig(lr=0.01)
+  conflicting = ExperimentConfig(algorithm="ditto", train=train,
+                                 algorithm_config=algorithms.default_config("ditto"))
+  with pytest.raises(ConfigError, match=r"ditto config's lr=0.005 differs from train.lr=0.01"):
+    check_config(conflicting)
+  check_config(dataclasses.replace(
+      conflicting, algorithm_config=algorithms.default_config("ditto", train)))
+  check_config(dataclasses.replace(conflicting, algorithm_config=None))  # the default
