@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ CHEAPEST = {
     "confree2": ["--columns=cifar10_c20_p30"],
 }
 STALL_LINE = "no progress for"
+ROW_STARTED = r"\brow \d+/\d+ \S+ seed \d+ -> "
+ROW_READ = r"\brow \d+/\d+ \S+ seed \d+: finished in "
 
 
 def _done(out: str) -> list[dict]:
@@ -77,11 +80,16 @@ def soak_table(table: str, number: int, args) -> dict:
              f"--stall_timeout={args.stall_timeout}", "--compile_timeout=900"]
   os.makedirs(workdir, exist_ok=True)
   code, minutes, output = _run(command, args.table_timeout, os.path.join(workdir, "log.txt"))
-  rows = output.count(" -> ")  # each row run logs "<label> -> <workdir>" once
-  stalls = output.count(STALL_LINE)
   return {"kind": "table", "table": table, "pass": number, "flags": CHEAPEST[table],
-          "rounds": args.rounds, "rows": rows, "minutes": round(minutes, 2),
-          "exit": code, "hangs": stalls + (code is None)}
+          "rounds": args.rounds, **count_rows(output), "minutes": round(minutes, 2),
+          "exit": code, "hangs": output.count(STALL_LINE) + (code is None)}
+
+
+def count_rows(output: str) -> dict:
+  """Rows a table process trained ("row 3/17 fedavg seed 0 -> <workdir>") and read
+  finished ("... seed 0: finished in <workdir>, read", after a restart)."""
+  return {"rows": len(re.findall(ROW_STARTED, output, re.MULTILINE)),
+          "rows_read": len(re.findall(ROW_READ, output, re.MULTILINE))}
 
 
 def soak_matrix(shard: int, args) -> dict:
@@ -122,6 +130,8 @@ def render(records: list[dict]) -> str:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--render", help="print the table of this soak file and stop")
+  parser.add_argument("--recount", action="store_true",
+                      help="count each table record's rows again from its log, and stop")
   parser.add_argument("--out", default="results/soak/soak.json")
   parser.add_argument("--workdir", default="runs/soak")
   parser.add_argument("--data_dir", default=None)
@@ -136,6 +146,13 @@ def main() -> None:
   args = parser.parse_args()
   if args.render:
     print(render(_done(args.render)))
+    return
+  if args.recount:  # the row counts of the records, again from the logs
+    records = [{**r, **count_rows(open(os.path.join(args.workdir, f"pass{r['pass']}",
+                                                     r["table"], "log.txt")).read())}
+               if r["kind"] == "table" else r for r in _done(args.out)]
+    with open(args.out, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records)
     return
   done = _done(args.out)
   machine = f"{platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
