@@ -3,10 +3,12 @@
 `simulation.run_algorithm` tells a Progress when a run starts (before it compiles), when
 it has compiled, after every round and when it stops (finished or not):
 
-  LogProgress  the library's default: a line every `log_every` rounds to the "fedora_jax"
-               logger, so it reads the same in CI logs, pipes and notebooks;
+  LogProgress  a line every `log_every` rounds (to the "fedora_jax" logger, or stderr);
   ProgressBar  a tqdm bar (round, s/round, ETA, mean validation and test score), for a
-               terminal; experiments/cli.py picks it when stderr is one.
+               terminal or, as a widget, a notebook;
+  Silent       nothing.
+`default_progress` picks the bar where a person watches (a terminal, a notebook) and the
+lines elsewhere: the library's default; passing `progress=None` silences a run.
 
 LineHandler writes log records through tqdm, so a line logged while a bar is open lands
 above it instead of tearing it.
@@ -61,12 +63,55 @@ def format_seconds(seconds: float) -> str:
   return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+class _StderrLog:
+  """A logger's `info` as plain lines on stderr (for a library run with no logging set)."""
+
+  def info(self, message: str, *args) -> None:
+    print(message % args, file=sys.stderr, flush=True)
+
+
+class Silent:
+  """Reports nothing."""
+
+  def start(self, run: str, rounds: int, task: str) -> None:
+    del run, rounds, task
+
+  def compiled(self, seconds: float, first_round: int) -> None:
+    del seconds, first_round
+
+  def round_done(self, round_number: int, metrics: RoundMetrics,
+                 seconds_per_round: float) -> None:
+    del round_number, metrics, seconds_per_round
+
+  def close(self) -> None:
+    pass
+
+
+def in_notebook() -> bool:
+  """Whether this runs in a Jupyter (or Colab) kernel."""
+  shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+  return (shell is not None and "ZMQ" in type(shell).__name__) or "google.colab" in sys.modules
+
+
+def default_progress(log_every: int, label: str | None = None) -> "Progress":
+  """A bar in a terminal or a notebook, else a line every `log_every` rounds (to the
+  "fedora_jax" logger where it logs INFO, else stderr); nothing at log_every 0."""
+  if not log_every:
+    return Silent()
+  if in_notebook():
+    return ProgressBar(label, notebook=True)
+  if sys.stderr.isatty():
+    return ProgressBar(label)
+  return LogProgress(log_every, label,
+                     logger if logger.isEnabledFor(logging.INFO) else _StderrLog())
+
+
 class LogProgress:
   """A log line every `log_every` rounds and after the last one (0: none), named by
   `label` (default: the run's algorithm)."""
 
   def __init__(self, log_every: int, label: str | None = None,
-               log: logging.Logger = logger):
+               log: logging.Logger | _StderrLog = logger):
     self.log_every, self.label, self._log = log_every, label, log
     self._run, self._rounds, self._task = "", 0, "classification"
 
@@ -98,9 +143,11 @@ class ProgressBar:
   """A tqdm bar per run on `file` (default stderr), described by `label` (default: the
   run's algorithm), left on screen when the run ends."""
 
-  def __init__(self, label: str | None = None, file: TextIO | None = None):
+  def __init__(self, label: str | None = None, file: TextIO | None = None,
+               notebook: bool = False):
     self.label = label
     self._file = file
+    self._notebook = notebook
     self._bar = None
     self._rounds, self._task = 0, "classification"
 
@@ -108,6 +155,9 @@ class ProgressBar:
     import tqdm  # pylint: disable=g-import-not-at-top
     self.close()
     self._rounds, self._task = rounds, task
+    if self._notebook:
+      self._bar = _notebook_bar(rounds, self.label or run)
+      return
     file = self._file or sys.stderr
     # Follow the window's width. A pty that reports no size (`script`, some CI runners)
     # gets 120 columns and 40 lines: tqdm would draw nothing in a 0 x 0 window.
@@ -137,6 +187,20 @@ class ProgressBar:
     if self._bar is not None:
       self._bar.close()
       self._bar = None
+
+
+def _notebook_bar(rounds: int, description: str):
+  """tqdm's notebook widget where ipywidgets is installed (Colab has it), else its text
+  bar on the cell's output."""
+  import tqdm  # pylint: disable=g-import-not-at-top
+  try:
+    import ipywidgets  # pylint: disable=g-import-not-at-top,unused-import
+    import tqdm.notebook  # pylint: disable=g-import-not-at-top
+    bar_class = tqdm.notebook.tqdm
+  except ImportError:
+    bar_class = tqdm.tqdm
+  return bar_class(total=rounds, desc=description, bar_format=_BAR_FORMAT, leave=True,
+                   postfix="compiling", file=sys.stdout)
 
 
 def _has_size(file: TextIO) -> bool:

@@ -15,7 +15,7 @@ from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.engine import batch_stats, sharding
-from fedora_jax.progress import LogProgress, Progress
+from fedora_jax.progress import Progress, Silent, default_progress
 from fedora_jax.watchdog import Watchdog
 from fedora_jax.rounds import (RoundMetrics, RoundState, build_test_evaluation,
                                build_train_round)
@@ -181,18 +181,18 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
                   train: TrainConfig,
                   on_round: Callable[[int, RoundMetrics], None] | None = None,
                   checkpointer: Checkpointer | None = None, mesh=None,
-                  progress: Progress | None = None,
+                  progress: Progress | None | str = "auto",
                   watchdog: Watchdog | None = None) -> RunResult:
   """Trains `name` for train.rounds rounds; returns per-round per-client metrics.
 
   With a checkpointer, starts from its latest checkpoint (state and the history of the
   rounds before it; `on_round` is not called for those) and saves as it goes.
-  `progress` hears of the compile and every round (fedora_jax/progress.py; default: a
-  log line every train.log_every rounds). A `watchdog` (fedora_jax/watchdog.py, already
+  `progress` hears of the compile and every round (fedora_jax/progress.py; "auto": a
+  bar in a terminal or notebook, else a line every train.log_every rounds; None:
+  nothing). A `watchdog` (fedora_jax/watchdog.py, already
   entered) is told each stage, compiling and every round, with its time limit.
   """
-  if progress is None:
-    progress = LogProgress(train.log_every)
+  progress = resolve_progress(progress, train.log_every)
   progress.start(name, train.rounds, data.task)
   stages = _StageReporter(name, train.rounds, watchdog, checkpointer)
   try:
@@ -206,6 +206,13 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
     progress.close()
     if watchdog is not None:
       watchdog.idle()
+
+
+def resolve_progress(progress: Progress | None | str, log_every: int) -> Progress:
+  """"auto" -> progress.default_progress; None -> nothing reported."""
+  if progress == "auto":
+    return default_progress(log_every)
+  return Silent() if progress is None else progress
 
 
 class _StageReporter:

@@ -31,7 +31,8 @@ from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.models import build_model, check_inputs
 from fedora_jax.progress import Progress
 from fedora_jax.rounds import CLIENT_WEIGHTS
-from fedora_jax.simulation import TrainConfig, root_keys, run_algorithm
+from fedora_jax.simulation import (TrainConfig, resolve_progress, root_keys,
+                                   run_algorithm)
 from fedora_jax.watchdog import Watchdog
 
 logger = logging.getLogger("fedora_jax")
@@ -198,13 +199,14 @@ def _client_info(federated) -> dict:
 def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
                        identity: Callable[[str], dict] | None = None,
                        identity_defaults: dict | None = None,
-                       progress: Progress | None = None,
+                       progress: Progress | None | str = "auto",
                        watchdog: Watchdog | None = None) -> dict:
   """Runs the experiment `config` into `workdir` (default `default_workdir`); returns the
   results document (results.json) and prints nothing.
 
-  `progress` reports every run it trains, the LOCAL reference included (default: a log
-  line every config.train.log_every rounds; fedora_jax/progress.py). A `watchdog`
+  `progress` reports every run it trains, the LOCAL reference included ("auto": a bar in
+  a terminal or notebook, else a line every config.train.log_every rounds; None:
+  nothing; fedora_jax/progress.py). A `watchdog`
   (fedora_jax/watchdog.py, entered) watches every run's compilation and rounds.
 
   `identity(algorithm)` is what run_config.json records for the run of `algorithm` (the
@@ -215,6 +217,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   """
   config = dataclasses.replace(config, algorithm=algorithms.canonical_name(config.algorithm))
   check_config(config)
+  progress = resolve_progress(progress, config.train.log_every)  # one for every run
   spec = datasets.get_spec(config.dataset)
   algorithm_config = resolved_algorithm_config(config)
   train = config.train
@@ -307,7 +310,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
 
 
 def serve_new_clients(federated, config, model, train: TrainConfig, fedora_result,
-                      epochs: int, progress: Progress | None = None,
+                      epochs: int, progress: Progress | None | str = "auto",
                       watchdog: Watchdog | None = None) -> dict:
   """Trains FedAvg on the same clients, then serves the held-out ones (Algorithm 2)."""
   logger.info("training FedAvg on the same clients as the new-client baseline")

@@ -7,6 +7,7 @@ import pytest
 from nbclient import NotebookClient
 
 from fedora_jax import plots
+from fedora_jax.engine import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "fedora_colab.ipynb")
@@ -30,6 +31,9 @@ def test_notebook_runs_fedora_and_shows_the_plots(tmp_path, monkeypatch):
   assert not [out for out in outputs if out.output_type == "error"]
   text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
   assert "nothing to install" in text and "devices:" in text
+  # Every core a CPU device, as on the command line.
+  devices_line = next(line for line in text.splitlines() if line.startswith("devices:"))
+  assert devices_line.count("CpuDevice") == sharding.cpu_device_count(), devices_line
   assert "final round 2" in text
   shown = [out for out in outputs if "image/png" in out.get("data", {})]
   assert len(shown) == 3

@@ -10,7 +10,7 @@ import pytest
 
 from experiments import cli
 from experiments import flags as run_flags
-from fedora_jax import progress
+from fedora_jax import progress, simulation
 from fedora_jax.errors import TrainingDivergedError
 from fedora_jax.rounds import RoundMetrics
 from fedora_jax.simulation import TrainConfig, run_algorithm
@@ -160,3 +160,14 @@ def test_log_records_become_plain_lines(capsys):
   handler.emit(logging.LogRecord("jax._src.xla_bridge", logging.WARNING, __file__, 1,
                                  "no GPU", (), None))
   assert capsys.readouterr().err == "rmnist: 8 clients\nwarning (jax._src.xla_bridge): no GPU\n"
+
+
+def test_the_library_default_is_lines_off_a_terminal_and_none_is_silent(capsys):
+  assert isinstance(progress.default_progress(0), progress.Silent)
+  lines = progress.default_progress(1, label="fedavg")  # pytest's stderr: no terminal
+  assert isinstance(lines, progress.LogProgress)
+  lines.start("fedavg", 2, "classification")
+  lines.round_done(2, metrics([0.5, 0.5], [0.25, 0.75]), 0.5)
+  assert capsys.readouterr().err.startswith("fedavg round 2/2: 0.500 s/round")
+  assert isinstance(simulation.resolve_progress(None, 1), progress.Silent)
+  assert simulation.resolve_progress(lines, 1) is lines
