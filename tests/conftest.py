@@ -25,6 +25,16 @@ from fedora_jax.data.sources import load_mnist  # pylint: disable=wrong-import-p
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 
+def needs_shared(folder: str) -> str:
+  """A skip reason for a test of the real files in SHARED_DATA/`folder`."""
+  return (f"needs the real {folder} files in {os.path.normpath(os.path.join(SHARED_DATA, folder))}:"
+          " they come with the project's shared/ folder, laid beside this checkout")
+
+
+NEEDS_TORCH = ("needs PyTorch, the bench extra: pip install -e '.[bench]' (CPU-only wheels:"
+               " docs/performance.md)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _empty_offline_data_root(tmp_path_factory):
   """Tests never touch ~/.cache or the network: an empty data root, downloads off

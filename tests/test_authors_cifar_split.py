@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, needs_shared
 from fedora_jax.data import cifar, partitions
 from fedora_jax.data.partitions import PartitionConfig, make_partition
 from fedora_jax.data.sources import ImageDataset
@@ -131,7 +131,7 @@ SHARED_CIFAR = os.path.join(SHARED_DATA, "cifar10")
 
 
 @pytest.mark.skipif(not os.path.isdir(SHARED_CIFAR),
-                    reason="shared/data is not beside this checkout")
+                    reason=needs_shared("cifar10"))
 def test_ten_clients_of_the_real_jpeg_copy():
   data = cifar.load_cifar10(SHARED_CIFAR)
   part = make_partition(data, 10, PartitionConfig("pathological", split="authors"), seed=42)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks import measure
+from conftest import NEEDS_TORCH
 from fedora_jax import algorithms, propagation
 from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.simulation import TrainConfig, prepare_run
@@ -146,7 +147,7 @@ def test_participation_sweep_times_each_fraction_in_one_process():
   assert "Traceback" not in bad.stderr
 
 
-@pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
+@pytest.mark.skipif(not HAS_TORCH, reason=NEEDS_TORCH)
 def test_torch_reference_round_and_propagation():
   import torch  # pylint: disable=import-outside-toplevel
   from benchmarks import torch_loop  # pylint: disable=import-outside-toplevel
@@ -176,7 +177,7 @@ def test_torch_reference_round_and_propagation():
   assert len(durations) == 2 and all(d > 0 for d in durations) and server > 0
 
 
-@pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
+@pytest.mark.skipif(not HAS_TORCH, reason=NEEDS_TORCH)
 def test_torch_reference_cnn_trains_the_sampled_clients():
   import torch  # pylint: disable=import-outside-toplevel
   from benchmarks import torch_loop  # pylint: disable=import-outside-toplevel
@@ -240,7 +241,7 @@ def test_benchmark_counts_the_run_s_model_when_the_personalised_model_is_more():
   assert report["round_seconds"] > 0 and report["server_seconds"] > 0
 
 
-@pytest.mark.skipif(not HAS_TORCH, reason="PyTorch not installed (the bench extra)")
+@pytest.mark.skipif(not HAS_TORCH, reason=NEEDS_TORCH)
 def test_torch_cnn_is_the_jax_cnn():
   """Same weights, same uint8 images: the PyTorch loop's CNN (with its input
   standardisation) gives the JAX CNN's logits, so both loops train the same model."""

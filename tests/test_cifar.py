@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, needs_shared
 from fedora_jax.data import cifar, datasets
 from fedora_jax.data.partitions import PartitionConfig, make_partition
 from fedora_jax.engine.buckets import map_over_buckets, over_clients
@@ -89,7 +89,7 @@ def test_bad_cifar_inputs_are_one_line_data_errors(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir(SHARED_CIFAR),
-                    reason="shared/data is not beside this checkout")
+                    reason=needs_shared("cifar10"))
 def test_real_jpeg_copy_and_fedoras_pathological_split():
   data = cifar.load_cifar10(SHARED_CIFAR)
   assert data.name == "CIFAR-10 (JPEG copy)"

@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, needs_shared
 from fedora_jax.data import client_data, datasets, idx, partitions, sources
 from fedora_jax.errors import DataError
 
@@ -30,7 +30,7 @@ def test_real_mnist_matches_the_official_counts(mnist):
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_DATA, "fashion-mnist")),
-                    reason="shared/data is not beside this checkout")
+                    reason=needs_shared("fashion-mnist"))
 def test_idx_loader_reads_real_fashion_mnist_from_a_data_dir():
   fashion = sources.load_idx_dataset("fashion-mnist", os.path.join(SHARED_DATA, "fashion-mnist"))
   assert fashion.x_train.shape == (60000, 28, 28)

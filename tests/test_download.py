@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, needs_shared
 from fedora_jax.data import cifar, datasets, download, root, sources
 from fedora_jax.errors import ConfigError, DataError
 
@@ -111,7 +111,7 @@ def cifar_mirror(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_DATA, "fashion-mnist")),
-                    reason="shared/data is not beside this checkout")
+                    reason=needs_shared("fashion-mnist"))
 def test_real_mnist_and_fashion_mnist_download_against_the_official_checksums(
     online, monkeypatch):
   with _serve(SHARED_DATA) as (server, url):

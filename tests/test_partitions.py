@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, needs_shared
 from fedora_jax.data import datasets, sources
 from fedora_jax.data.partitions import PartitionConfig, make_partition
 from fedora_jax.errors import ConfigError
@@ -198,7 +198,7 @@ def test_rfmnist_without_data_dir_says_where_to_get_the_files():
   assert "fashion-mnist" in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.skipif(not os.path.isdir(FASHION), reason="shared/data is not beside this checkout")
+@pytest.mark.skipif(not os.path.isdir(FASHION), reason=needs_shared("fashion-mnist"))
 def test_rfmnist_follows_appendix_b_on_the_real_files():
   federated = datasets.build_federated_dataset("rfmnist", FASHION, 72, "balanced", 0)
   np.testing.assert_allclose(federated.partition.angles, 5.0 * np.arange(72))
