@@ -165,7 +165,8 @@ def fail_row_and_go_on(workdir: str, name: str, message: str) -> None:
   except OSError as e:  # unrecorded, it would stall again on every restart
     cli.exit_on_stall(f"{message} (and the row could not be recorded as failed: {e})")
   sys.stdout.flush()
-  sys.stderr.write(f"\nerror: {name}: {message}; the row is left out as failed and the"
+  sys.stderr.write(("\n" if sys.stderr.isatty() else "")  # below a progress bar
+                   + f"error: {name}: {message}; the row is left out as failed and the"
                    " sweep goes on (a later run of the same command retries it)\n")
   sys.stderr.flush()
   os.execv(sys.executable, sys.orig_argv)
