@@ -42,6 +42,8 @@ def _one_matrix_at_a_time(fn: Callable, matrix_ndims: tuple[int, ...]) -> Callab
   return call
 
 
+# Lambdas, not jnp's functions themselves: custom_vmap would take their keyword defaults
+# (UPLO, symmetrize_input, ...) as traced arguments.
 _eigh = _one_matrix_at_a_time(lambda a: tuple(jnp.linalg.eigh(a)), (2,))
 _eigvalsh = _one_matrix_at_a_time(lambda a: jnp.linalg.eigvalsh(a), (2,))
 _qr = _one_matrix_at_a_time(lambda a: tuple(jnp.linalg.qr(a)), (2,))
