@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install run test clean
+.PHONY: install run test test-quick clean
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ run: install
 # Two workers: most of the suite's time is single-threaded XLA compilation.
 test: install
 	$(PY) -m pytest -q -n 2 tests
+
+# The first check after a change: unit tests and one end-to-end run, a few minutes.
+test-quick: install
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

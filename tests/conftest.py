@@ -53,3 +53,22 @@ def _mnist():
 def mnist():
   """The real MNIST files shipped with the package."""
   return _mnist()
+
+
+# The quick tier (`make test-quick`) leaves out the tests marked slow: these modules'
+# end-to-end commands, several devices and processes, and the algorithm matrix, but for
+# the one end-to-end run marked quick.
+SLOW_MODULES = frozenset((
+    "test_algorithm_matrix", "test_sharding", "test_golden_results", "test_reproduce",
+    "test_paper_tables", "test_checkpoint", "test_watchdog", "test_notebook",
+    "test_benchmark", "test_main", "test_plots", "test_download", "test_loaders_fixtures"))
+# Started first, so that two workers end together (each takes minutes).
+LONGEST = ("test_algorithm_matrix.py", "test_sharding.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    if item.module.__name__ in SLOW_MODULES and not item.get_closest_marker("quick"):
+      item.add_marker(pytest.mark.slow)
+  items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in LONGEST)

@@ -21,6 +21,7 @@ def run_main(*args):
                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.quick  # the quick tier's end-to-end run
 def test_fedora_end_to_end_writes_results(tmp_path):
   workdir = tmp_path / "run"
   proc = run_main("--dataset=rmnist", f"--workdir={workdir}", *FAST)
