@@ -189,8 +189,9 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
   rounds before it; `on_round` is not called for those) and saves as it goes.
   `progress` hears of the compile and every round (fedora_jax/progress.py; "auto": a
   bar in a terminal or notebook, else a line every train.log_every rounds; None:
-  nothing). A `watchdog` (fedora_jax/watchdog.py, already
-  entered) is told each stage, compiling and every round, with its time limit.
+  nothing). A `watchdog` (fedora_jax/watchdog.py, already entered) is told each stage,
+  compiling and every round, with its time limit. Ctrl-C raises RunInterrupted, saying
+  where the run was and which checkpoint is kept.
   """
   progress = resolve_progress(progress, train.log_every)
   progress.start(name, train.rounds, data.task)
