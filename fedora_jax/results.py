@@ -387,20 +387,16 @@ def format_table(results: dict) -> str:
 
 def format_clients(results: dict) -> str:
   """One line per client: its score and LOCAL's at the final and best-validation round."""
-  if task_of(results) == "regression":
-    lines = [f"{'client':>6} {'n_train':>7} {'mae':>9} {'local':>9} {'r_mae':>8}"
-             f" {'bv_mae':>9} {'bv_local':>9}"]
-    for c in results["clients"]:
-      lines.append(f"{c['id']:>6} {c['n_train']:>7} {c['mae']:>9.4f} {c['local_mae']:>9.4f}"
-                   f" {_signed(c['r_mae'], 8)} {c['best_val_mae']:>9.4f}"
-                   f" {c['local_best_val_mae']:>9.4f}")
-    return "\n".join(lines)
-  lines = [f"{'client':>6} {'n_train':>7} {'acc':>7} {'local':>7} {'r_acc':>8}"
-           f" {'bv_acc':>7} {'bv_local':>8}"]
+  score = score_name(task_of(results))
+  width = 9 if score == "mae" else 7  # MAE in any unit, accuracy in [0, 1]
+  local_width = max(width, 8)
+  lines = [f"{'client':>6} {'n_train':>7} {score:>{width}} {'local':>{width}}"
+           f" {'r_' + score:>8} {'bv_' + score:>{width}} {'bv_local':>{local_width}}"]
   for c in results["clients"]:
-    lines.append(f"{c['id']:>6} {c['n_train']:>7} {c['acc']:>7.4f} {c['local_acc']:>7.4f}"
-                 f" {_signed(c['r_acc'], 8)} {c['best_val_acc']:>7.4f}"
-                 f" {c['local_best_val_acc']:>8.4f}")
+    lines.append(f"{c['id']:>6} {c['n_train']:>7} {c[score]:>{width}.4f}"
+                 f" {c['local_' + score]:>{width}.4f} {_signed(c['r_' + score], 8)}"
+                 f" {c['best_val_' + score]:>{width}.4f}"
+                 f" {c['local_best_val_' + score]:>{local_width}.4f}")
   return "\n".join(lines)
 
 
