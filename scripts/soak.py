@@ -136,6 +136,8 @@ def main() -> None:
   parser.add_argument("--workdir", default="runs/soak")
   parser.add_argument("--data_dir", default=None)
   parser.add_argument("--passes", type=int, default=3)
+  parser.add_argument("--start_pass", type=int, default=1,
+                      help="the first pass this process runs (another may run the others)")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--tables", default=",".join(CHEAPEST))
   parser.add_argument("--matrix_clients", type=int, default=100)
@@ -154,18 +156,19 @@ def main() -> None:
     with open(args.out, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in records)
     return
-  done = _done(args.out)
   machine = f"{platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
+  # The records are read again before each step: another soak process (a later pass,
+  # side by side) may have added some.
   for shard in range(args.matrix_shards):
-    if any(r["kind"] == "matrix" and r["shard"] == shard for r in done):
+    if any(r["kind"] == "matrix" and r["shard"] == shard for r in _done(args.out)):
       continue
     record = {**soak_matrix(shard, args), "machine": machine}
     _append(args.out, record)
     print(json.dumps(record), flush=True)
-  for number in range(1, args.passes + 1):
+  for number in range(args.start_pass, args.passes + 1):
     for table in args.tables.split(","):
       if any(r["kind"] == "table" and r["table"] == table and r["pass"] == number
-             for r in done):
+             for r in _done(args.out)):
         continue
       record = {**soak_table(table, number, args), "machine": machine}
       _append(args.out, record)
