@@ -358,14 +358,61 @@ def experiment_config() -> ExperimentConfig:
       new_clients=FLAGS.new_clients, new_client_epochs=FLAGS.new_client_epochs)
 
 
+# --helpfull lists flags by the module that registered them, modules in name order: this
+# module's flags are registered under these headings, which sort before the libraries'
+# (absl, jax, orbax). Flags not named here are the run's own (group 1).
+_HELP_GROUPS = {
+    "1. the run: algorithm, data, seeds": (
+        "algorithm", "dataset", "data_dir", "data_source", "num_clients", "setting",
+        "rounds", "seed", "data_seed", "new_clients", "new_client_epochs"),
+    "2. client partition": (
+        "partition", "split", "classes_per_client", "dirichlet_alpha", "min_client_size",
+        "fixed_train_size", "fixed_val_size", "val_fraction", "data_fraction",
+        "max_pad_ratio"),
+    "3. model and client training": (
+        "model", "hidden", "local_epochs", "batch_size", "lr", "momentum", "weight_decay",
+        "participation", "client_weights", "eval_batch_size", "client_chunk"),
+    "4. output: workdir, progress, checkpoints, watchdog": (
+        "workdir", "reference", "per_client", "log_every", "eval_every", "checkpoint_every",
+        "keep_checkpoints", "stall_timeout", "compile_timeout", "verbose", "help_algorithm"),
+    "5. devices and processes": (
+        "cpu_devices", "distributed", "coordinator_address", "num_processes", "process_id"),
+    "6. plug-ins: ALA (--ala) and ConFREE (--aggregation=confree)": (
+        ("ala", "aggregation") + PLUGIN_FLAGS["aggregation"]),
+}
+_GROUP_OF_FLAG = {name: group for group, names in _HELP_GROUPS.items() for name in names}
+
+
+def _help_group(name: str) -> str:
+  if name in OWNER_OF_FLAG:  # an algorithm's hyperparameters (FedALA's: --ala_*)
+    return f"7. algorithm {OWNER_OF_FLAG[name]}"
+  return _GROUP_OF_FLAG.get(name, "1. the run: algorithm, data, seeds")
+
+
+_HELP_MODULES: set[str] = set()
+
+
+def _register_by_group() -> None:
+  by_module = FLAGS.flags_by_module_dict()
+  for flag in by_module.pop(__name__, []):
+    group = _help_group(flag.name)
+    _HELP_MODULES.add(group)
+    FLAGS.register_flag_by_module(group, flag)
+
+
+def run_flags() -> list:
+  """Every flag this module defines (the run's settings), whatever heading it is under."""
+  by_module = FLAGS.flags_by_module_dict()
+  return [flag for group in sorted(_HELP_MODULES) for flag in by_module.get(group, [])]
+
+
 def _settings() -> dict:
-  return {flag.name: flag.value for flag in FLAGS.get_flags_for_module(__name__)}
+  return {flag.name: flag.value for flag in run_flags()}
 
 
 def identity_defaults() -> dict:
   """Each identity flag's default (checkpoint.identity_defaults)."""
-  return checkpoint_lib.identity_defaults(
-      {flag.name: flag.default for flag in FLAGS.get_flags_for_module(__name__)})
+  return checkpoint_lib.identity_defaults({flag.name: flag.default for flag in run_flags()})
 
 
 def run_identity(algorithm: str) -> dict:
@@ -377,3 +424,6 @@ def run_identity(algorithm: str) -> dict:
 def as_flag_error(error: FieldError) -> str:
   """A config field's error in the command line's words: --fedprox_mu must be >= 0."""
   return f"--{flag_name(error.owner, error.field)} {error.problem}"
+
+
+_register_by_group()

@@ -267,7 +267,7 @@ def other_given_flags(table: dict) -> dict[str, object]:
   """Run flags on the command line that the table does not set (flag -> value): each
   changes every row (say --hidden, --data_fraction where the paper uses all the data)."""
   owned = set(owned_flags(table))
-  return {flag.name: flag.value for flag in FLAGS.get_flags_for_module(run_flags.__name__)
+  return {flag.name: flag.value for flag in run_flags.run_flags()
           if flag.present and flag.name not in owned and flag.name not in NEUTRAL_FLAGS}
 
 

@@ -199,3 +199,18 @@ def test_default_workdirs_differ_by_setting_and_the_same_command_resumes(tmp_pat
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "local: resuming after round 2 of 2" in proc.stderr
   assert sorted(os.listdir(tmp_path / "runs")) == workdirs
+
+
+def test_helpfull_puts_the_projects_groups_first_and_each_algorithm_under_its_name():
+  lines = run_main("--helpfull").stdout.splitlines()
+  headings = [line for line in lines if line.endswith(":") and not line.startswith(" ")]
+  ours = headings[headings.index("1. the run: algorithm, data, seeds:"):]
+  assert ours[:6] == ["1. the run: algorithm, data, seeds:", "2. client partition:",
+                      "3. model and client training:",
+                      "4. output: workdir, progress, checkpoints, watchdog:",
+                      "5. devices and processes:",
+                      "6. plug-ins: ALA (--ala) and ConFREE (--aggregation=confree):"]
+  assert "7. algorithm fedprox:" in ours and ours.index("7. algorithm fedprox:") < ours.index(
+      next(h for h in ours if h.startswith("absl")))
+  fedprox = lines.index("7. algorithm fedprox:")
+  assert lines[fedprox + 1].startswith("  --fedprox_")
