@@ -94,6 +94,14 @@ class Checkpointer(NamedTuple):
         cleanup_tmp_directories=cleanup)
     return ocp.CheckpointManager(os.path.abspath(self.directory), options=options)
 
+  def remove_unfinished(self) -> None:
+    """Deletes the temporary folder of a save cut short (Ctrl-C mid-save); the finished
+    checkpoints stay. orbax names it <round>.orbax-checkpoint-tmp-<time>."""
+    if os.path.isdir(self.directory):
+      for name in os.listdir(self.directory):
+        if ".orbax-checkpoint-tmp" in name:
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
   def latest_round(self) -> int | None:
     """Rounds done by the latest complete checkpoint, or None if there is none."""
     if not os.path.isdir(self.directory):

@@ -202,6 +202,8 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
   except RunInterrupted:
     raise
   except KeyboardInterrupt as e:  # Ctrl-C: say where, and what is kept
+    if checkpointer is not None:
+      checkpointer.remove_unfinished()
     raise RunInterrupted(f"{stages.where} interrupted; {stages.note()}") from e
   finally:
     progress.close()

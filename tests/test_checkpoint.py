@@ -319,3 +319,13 @@ def test_workdir_of_another_run_is_refused(straight, cli_env, extra, message):
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
   assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
   assert (straight / "run_config.json").read_bytes() == before
+
+
+def test_remove_unfinished_deletes_a_cut_short_save_and_keeps_the_finished(tmp_path):
+  finished = tmp_path / "checkpoints" / "2"
+  partial = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1733300000"
+  for folder in (finished, partial):
+    folder.mkdir(parents=True)
+    (folder / "data").write_text("x")
+  Checkpointer(str(tmp_path / "checkpoints"), every=1).remove_unfinished()
+  assert finished.is_dir() and not partial.exists()
