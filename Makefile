@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install run test test-quick clean
+VERIFY_STAMP := $(VENV)/.installed-verify
+
+.PHONY: install run test test-quick verify clean
 
 install: $(STAMP)
 
@@ -26,6 +28,15 @@ test: install
 # The first check after a change: unit tests and one end-to-end run, a few minutes.
 test-quick: install
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
+
+# One round of each covered algorithm beside its reference implementation (PyTorch,
+# from ../shared/references); says what is missing and passes where they are absent.
+$(VERIFY_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,verify]'
+	touch $(VERIFY_STAMP)
+
+verify: $(VERIFY_STAMP)
+	$(PY) -m verification.verify
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

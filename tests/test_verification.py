@@ -1,0 +1,59 @@
+"""verification/ (make verify): its bridges, and that it passes, saying why, where the
+reference implementations or PyTorch are missing. The side-by-side runs themselves are
+`make verify`'s (PyTorch is the verify extra's, not the test extra's)."""
+
+import importlib.util
+
+import jax
+import numpy as np
+import pytest
+
+from fedora_jax.engine.local_training import epoch_batches
+from fedora_jax.models import build_model
+from fedora_jax.rounds import client_keys
+from tiny import tiny_data
+from verification import bridges, verify
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def test_without_the_references_it_says_so_in_one_line_and_passes(monkeypatch, capsys):
+  monkeypatch.setattr(bridges, "REFERENCES", "/nonexistent/references")
+  assert verify.main([]) == 0
+  out = capsys.readouterr().out.strip().splitlines()
+  assert out == ["verify: skipped, no reference implementations at /nonexistent/references:"
+                 " the project's shared/ folder, laid beside this checkout, holds them"]
+
+
+def test_the_batches_are_the_engines_own_each_sample_once_an_epoch():
+  data, _ = tiny_data((8, 8, 8), max_pad_ratio=1.0)
+  key = jax.random.key(3)
+  batches = bridges.client_batches(key, 2, data, epochs=2, batch_size=4)
+  assert len(batches) == 3 and all(len(client) == 2 for client in batches)
+  for client in batches:
+    for epoch in client:
+      assert epoch.shape == (2, 4) and sorted(epoch.ravel().tolist()) == list(range(8))
+  # Client 1's second epoch, as local_training.train draws it from its client key.
+  client_key = client_keys(jax.random.fold_in(key, 2), 3)[1]
+  expected, _ = epoch_batches(jax.random.split(client_key, 2)[1], np.ones(8, bool), 8, 4, 2)
+  np.testing.assert_array_equal(batches[1][1], expected)
+
+
+def test_dense_layers_become_pytorch_linears():
+  model = build_model("mlp", 10, (100,))
+  params = model.init(jax.random.key(0), np.zeros((1, 28, 28), np.uint8))
+  layers = bridges.dense_stack_to_torch(params)
+  assert [w.shape for w, _ in layers] == [(100, 784), (10, 100)]
+  np.testing.assert_array_equal(layers[0][0], np.asarray(params["params"]["Dense_0"]["kernel"]).T)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch, the verify extra: make verify")
+def test_a_pytorch_model_takes_the_layers_and_gives_them_back():
+  import torch  # pylint: disable=import-outside-toplevel
+  layers = [(np.ones((3, 4), np.float32), np.zeros(3, np.float32)),
+            (np.full((2, 3), 2.0, np.float32), np.ones(2, np.float32))]
+  model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+  bridges.load_linear_layers(model, layers)
+  for (w, b), (w2, b2) in zip(layers, bridges.torch_linear_layers(model)):
+    np.testing.assert_array_equal(w, w2)
+    np.testing.assert_array_equal(b, b2)

@@ -1,0 +1,125 @@
+"""What a side-by-side run needs to hand a reference implementation exactly our inputs:
+the same initial weights (flax <-> PyTorch), the same batches (the engine's own batch
+indices), and the same split (our clients as PFLlib's dataset files).
+
+Nothing here copies a reference's code: the references run from ../shared/references.
+"""
+
+import os
+import sys
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from fedora_jax.data.client_data import Client, FederatedData
+from fedora_jax.engine.local_training import epoch_batches
+from fedora_jax.rounds import client_keys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFERENCES = os.path.join(ROOT, "..", "shared", "references")
+
+
+def reference_path(*parts: str) -> str:
+  return os.path.normpath(os.path.join(REFERENCES, *parts))
+
+
+def import_pfllib() -> str:
+  """Puts PFLlib's system/ folder (its library) on sys.path; returns it."""
+  system = reference_path("PFLlib", "system")
+  if system not in sys.path:
+    sys.path.insert(0, system)
+  return system
+
+
+# ---------------------------------------------------------------- weights
+
+def dense_stack_to_torch(params) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Our MLP's Dense layers in order as PyTorch nn.Linear (weight [out, in], bias)."""
+  layers = params["params"]
+  names = sorted(layers, key=lambda name: int(name.rsplit("_", 1)[1]))
+  return [(np.asarray(layers[n]["kernel"]).T.copy(), np.asarray(layers[n]["bias"]).copy())
+          for n in names]
+
+
+def load_linear_layers(torch_model, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+  """Sets `torch_model`'s nn.Linear layers, in registration order, to `layers`."""
+  import torch  # pylint: disable=import-outside-toplevel
+  linears = [m for m in torch_model.modules() if isinstance(m, torch.nn.Linear)]
+  assert len(linears) == len(layers), (len(linears), len(layers))
+  with torch.no_grad():
+    for linear, (weight, bias) in zip(linears, layers):
+      linear.weight.copy_(torch.from_numpy(weight))
+      linear.bias.copy_(torch.from_numpy(bias))
+
+
+def torch_linear_layers(torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
+  import torch  # pylint: disable=import-outside-toplevel
+  return [(m.weight.detach().numpy().copy(), m.bias.detach().numpy().copy())
+          for m in torch_model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+# ---------------------------------------------------------------- batches
+
+def client_batches(train_key: jax.Array, round_index: int, data: FederatedData,
+                   epochs: int, batch_size: int) -> list[list[np.ndarray]]:
+  """[client][epoch] -> [num_batches, B] sample indices into the client's training set,
+  as the engine draws them in round `round_index` (0-based) for an algorithm whose client
+  trains with its client key (FedAvg, FedProx, LOCAL): the round key fold_in(train key,
+  round), client k's fold_in(round key, k), split over the epochs; each epoch a shuffle
+  cut into batches (local_training.epoch_batches). Every client must hold a multiple of
+  `batch_size` samples (no partial batch: PFLlib drops it, the engine keeps it)."""
+  keys = client_keys(jax.random.fold_in(train_key, round_index), data.num_clients)
+  sizes = data.split_sizes("train")
+  result = []
+  for k in range(data.num_clients):
+    n = int(sizes[k])
+    assert n % batch_size == 0, f"client {k}: {n} samples, batch {batch_size}"
+    mask = np.ones(n, bool)
+    per_epoch = []
+    for epoch_key in jax.random.split(keys[k], epochs):
+      indices, _ = epoch_batches(epoch_key, mask, n, batch_size, n // batch_size)
+      per_epoch.append(np.asarray(indices))
+    result.append(per_epoch)
+  return result
+
+
+class EpochLoader:
+  """Stands in for a PyTorch DataLoader: its e-th iteration yields epoch e's batches."""
+
+  def __init__(self, x: np.ndarray, y: np.ndarray, epochs: list[np.ndarray]):
+    self.x, self.y, self.epochs, self.count = x, y, epochs, 0
+
+  def __iter__(self) -> Iterator:
+    import torch  # pylint: disable=import-outside-toplevel
+    indices = self.epochs[self.count]
+    self.count += 1
+    for batch in indices:
+      yield torch.from_numpy(self.x[batch]), torch.from_numpy(self.y[batch])
+
+  def __len__(self) -> int:
+    return len(self.epochs[0])
+
+
+# ---------------------------------------------------------------- split
+
+def model_inputs(x: np.ndarray) -> np.ndarray:
+  """What our models compute on: uint8 pixels / 255 as float32 (models.mlp)."""
+  return (x.astype(np.float32) / 255.0) if x.dtype == np.uint8 else x.astype(np.float32)
+
+
+def write_pfllib_split(clients: Sequence[Client], folder: str, name: str) -> str:
+  """Our clients as PFLlib's dataset files, <folder>/dataset/<name>/{train,test}/<k>.npz
+  ({"data": {"x", "y"}}); returns <folder>/system, the working directory PFLlib's
+  '../dataset' paths need."""
+  for split, pick in (("train", lambda c: (c.x_train, c.y_train)),
+                      ("test", lambda c: (c.x_test, c.y_test))):
+    directory = os.path.join(folder, "dataset", name, split)
+    os.makedirs(directory, exist_ok=True)
+    for k, client in enumerate(clients):
+      x, y = pick(client)
+      np.savez(os.path.join(directory, f"{k}.npz"),
+               data={"x": model_inputs(x), "y": y.astype(np.int64)})
+  system = os.path.join(folder, "system")
+  os.makedirs(system, exist_ok=True)
+  return system

@@ -1,0 +1,101 @@
+"""`make verify`: each covered algorithm's one round beside its reference implementation.
+
+  python -m verification.verify                  # run the checks, print and write the table
+  python -m verification.verify --render FILE    # the table of a written file, no training
+
+Writes results/verification/one_round.json (--out). Exits 1 when a row is off (a max
+relative error over 1e-4 or any test accuracy unequal) or when the control row, the
+reference given other batches, is not told apart; 0 with one line when
+../shared/references or PyTorch is missing.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+from verification import bridges
+
+TOLERANCE = 1e-4          # max relative error of any compared tensor, float32 on CPU
+ACCURACY_TOLERANCE = 1e-6  # test accuracies: the same images classified alike
+CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
+COVERED = ("local", "fedavg", "fedprox")
+
+
+def missing() -> str | None:
+  """What this machine lacks for the checks, or None."""
+  if not os.path.isdir(bridges.reference_path("PFLlib", "system")):
+    return (f"no reference implementations at {bridges.reference_path()}: the project's"
+            " shared/ folder, laid beside this checkout, holds them")
+  for module, extra in (("torch", "PyTorch"), ("sklearn", "scikit-learn"), ("h5py", "h5py")):
+    if importlib.util.find_spec(module) is None:
+      return f"{extra} is not installed: make verify installs the verify extra"
+  return None
+
+
+def verdict(row: dict) -> str:
+  if row["control"]:
+    return "told apart" if row["max_relative_error"] >= CONTROL_MINIMUM else "NOT TOLD APART"
+  equal = (row["max_relative_error"] <= TOLERANCE
+           and row["accuracy_gap"] <= ACCURACY_TOLERANCE)
+  return "equal" if equal else "DIFFERS"
+
+
+def render(document: dict) -> str:
+  lines = [f"One round beside the reference ({document['setting']}):", "",
+           "| algorithm | reference | max relative error | test accuracy gap | verdict |",
+           "|---|---|---|---|---|"]
+  for row in document["rows"]:
+    name = row["algorithm"] + (" (control: other batches)" if row["control"] else "")
+    lines.append(f"| {name} | {row['reference']} | {row['max_relative_error']:.2e} |"
+                 f" {row['accuracy_gap']:.2e} | {verdict(row)} |")
+  lines.append(f"\n{document['date']}, {document['machine']}; `{document['command']}`")
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(prog="python -m verification.verify",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--render", metavar="FILE", help="print the table of FILE and stop")
+  parser.add_argument("--out", default=os.path.join(bridges.ROOT, "results", "verification",
+                                                    "one_round.json"))
+  parser.add_argument("--algorithms", default=",".join(COVERED))
+  args = parser.parse_args(argv)
+  if args.render:
+    with open(args.render) as f:
+      print(render(json.load(f)))
+    return 0
+  lack = missing()
+  if lack is not None:
+    print(f"verify: skipped, {lack}")
+    return 0
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  setting = one_round.Setting()
+  rows = []
+  for name in args.algorithms.split(","):
+    rows.append({**one_round.compare(name, setting)._asdict(), "control": False})
+  rows.append({**one_round.compare("fedavg", setting, control=True)._asdict(), "control": True})
+  document = {
+      "setting": (f"{setting.clients} MNIST clients of {setting.train_size} training and"
+                  f" {setting.test_size} test images, MLP 784-100-10, batch"
+                  f" {setting.batch_size}, {setting.local_epochs} local epoch, SGD lr"
+                  f" {setting.lr}, same initial model and batches; FedProx mu 0.1"),
+      "settings": setting._asdict(),
+      "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
+      "command": "python -m verification.verify", "rows": rows}
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(document, f, indent=2)
+  print(render(document))
+  failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
+  print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")
+  if failed:
+    print(f"verify: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
