@@ -29,14 +29,19 @@ def test_the_batches_are_the_engines_own_each_sample_once_an_epoch():
   data, _ = tiny_data((8, 8, 8), max_pad_ratio=1.0)
   key = jax.random.key(3)
   batches = bridges.client_batches(key, 2, data, epochs=2, batch_size=4)
-  assert len(batches) == 3 and all(len(client) == 2 for client in batches)
+  assert len(batches) == 3 and all(len(client) == 1 for client in batches)
   for client in batches:
-    for epoch in client:
+    for epoch in client[0]:
       assert epoch.shape == (2, 4) and sorted(epoch.ravel().tolist()) == list(range(8))
   # Client 1's second epoch, as local_training.train draws it from its client key.
   client_key = client_keys(jax.random.fold_in(key, 2), 3)[1]
   expected, _ = epoch_batches(jax.random.split(client_key, 2)[1], np.ones(8, bool), 8, 4, 2)
-  np.testing.assert_array_equal(batches[1][1], expected)
+  np.testing.assert_array_equal(batches[1][0][1], expected)
+  # Two trainings from keys split off the client key (Ditto's personal one first).
+  two = bridges.client_batches(key, 2, data, 2, 4, lambda k: list(jax.random.split(k))[::-1])
+  personal, _ = epoch_batches(jax.random.split(jax.random.split(client_key)[1], 2)[0],
+                              np.ones(8, bool), 8, 4, 2)
+  np.testing.assert_array_equal(two[1][0][0], personal)
 
 
 def test_dense_layers_become_pytorch_linears():

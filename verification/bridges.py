@@ -7,7 +7,7 @@ Nothing here copies a reference's code: the references run from ../shared/refere
 
 import os
 import sys
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -62,12 +62,15 @@ def torch_linear_layers(torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
 # ---------------------------------------------------------------- batches
 
 def client_batches(train_key: jax.Array, round_index: int, data: FederatedData,
-                   epochs: int, batch_size: int) -> list[list[np.ndarray]]:
-  """[client][epoch] -> [num_batches, B] sample indices into the client's training set,
-  as the engine draws them in round `round_index` (0-based) for an algorithm whose client
-  trains with its client key (FedAvg, FedProx, LOCAL): the round key fold_in(train key,
-  round), client k's fold_in(round key, k), split over the epochs; each epoch a shuffle
-  cut into batches (local_training.epoch_batches). Every client must hold a multiple of
+                   epochs: int, batch_size: int,
+                   trainings: Callable[[jax.Array], list[jax.Array]] = lambda key: [key]
+                   ) -> list[list[list[np.ndarray]]]:
+  """[client][training][epoch] -> [num_batches, B] sample indices into the client's
+  training set, as the engine draws them in round `round_index` (0-based): the round key
+  fold_in(train key, round), client k's fold_in(round key, k); `trainings(client key)`
+  the keys of the client's trainer.train calls, in the order the reference trains (FedAvg:
+  the client key itself); each split over the epochs, each epoch a shuffle cut into
+  batches (local_training.epoch_batches). Every client must hold a multiple of
   `batch_size` samples (no partial batch: PFLlib drops it, the engine keeps it)."""
   keys = client_keys(jax.random.fold_in(train_key, round_index), data.num_clients)
   sizes = data.split_sizes("train")
@@ -76,11 +79,10 @@ def client_batches(train_key: jax.Array, round_index: int, data: FederatedData,
     n = int(sizes[k])
     assert n % batch_size == 0, f"client {k}: {n} samples, batch {batch_size}"
     mask = np.ones(n, bool)
-    per_epoch = []
-    for epoch_key in jax.random.split(keys[k], epochs):
-      indices, _ = epoch_batches(epoch_key, mask, n, batch_size, n // batch_size)
-      per_epoch.append(np.asarray(indices))
-    result.append(per_epoch)
+    result.append([[np.asarray(epoch_batches(epoch_key, mask, n, batch_size,
+                                             n // batch_size)[0])
+                    for epoch_key in jax.random.split(training_key, epochs)]
+                   for training_key in trainings(keys[k])])
   return result
 
 

@@ -14,7 +14,7 @@ import contextlib
 import copy
 import os
 import tempfile
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -104,102 +104,138 @@ def _torch_accuracy(torch_model, client: Client) -> float:
   return float(np.mean(logits.argmax(1).numpy() == client.y_test))
 
 
-def _pfllib_round(name: str, setting: Setting, clients: list[Client], initial,
-                  batches, **extra) -> tuple[list, list, list[float]]:
-  """One PFLlib round of `name` (FedAvg, FedProx, Local): (the server's layers or None,
-  each client's layers, each client's test accuracy of the model it is scored with)."""
+class Reference(NamedTuple):
+  """How one algorithm runs in PFLlib, and which of our settings matches it."""
+  server: str                  # module.Class under flcore/servers/
+  client_file: str             # its client's file under flcore/clients/
+  steps: tuple[str, ...]       # the client's methods a round calls, in order
+  # The keys of our client's trainer.train calls, in the order the steps train.
+  trainings: Callable[[jax.Array], list[jax.Array]]
+  aggregates: bool             # whether the server averages uploaded models
+  personal: str | None         # the client's attribute holding its scored model
+  config: dict                 # our algorithm's config fields
+  args: dict                   # PFLlib's arguments
+
+
+def _own_key(key: jax.Array) -> list[jax.Array]:
+  return [key]
+
+
+def _ditto_keys(key: jax.Array) -> list[jax.Array]:
+  """Ours splits (global, personal); PFLlib trains the personal model first."""
+  global_key, personal_key = jax.random.split(key)
+  return [personal_key, global_key]
+
+
+MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
+REFERENCES = {
+    "local": Reference("serverlocal.Local", "clientavg.py", ("train",), _own_key,
+                       aggregates=False, personal="model", config={}, args={}),
+    "fedavg": Reference("serveravg.FedAvg", "clientavg.py", ("train",), _own_key,
+                        aggregates=True, personal=None, config={}, args={}),
+    "fedprox": Reference("serverprox.FedProx", "clientprox.py", ("train",), _own_key,
+                         aggregates=True, personal=None, config={"mu": MU},
+                         args={"mu": MU}),
+    "ditto": Reference("serverditto.Ditto", "clientditto.py", ("ptrain", "train"),
+                       _ditto_keys, aggregates=True, personal="model_per",
+                       config={"lam": MU, "lambda_selection": "fixed"},
+                       args={"mu": MU, "plocal_epochs": 1}),
+}
+PFLLIB_COMMIT = "d832e76f6a23"
+
+
+def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client], initial,
+                  batches) -> tuple[list | None, list, list[float]]:
+  """One PFLlib round: (the server's layers, None where it averages nothing; each client's
+  layers of the model it is scored with; each client's test accuracy of that model)."""
   bridges.import_pfllib()
+  import importlib  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
-  from flcore.servers.serveravg import FedAvg  # pylint: disable=import-outside-toplevel
-  from flcore.servers.serverlocal import Local  # pylint: disable=import-outside-toplevel
-  from flcore.servers.serverprox import FedProx  # pylint: disable=import-outside-toplevel
   from flcore.trainmodel.models import DNN  # pylint: disable=import-outside-toplevel
-  server_class = {"FedAvg": FedAvg, "FedProx": FedProx, "Local": Local}[name]
+  module, class_name = reference.server.split(".")
+  server_class = getattr(importlib.import_module(f"flcore.servers.{module}"), class_name)
   torch.manual_seed(setting.seed)
   model = DNN(784, HIDDEN, 10)
   bridges.load_linear_layers(model, initial)
+  args = _pfllib_args(setting, class_name, model, **reference.args)
   with tempfile.TemporaryDirectory() as folder:
     system = bridges.write_pfllib_split(clients, folder, "verify")
     with _working_directory(system), contextlib.redirect_stdout(open(os.devnull, "w")):
-      server = server_class(_pfllib_args(setting, name, model, **extra), 0)
+      server = server_class(args, 0)
   server.selected_clients = list(server.clients)
-  if name != "Local":
+  if reference.aggregates:
     server.send_models()
-  for client, data, epochs in zip(server.clients, clients, batches):
-    loader = bridges.EpochLoader(bridges.model_inputs(data.x_train),
-                                 data.y_train.astype(np.int64), epochs)
-    client.load_train_data = lambda batch_size=None, loader=loader: loader
-    client.train()
-  client_layers = [bridges.torch_linear_layers(c.model) for c in server.clients]
-  if name == "Local":
-    scored = [c.model for c in server.clients]
-    return None, client_layers, [_torch_accuracy(m, d) for m, d in zip(scored, clients)]
-  server.receive_models()
-  server.aggregate_parameters()
-  global_model = copy.deepcopy(server.global_model)
-  return (bridges.torch_linear_layers(global_model), client_layers,
-          [_torch_accuracy(global_model, d) for d in clients])
+  for client, data, trainings in zip(server.clients, clients, batches):
+    loaders = iter([bridges.EpochLoader(bridges.model_inputs(data.x_train),
+                                        data.y_train.astype(np.int64), epochs)
+                    for epochs in trainings])
+    client.load_train_data = lambda batch_size=None, loaders=loaders: next(loaders)
+    for step in reference.steps:
+      getattr(client, step)()
+  server_layers = None
+  if reference.aggregates:
+    server.receive_models()
+    server.aggregate_parameters()
+    server_layers = bridges.torch_linear_layers(copy.deepcopy(server.global_model))
+  scored = [getattr(c, reference.personal) if reference.personal else server.global_model
+            for c in server.clients]
+  return (server_layers, [bridges.torch_linear_layers(m) for m in scored],
+          [_torch_accuracy(m, d) for m, d in zip(scored, clients)])
 
 
-def _our_round(name: str, setting: Setting, clients: list[Client], config):
+def _our_round(name: str, setting: Setting, clients: list[Client], reference: Reference):
   """One round here: (the run's result, its initial model, the engine's batches)."""
   data = stack_clients(clients, num_classes=10)
   model = build_model("mlp", 10, (HIDDEN,))
   train = TrainConfig(rounds=1, local_epochs=setting.local_epochs,
                       batch_size=setting.batch_size, lr=setting.lr, momentum=0.0,
                       weight_decay=0.0, seed=setting.seed, log_every=0)
+  config = algorithms.default_config(name, train, **reference.config)
   keys = root_keys(setting.seed)
   initial = initial_model(model, data, keys["init"])
   batches = bridges.client_batches(keys["train"], 0, data, setting.local_epochs,
-                                   setting.batch_size)
+                                   setting.batch_size, reference.trainings)
   result = run_algorithm(name, config, model, data, train, progress=None)
   return result, initial, batches
 
 
-def _layers_of_clients(stacked) -> list:
+def _flat(layers) -> list[np.ndarray]:
+  return [array for layer in layers for array in layer]
+
+
+def _client_layers(stacked) -> list:
   """[K, ...] client parameters -> each client's nn.Linear layers."""
   count = jax.tree.leaves(stacked)[0].shape[0]
   return [bridges.dense_stack_to_torch(jax.tree.map(lambda a, k=k: np.asarray(a[k]), stacked))
           for k in range(count)]
 
 
-# PFLlib's files for each algorithm checked here: (server, client).
-PFLLIB_FILES = {"fedavg": ("serveravg.py", "clientavg.py"),
-                "fedprox": ("serverprox.py", "clientprox.py"),
-                "local": ("serverlocal.py", "clientavg.py")}
-PFLLIB_COMMIT = "d832e76f6a23"
-
-
 def compare(name: str, setting: Setting = Setting(), control: bool = False) -> Comparison:
-  """One round of `name` (fedavg, fedprox, local) beside PFLlib's. With `control`, the
+  """One round of `name` (a key of REFERENCES) beside PFLlib's: the server's model where
+  it averages one, and the model each client is scored with. With `control`, the
   reference gets each epoch's batches in another order: a check that cannot tell is no
   check."""
+  reference = REFERENCES[name]
   clients = real_clients(setting)
-  mu = 0.1
-  if name == "fedprox":
-    config = algorithms.default_config("fedprox", mu=mu)
-  else:
-    config = algorithms.default_config(name)
-  result, initial, batches = _our_round(name, setting, clients, config)
-  initial_layers = bridges.dense_stack_to_torch(initial)
-  reference_name = {"fedavg": "FedAvg", "fedprox": "FedProx", "local": "Local"}[name]
-  if control:  # the reference given other batches: the check must see it
-    batches = [[np.roll(epoch, 1, axis=0) for epoch in client] for client in batches]
-  server, client_layers, accuracy = _pfllib_round(reference_name, setting, clients,
-                                                  initial_layers, batches, mu=mu)
+  result, initial, batches = _our_round(name, setting, clients, reference)
+  if control:
+    batches = [[[np.roll(epoch, 1, axis=0) for epoch in training] for training in client]
+               for client in batches]
+  server, scored, accuracy = _pfllib_round(reference, setting, clients,
+                                           bridges.dense_stack_to_torch(initial), batches)
   state = result.final_state.algorithm
+  errors = []
+  if server is not None:
+    ours = bridges.dense_stack_to_torch(jax.tree.map(np.asarray, state.server))
+    errors.append(relative_error(_flat(ours), _flat(server)))
+  if reference.personal is not None:
+    errors += [relative_error(_flat(o), _flat(r))
+               for o, r in zip(_client_layers(state.clients), scored)]
   ours_accuracy = [float(a) for a in result.history.test_score[-1]]
-  if name == "local":
-    ours_clients = _layers_of_clients(state.clients)
-    error = max(relative_error(sum(map(list, o), []), sum(map(list, r), []))
-                for o, r in zip(ours_clients, client_layers))
-  else:
-    ours_server = bridges.dense_stack_to_torch(jax.tree.map(np.asarray, state.server))
-    error = relative_error(sum(map(list, ours_server), []), sum(map(list, server), []))
-  server_file, client_file = PFLLIB_FILES[name]
+  server_file = reference.server.split(".")[0] + ".py"
   return Comparison(
       algorithm=name, reference=(f"PFLlib@{PFLLIB_COMMIT} flcore/servers/{server_file},"
-                                 f" flcore/clients/{client_file}"),
-      max_relative_error=error,
+                                 f" flcore/clients/{reference.client_file}"),
+      max_relative_error=max(errors),
       accuracy_gap=float(np.max(np.abs(np.asarray(ours_accuracy) - np.asarray(accuracy)))),
       ours_accuracy=ours_accuracy, reference_accuracy=accuracy)

@@ -21,7 +21,7 @@ from verification import bridges
 TOLERANCE = 1e-4          # max relative error of any compared tensor, float32 on CPU
 ACCURACY_TOLERANCE = 1e-6  # test accuracies: the same images classified alike
 CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
-COVERED = ("local", "fedavg", "fedprox")
+COVERED = ("local", "fedavg", "fedprox", "ditto")
 
 
 def missing() -> str | None:
@@ -81,7 +81,8 @@ def main(argv: list[str]) -> int:
       "setting": (f"{setting.clients} MNIST clients of {setting.train_size} training and"
                   f" {setting.test_size} test images, MLP 784-100-10, batch"
                   f" {setting.batch_size}, {setting.local_epochs} local epoch, SGD lr"
-                  f" {setting.lr}, same initial model and batches; FedProx mu 0.1"),
+                  f" {setting.lr}, same initial model and batches; FedProx mu and Ditto"
+                  " lambda 0.1, Ditto with one fixed lambda (PFLlib's form)"),
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
