@@ -3,6 +3,8 @@ reference implementations or PyTorch are missing. The side-by-side runs themselv
 `make verify`'s (PyTorch is the verify extra's, not the test extra's)."""
 
 import importlib.util
+import json
+import os
 
 import jax
 import numpy as np
@@ -62,3 +64,12 @@ def test_a_pytorch_model_takes_the_layers_and_gives_them_back():
   for (w, b), (w2, b2) in zip(layers, bridges.torch_linear_layers(model)):
     np.testing.assert_array_equal(w, w2)
     np.testing.assert_array_equal(b, b2)
+
+
+def test_the_docs_table_is_the_one_the_results_file_renders():
+  with open(os.path.join(bridges.ROOT, "results", "verification", "one_round.json")) as f:
+    rendered = verify.render(json.load(f))
+  with open(os.path.join(bridges.ROOT, "docs", "verification.md")) as f:
+    doc = f.read()
+  rows = [line for line in rendered.splitlines() if line.startswith("| ")]
+  assert len(rows) >= 5 and all(row in doc for row in rows)
