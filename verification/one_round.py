@@ -1,6 +1,7 @@
-"""Check (a) of the verification: one round of an algorithm here and in PFLlib, from the
-same initial model and the same batches, on a small real split; every client's model and
-the server's compared, and each client's test accuracy.
+"""Check (a) of the verification: one round of an algorithm here and in PFLlib (two where
+the first cannot show it), from the same initial model and the same batches, on a small
+real split; the server's model and every client's scored model compared, and each
+client's test accuracy.
 
 The split: K MNIST clients of `train_size` training images (a multiple of the batch size:
 PFLlib drops a last partial batch, the engine does not), disjoint slices of the official
@@ -14,7 +15,8 @@ import contextlib
 import copy
 import os
 import tempfile
-from typing import Callable, NamedTuple
+import warnings
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -42,6 +44,7 @@ class Setting(NamedTuple):
 class Comparison(NamedTuple):
   algorithm: str
   reference: str               # the reference's classes, repository@commit
+  rounds: int
   max_relative_error: float    # over every compared tensor: max |ours - ref| / max |ref|
   accuracy_gap: float          # max over clients of |our test accuracy - the reference's|
   ours_accuracy: list[float]
@@ -115,6 +118,11 @@ class Reference(NamedTuple):
   personal: str | None         # the client's attribute holding its scored model
   config: dict                 # our algorithm's config fields
   args: dict                   # PFLlib's arguments
+  # Our clients' models that `personal` holds, from the run's final clients state.
+  ours_personal: Callable[[Any], Any] = lambda clients: clients
+  # Rounds compared: more than one where the first cannot show the algorithm (APFL's
+  # two models are equal through its first round, so alpha changes nothing there).
+  rounds: int = 1
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -140,6 +148,11 @@ REFERENCES = {
                        _ditto_keys, aggregates=True, personal="model_per",
                        config={"lam": MU, "lambda_selection": "fixed"},
                        args={"mu": MU, "plocal_epochs": 1}),
+    # APFL's PFLlib form; alpha starts at our default 0.5 (PFLlib's main.py: 1.0).
+    "apfl": Reference("serverapfl.APFL", "clientapfl.py", ("train",), _own_key,
+                      aggregates=True, personal="model_per",
+                      config={"mixing": "pfllib", "alpha": 0.5}, args={"alpha": 0.5},
+                      ours_personal=lambda clients: clients.local, rounds=2),
 }
 PFLLIB_COMMIT = "d832e76f6a23"
 
@@ -155,6 +168,7 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
   module, class_name = reference.server.split(".")
   server_class = getattr(importlib.import_module(f"flcore.servers.{module}"), class_name)
   torch.manual_seed(setting.seed)
+  warnings.filterwarnings("ignore", category=UserWarning, module="flcore")
   model = DNN(784, HIDDEN, 10)
   bridges.load_linear_layers(model, initial)
   args = _pfllib_args(setting, class_name, model, **reference.args)
@@ -163,19 +177,21 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     with _working_directory(system), contextlib.redirect_stdout(open(os.devnull, "w")):
       server = server_class(args, 0)
   server.selected_clients = list(server.clients)
-  if reference.aggregates:
-    server.send_models()
-  for client, data, trainings in zip(server.clients, clients, batches):
-    loaders = iter([bridges.EpochLoader(bridges.model_inputs(data.x_train),
-                                        data.y_train.astype(np.int64), epochs)
-                    for epochs in trainings])
-    client.load_train_data = lambda batch_size=None, loaders=loaders: next(loaders)
-    for step in reference.steps:
-      getattr(client, step)()
+  for round_batches in batches:  # [round][client][training][epoch]
+    if reference.aggregates:
+      server.send_models()
+    for client, data, trainings in zip(server.clients, clients, round_batches):
+      loaders = iter([bridges.EpochLoader(bridges.model_inputs(data.x_train),
+                                          data.y_train.astype(np.int64), epochs)
+                      for epochs in trainings])
+      client.load_train_data = lambda batch_size=None, loaders=loaders: next(loaders)
+      for step in reference.steps:
+        getattr(client, step)()
+    if reference.aggregates:
+      server.receive_models()
+      server.aggregate_parameters()
   server_layers = None
   if reference.aggregates:
-    server.receive_models()
-    server.aggregate_parameters()
     server_layers = bridges.torch_linear_layers(copy.deepcopy(server.global_model))
   scored = [getattr(c, reference.personal) if reference.personal else server.global_model
             for c in server.clients]
@@ -187,14 +203,15 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
   """One round here: (the run's result, its initial model, the engine's batches)."""
   data = stack_clients(clients, num_classes=10)
   model = build_model("mlp", 10, (HIDDEN,))
-  train = TrainConfig(rounds=1, local_epochs=setting.local_epochs,
+  train = TrainConfig(rounds=reference.rounds, local_epochs=setting.local_epochs,
                       batch_size=setting.batch_size, lr=setting.lr, momentum=0.0,
                       weight_decay=0.0, seed=setting.seed, log_every=0)
   config = algorithms.default_config(name, train, **reference.config)
   keys = root_keys(setting.seed)
   initial = initial_model(model, data, keys["init"])
-  batches = bridges.client_batches(keys["train"], 0, data, setting.local_epochs,
-                                   setting.batch_size, reference.trainings)
+  batches = [bridges.client_batches(keys["train"], r, data, setting.local_epochs,
+                                    setting.batch_size, reference.trainings)
+             for r in range(reference.rounds)]
   result = run_algorithm(name, config, model, data, train, progress=None)
   return result, initial, batches
 
@@ -219,8 +236,8 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
   clients = real_clients(setting)
   result, initial, batches = _our_round(name, setting, clients, reference)
   if control:
-    batches = [[[np.roll(epoch, 1, axis=0) for epoch in training] for training in client]
-               for client in batches]
+    batches = [[[[np.roll(epoch, 1, axis=0) for epoch in training] for training in client]
+                for client in round_batches] for round_batches in batches]
   server, scored, accuracy = _pfllib_round(reference, setting, clients,
                                            bridges.dense_stack_to_torch(initial), batches)
   state = result.final_state.algorithm
@@ -230,12 +247,14 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
     errors.append(relative_error(_flat(ours), _flat(server)))
   if reference.personal is not None:
     errors += [relative_error(_flat(o), _flat(r))
-               for o, r in zip(_client_layers(state.clients), scored)]
+               for o, r in zip(_client_layers(reference.ours_personal(state.clients)),
+                               scored)]
   ours_accuracy = [float(a) for a in result.history.test_score[-1]]
   server_file = reference.server.split(".")[0] + ".py"
   return Comparison(
       algorithm=name, reference=(f"PFLlib@{PFLLIB_COMMIT} flcore/servers/{server_file},"
                                  f" flcore/clients/{reference.client_file}"),
+      rounds=reference.rounds,
       max_relative_error=max(errors),
       accuracy_gap=float(np.max(np.abs(np.asarray(ours_accuracy) - np.asarray(accuracy)))),
       ours_accuracy=ours_accuracy, reference_accuracy=accuracy)

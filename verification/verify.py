@@ -21,7 +21,7 @@ from verification import bridges
 TOLERANCE = 1e-4          # max relative error of any compared tensor, float32 on CPU
 ACCURACY_TOLERANCE = 1e-6  # test accuracies: the same images classified alike
 CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
-COVERED = ("local", "fedavg", "fedprox", "ditto")
+COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl")
 
 
 def missing() -> str | None:
@@ -45,11 +45,12 @@ def verdict(row: dict) -> str:
 
 def render(document: dict) -> str:
   lines = [f"One round beside the reference ({document['setting']}):", "",
-           "| algorithm | reference | max relative error | test accuracy gap | verdict |",
-           "|---|---|---|---|---|"]
+           "| algorithm | reference | rounds | max relative error | test accuracy gap |"
+           " verdict |", "|---|---|---|---|---|---|"]
   for row in document["rows"]:
     name = row["algorithm"] + (" (control: other batches)" if row["control"] else "")
-    lines.append(f"| {name} | {row['reference']} | {row['max_relative_error']:.2e} |"
+    lines.append(f"| {name} | {row['reference']} | {row['rounds']} |"
+                 f" {row['max_relative_error']:.2e} |"
                  f" {row['accuracy_gap']:.2e} | {verdict(row)} |")
   lines.append(f"\n{document['date']}, {document['machine']}; `{document['command']}`")
   return "\n".join(lines)
@@ -82,7 +83,8 @@ def main(argv: list[str]) -> int:
                   f" {setting.test_size} test images, MLP 784-100-10, batch"
                   f" {setting.batch_size}, {setting.local_epochs} local epoch, SGD lr"
                   f" {setting.lr}, same initial model and batches; FedProx mu and Ditto"
-                  " lambda 0.1, Ditto with one fixed lambda (PFLlib's form)"),
+                  " lambda 0.1, Ditto with one fixed lambda (PFLlib's form), APFL in"
+                  " PFLlib's form from alpha 0.5"),
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
