@@ -16,7 +16,7 @@ import copy
 import os
 import tempfile
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from fedora_jax import algorithms
 from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.data.sources import load_mnist
+from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.models import build_model
 from fedora_jax.simulation import TrainConfig, initial_model, root_keys, run_algorithm
 from verification import bridges
@@ -118,8 +119,12 @@ class Reference(NamedTuple):
   personal: str | None         # the client's attribute holding its scored model
   config: dict                 # our algorithm's config fields
   args: dict                   # PFLlib's arguments
-  # Our clients' models that `personal` holds, from the run's final clients state.
-  ours_personal: Callable[[Any], Any] = lambda clients: clients
+  # PyTorch's model split as PFLlib's main.py splits it for this algorithm: its last
+  # layer the head (BaseHeadSplit), the rest the base.
+  split: bool = False
+  # Whether the server's model is compared: not where it holds only a part (the scored
+  # models hold that part too).
+  compare_server: bool = True
   # Rounds compared: more than one where the first cannot show the algorithm (APFL's
   # two models are equal through its first round, so alpha changes nothing there).
   rounds: int = 1
@@ -152,8 +157,29 @@ REFERENCES = {
     "apfl": Reference("serverapfl.APFL", "clientapfl.py", ("train",), _own_key,
                       aggregates=True, personal="model_per",
                       config={"mixing": "pfllib", "alpha": 0.5}, args={"alpha": 0.5},
-                      ours_personal=lambda clients: clients.local, rounds=2),
+                      rounds=2),
+    # The base shared, the head the client's own; and the reverse.
+    "fedper": Reference("serverper.FedPer", "clientper.py", ("train",), _own_key,
+                        aggregates=True, personal="model", config={"personal_layers": 1},
+                        args={}, split=True, compare_server=False),
+    "lg_fedavg": Reference("serverlg.LG_FedAvg", "clientlg.py", ("train",), _own_key,
+                           aggregates=True, personal="model",
+                           config={"local_layers": 1, "local_side": "input"}, args={},
+                           split=True, compare_server=False),
 }
+
+
+def _mlp_twin(torch):
+  """Our MLP 784-100-10 in PyTorch with PFLlib's layer names (fc1, fc): its DNN ends in
+  log_softmax, which BaseHeadSplit would put under the head."""
+  class MlpTwin(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.fc1, self.fc = torch.nn.Linear(784, HIDDEN), torch.nn.Linear(HIDDEN, 10)
+
+    def forward(self, x):
+      return self.fc(torch.relu(self.fc1(torch.flatten(x, 1))))
+  return MlpTwin()
 PFLLIB_COMMIT = "d832e76f6a23"
 
 
@@ -164,13 +190,17 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
   bridges.import_pfllib()
   import importlib  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
-  from flcore.trainmodel.models import DNN  # pylint: disable=import-outside-toplevel
+  from flcore.trainmodel import models  # pylint: disable=import-outside-toplevel
   module, class_name = reference.server.split(".")
   server_class = getattr(importlib.import_module(f"flcore.servers.{module}"), class_name)
   torch.manual_seed(setting.seed)
   warnings.filterwarnings("ignore", category=UserWarning, module="flcore")
-  model = DNN(784, HIDDEN, 10)
+  model = _mlp_twin(torch) if reference.split else models.DNN(784, HIDDEN, 10)
   bridges.load_linear_layers(model, initial)
+  if reference.split:
+    head = copy.deepcopy(model.fc)
+    model.fc = torch.nn.Identity()
+    model = models.BaseHeadSplit(model, head)
   args = _pfllib_args(setting, class_name, model, **reference.args)
   with tempfile.TemporaryDirectory() as folder:
     system = bridges.write_pfllib_split(clients, folder, "verify")
@@ -190,8 +220,12 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     if reference.aggregates:
       server.receive_models()
       server.aggregate_parameters()
-  server_layers = None
   if reference.aggregates:
+    # Where PFLlib scores a round: its next round's evaluate() follows send_models (a
+    # client scored with its own model holds the server's new part by then).
+    server.send_models()
+  server_layers = None
+  if reference.aggregates and reference.compare_server:
     server_layers = bridges.torch_linear_layers(copy.deepcopy(server.global_model))
   scored = [getattr(c, reference.personal) if reference.personal else server.global_model
             for c in server.clients]
@@ -213,7 +247,13 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
                                     setting.batch_size, reference.trainings)
              for r in range(reference.rounds)]
   result = run_algorithm(name, config, model, data, train, progress=None)
-  return result, initial, batches
+  # Each client's scored model, as the algorithm defines it.
+  trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
+                                train.local_epochs, train.batch_size)
+  state = result.final_state.algorithm
+  personal = algorithms.build(name, config, trainer).personalized_params(state.server,
+                                                                         state.clients)
+  return result, initial, batches, personal
 
 
 def _flat(layers) -> list[np.ndarray]:
@@ -234,7 +274,7 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
   check."""
   reference = REFERENCES[name]
   clients = real_clients(setting)
-  result, initial, batches = _our_round(name, setting, clients, reference)
+  result, initial, batches, personal = _our_round(name, setting, clients, reference)
   if control:
     batches = [[[[np.roll(epoch, 1, axis=0) for epoch in training] for training in client]
                 for client in round_batches] for round_batches in batches]
@@ -247,8 +287,7 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
     errors.append(relative_error(_flat(ours), _flat(server)))
   if reference.personal is not None:
     errors += [relative_error(_flat(o), _flat(r))
-               for o, r in zip(_client_layers(reference.ours_personal(state.clients)),
-                               scored)]
+               for o, r in zip(_client_layers(personal), scored)]
   ours_accuracy = [float(a) for a in result.history.test_score[-1]]
   server_file = reference.server.split(".")[0] + ".py"
   return Comparison(
