@@ -128,6 +128,9 @@ class Reference(NamedTuple):
   # Rounds compared: more than one where the first cannot show the algorithm (APFL's
   # two models are equal through its first round, so alpha changes nothing there).
   rounds: int = 1
+  # Our local epochs where they count differently from PFLlib's (FedRep: ours include
+  # the head's, PFLlib's --local_epochs are the body's alone); None: the setting's.
+  our_epochs: int | None = None
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -166,6 +169,12 @@ REFERENCES = {
                            aggregates=True, personal="model",
                            config={"local_layers": 1, "local_side": "input"}, args={},
                            split=True, compare_server=False),
+    # One head epoch, then one body epoch, on one loader reshuffled each epoch.
+    "fedrep": Reference("serverrep.FedRep", "clientrep.py", ("train",), _own_key,
+                        aggregates=True, personal="model",
+                        config={"head_epochs": 1, "head_layers": 1},
+                        args={"plocal_epochs": 1, "local_epochs": 1}, split=True,
+                        compare_server=False, our_epochs=2),
 }
 
 
@@ -237,14 +246,15 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
   """One round here: (the run's result, its initial model, the engine's batches)."""
   data = stack_clients(clients, num_classes=10)
   model = build_model("mlp", 10, (HIDDEN,))
-  train = TrainConfig(rounds=reference.rounds, local_epochs=setting.local_epochs,
+  epochs = reference.our_epochs or setting.local_epochs
+  train = TrainConfig(rounds=reference.rounds, local_epochs=epochs,
                       batch_size=setting.batch_size, lr=setting.lr, momentum=0.0,
                       weight_decay=0.0, seed=setting.seed, log_every=0)
   config = algorithms.default_config(name, train, **reference.config)
   keys = root_keys(setting.seed)
   initial = initial_model(model, data, keys["init"])
-  batches = [bridges.client_batches(keys["train"], r, data, setting.local_epochs,
-                                    setting.batch_size, reference.trainings)
+  batches = [bridges.client_batches(keys["train"], r, data, epochs, setting.batch_size,
+                                    reference.trainings)
              for r in range(reference.rounds)]
   result = run_algorithm(name, config, model, data, train, progress=None)
   # Each client's scored model, as the algorithm defines it.
