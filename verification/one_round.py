@@ -169,6 +169,11 @@ REFERENCES = {
                            aggregates=True, personal="model",
                            config={"local_layers": 1, "local_side": "input"}, args={},
                            split=True, compare_server=False),
+    # The body trained and averaged, the head frozen at the initial model; the global
+    # model scored (finetune_epochs=0: PFLlib fine-tunes only after its last round).
+    "fedbabu": Reference("serverbabu.FedBABU", "clientbabu.py", ("train",), _own_key,
+                         aggregates=True, personal="model", config={"finetune_epochs": 0},
+                         args={"fine_tuning_epochs": 0}, split=True, compare_server=False),
     # One head epoch, then one body epoch, on one loader reshuffled each epoch.
     "fedrep": Reference("serverrep.FedRep", "clientrep.py", ("train",), _own_key,
                         aggregates=True, personal="model",
