@@ -174,6 +174,12 @@ REFERENCES = {
     "fedbabu": Reference("serverbabu.FedBABU", "clientbabu.py", ("train",), _own_key,
                          aggregates=True, personal="model", config={"finetune_epochs": 0},
                          args={"fine_tuning_epochs": 0}, split=True, compare_server=False),
+    # Two rounds: in the first a client's previous model is the global one in PFLlib (no
+    # negative pair here), a constant contrastive loss either way.
+    "moon": Reference("servermoon.MOON", "clientmoon.py", ("train",), _own_key,
+                      aggregates=True, personal=None,
+                      config={"mu": 1.0, "tau": 0.5, "evaluate": "global"},
+                      args={"mu": 1.0, "tau": 0.5}, split=True, rounds=2),
     # One head epoch, then one body epoch, on one loader reshuffled each epoch.
     "fedrep": Reference("serverrep.FedRep", "clientrep.py", ("train",), _own_key,
                         aggregates=True, personal="model",

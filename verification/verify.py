@@ -22,7 +22,7 @@ TOLERANCE = 1e-4          # max relative error of any compared tensor, float32 o
 ACCURACY_TOLERANCE = 1e-6  # test accuracies: the same images classified alike
 CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
 COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg", "fedrep",
-           "fedbabu")
+           "fedbabu", "moon")
 
 
 def missing() -> str | None:
@@ -86,8 +86,9 @@ def main(argv: list[str]) -> int:
                   f" {setting.lr}, same initial model and batches; FedProx mu and Ditto"
                   " lambda 0.1, Ditto with one fixed lambda (PFLlib's form), APFL in"
                   " PFLlib's form from alpha 0.5; FedPer, LG-FedAvg, FedRep (one head"
-                  " epoch, then one body epoch) and FedBABU (its global model scored) on"
-                  " the MLP split into its hidden layer (base) and output layer (head)"),
+                  " epoch, then one body epoch), FedBABU (its global model scored) and"
+                  " MOON (mu 1, tau 0.5, two rounds) on the MLP split into its hidden"
+                  " layer (base) and output layer (head)"),
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
