@@ -131,6 +131,9 @@ class Reference(NamedTuple):
   # Our local epochs where they count differently from PFLlib's (FedRep: ours include
   # the head's, PFLlib's --local_epochs are the body's alone); None: the setting's.
   our_epochs: int | None = None
+  # Whether the client's model is read after the next send_models, where PFLlib's
+  # evaluation reads it; False: right after its training (see pFedMe).
+  scored_after_send: bool = True
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -180,6 +183,19 @@ REFERENCES = {
                       aggregates=True, personal=None,
                       config={"mu": 1.0, "tau": 0.5, "evaluate": "global"},
                       args={"mu": 1.0, "tau": 0.5}, split=True, rounds=2),
+    # pFedMe with PFLlib's values, the authors' mu theta term (0.001, its optimizer's
+    # default) and beta 1 (PFLlib's default 0 would never move the global model). The
+    # local model w_i is compared (ours: personal_model=local), read after training:
+    # PFLlib's personalized_params are its model's own parameter tensors, so after
+    # send_models its evaluate_personalized scores the new global model, neither theta_i
+    # nor w_i (docs/verification.md).
+    "pfedme": Reference("serverpFedMe.pFedMe", "clientpFedMe.py", ("train",), _own_key,
+                        aggregates=True, personal="model",
+                        config={"lam": 15.0, "k": 5, "personal_lr": 0.09, "eta": 0.05,
+                                "beta": 1.0, "theta_l2": 0.001, "personal_model": "local"},
+                        args={"lamda": 15.0, "K": 5, "p_learning_rate": 0.09,
+                              "beta": 1.0},
+                        scored_after_send=False),
     # One head epoch, then one body epoch, on one loader reshuffled each epoch.
     "fedrep": Reference("serverrep.FedRep", "clientrep.py", ("train",), _own_key,
                         aggregates=True, personal="model",
@@ -240,7 +256,7 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     if reference.aggregates:
       server.receive_models()
       server.aggregate_parameters()
-  if reference.aggregates:
+  if reference.aggregates and reference.scored_after_send:
     # Where PFLlib scores a round: its next round's evaluate() follows send_models (a
     # client scored with its own model holds the server's new part by then).
     server.send_models()

@@ -22,7 +22,7 @@ TOLERANCE = 1e-4          # max relative error of any compared tensor, float32 o
 ACCURACY_TOLERANCE = 1e-6  # test accuracies: the same images classified alike
 CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
 COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg", "fedrep",
-           "fedbabu", "moon")
+           "fedbabu", "moon", "pfedme")
 
 
 def missing() -> str | None:
@@ -88,7 +88,8 @@ def main(argv: list[str]) -> int:
                   " PFLlib's form from alpha 0.5; FedPer, LG-FedAvg, FedRep (one head"
                   " epoch, then one body epoch), FedBABU (its global model scored) and"
                   " MOON (mu 1, tau 0.5, two rounds) on the MLP split into its hidden"
-                  " layer (base) and output layer (head)"),
+                  " layer (base) and output layer (head); pFedMe (lambda 15, K 5,"
+                  " personal lr 0.09, mu 0.001, beta 1) with its local models compared"),
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
