@@ -108,6 +108,10 @@ def soak_matrix(shard: int, args) -> dict:
 
 
 def render(records: list[dict]) -> str:
+  order = list(CHEAPEST)
+  records = sorted(records, key=lambda r: (r["kind"] != "matrix", r.get("pass", 0),
+                                           order.index(r["table"]) if "table" in r else
+                                           r["shard"]))
   lines = ["| what | pass | rows | minutes | exit | hangs |", "|---|---|---|---|---|---|"]
   for r in records:
     what = (f"`{r['table']}` {' '.join(r['flags'])}, {r['rounds']} rounds"
@@ -119,7 +123,7 @@ def render(records: list[dict]) -> str:
   tables = [r for r in records if r["kind"] == "table"]
   lines.append(f"\n{len(tables)} table processes ({sum(r['rows'] for r in tables)} rows),"
                f" {len(records) - len(tables)} matrix shards,"
-               f" {sum(r['minutes'] for r in records):.0f} minutes,"
+               f" {sum(r['minutes'] for r in records):.0f} process-minutes,"
                f" hangs: {sum(r['hangs'] for r in records)},"
                f" non-zero exits: {sum(r['exit'] != 0 for r in records)}")
   if records:
