@@ -8,7 +8,6 @@ import os
 
 import jax
 import numpy as np
-import pytest
 
 from fedora_jax.engine.local_training import epoch_batches
 from fedora_jax.models import build_model
