@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedora_jax import tree
+from fedora_jax import algorithms, tree
 from fedora_jax.data.client_data import ClientData, FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.rounds import client_keys, num_sampled_clients
@@ -432,7 +432,8 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   """Compiles and times the production round; returns the report (a JSON-able dict),
   the state after the timed rounds and the PreparedRun (to time more rounds)."""
   train = config.train
-  prepared = prepare_run(config.algorithm, config.algorithm_config, model, data, train)
+  prepared = prepare_run(algorithms.make(config.algorithm, config.algorithm_config), model,
+                         data, train)
   log(f"compiled train_round in {prepared.compile_seconds:.2f} s")
   faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   durations, final_state, metrics = time_rounds(prepared, config.repeats, config.warmup)

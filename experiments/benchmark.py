@@ -42,6 +42,7 @@ import numpy as np
 from experiments import flags as run_flags
 from experiments.cli import run_command
 from benchmarks import measure
+from fedora_jax import algorithms
 from fedora_jax.data import datasets
 from fedora_jax.simulation import prepare_run
 from fedora_jax.errors import ConfigError, FedoraError
@@ -312,7 +313,7 @@ def _interleaved_sweep(field: str, trains: dict[str, Any],
   runs = {}
   for value, train in trains.items():
     model = setup.model if variants is None else variants[value]
-    runs[value] = prepare_run(FLAGS.algorithm, setup.config, model, setup.data,
+    runs[value] = prepare_run(algorithms.make(FLAGS.algorithm, setup.config), model, setup.data,
                               dataclasses.replace(setup.train, **train))
     log(f"{field}={value}: compiled in {runs[value].compile_seconds:.2f} s")
   durations = measure.interleaved_rounds(runs, _REPEATS.value, _WARMUP.value)

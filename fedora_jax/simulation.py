@@ -9,17 +9,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedora_jax import algorithms, tree
-from fedora_jax.algorithms.base import InitContext
+from fedora_jax import tree
+from fedora_jax.algorithms.base import Algorithm, InitContext
 from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
-from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
+from fedora_jax.engine.local_training import ClientTrainer, make_client_trainer, make_optimizer
 from fedora_jax.engine import batch_stats, sharding
 from fedora_jax.progress import Progress, Silent, default_progress
 from fedora_jax.watchdog import Watchdog
 from fedora_jax.rounds import (RoundMetrics, RoundState, build_test_evaluation,
                                build_train_round)
-from fedora_jax.errors import RunInterrupted, TrainingDivergedError
+from fedora_jax.errors import ConfigError, RunInterrupted, TrainingDivergedError
 
 logger = logging.getLogger("fedora_jax")
 
@@ -47,6 +47,12 @@ class TrainConfig:
   # Each client's weight in the server's averages (rounds.py): "samples", its training
   # samples n_k (McMahan et al.), or "uniform", 1 for every client the round trained.
   client_weights: str = "samples"
+
+
+# What the runner takes: an Algorithm, or a function building one around the run's client
+# trainer (algorithms.make(name, config) for a registered one; the trainer carries the
+# run's model, optimizer and epochs, which an algorithm's client update calls).
+AlgorithmSource = Algorithm | Callable[[ClientTrainer], Algorithm]
 
 
 class RunResult(NamedTuple):
@@ -111,8 +117,8 @@ def check_finite(metrics: RoundMetrics, round_number: int) -> None:
 
 class PreparedRun(NamedTuple):
   """A run's compiled round and initial state (shared by run_algorithm and the benchmark)."""
-  algorithm: Any                  # algorithms.base.Algorithm
-  trainer: Any                    # engine.local_training.ClientTrainer
+  algorithm: Algorithm
+  trainer: ClientTrainer
   keys: dict[str, jax.Array]
   buckets: tuple                  # the client data on the device
   state: RoundState               # after algorithm.init
@@ -123,14 +129,37 @@ class PreparedRun(NamedTuple):
   test_evaluation: Any = None
 
 
-def prepare_run(name: str, algorithm_config: Any, model, data: FederatedData,
-                train: TrainConfig, mesh=None) -> PreparedRun:
-  """Builds the algorithm, its initial state and the compiled train_round of a run, the
-  client data split over `mesh` (default: `sharding.default_mesh`)."""
-  trainer = make_client_trainer(
+def client_trainer(model, data: FederatedData, train: TrainConfig) -> ClientTrainer:
+  """The run's client trainer: `model` trained by SGD as `train` says (what an Algorithm
+  built outside the registry closes over, to run as the runner's own would)."""
+  return make_client_trainer(
       model.apply, make_optimizer(train.lr, train.momentum, train.weight_decay),
       train.local_epochs, train.batch_size, train.eval_batch_size, task=data.task)
-  algorithm = algorithms.build(name, algorithm_config, trainer)  # with any plug-ins
+
+
+def build_algorithm(algorithm: AlgorithmSource, trainer: ClientTrainer) -> Algorithm:
+  """`algorithm` itself, or what it builds around `trainer`."""
+  if isinstance(algorithm, Algorithm):
+    return algorithm
+  if isinstance(algorithm, str) or not callable(algorithm):
+    raise ConfigError(f"the runner takes an Algorithm or a function trainer -> Algorithm,"
+                      f" not {algorithm!r} (a registered one: algorithms.make(name, config))")
+  built = algorithm(trainer)
+  if not isinstance(built, Algorithm):
+    raise ConfigError(f"{algorithm!r} built {type(built).__name__}, not an Algorithm")
+  return built
+
+
+def prepare_run(algorithm: AlgorithmSource, model, data: FederatedData,
+                train: TrainConfig, mesh=None) -> PreparedRun:
+  """Builds `algorithm`'s initial state and the compiled train_round of a run, the
+  client data split over `mesh` (default: `sharding.default_mesh`)."""
+  trainer = client_trainer(model, data, train)
+  return _prepare(build_algorithm(algorithm, trainer), trainer, model, data, train, mesh)
+
+
+def _prepare(algorithm: Algorithm, trainer: ClientTrainer, model, data: FederatedData,
+             train: TrainConfig, mesh) -> PreparedRun:
   keys = root_keys(train.seed)
   if mesh is None:
     mesh = sharding.default_mesh([len(ids) for ids in data.client_ids])
@@ -177,13 +206,14 @@ def _improves(mean: float, best: float, lower_is_better: bool) -> bool:
   return bool(np.isnan(best) or (mean < best if lower_is_better else mean > best))
 
 
-def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
+def run_algorithm(algorithm: AlgorithmSource, model, data: FederatedData,
                   train: TrainConfig,
                   on_round: Callable[[int, RoundMetrics], None] | None = None,
                   checkpointer: Checkpointer | None = None, mesh=None,
                   progress: Progress | None | str = "auto",
                   watchdog: Watchdog | None = None) -> RunResult:
-  """Trains `name` for train.rounds rounds; returns per-round per-client metrics.
+  """Trains `algorithm` (an Algorithm, or algorithms.make(name, config)) for
+  train.rounds rounds; returns per-round per-client metrics.
 
   With a checkpointer, starts from its latest checkpoint (state and the history of the
   rounds before it; `on_round` is not called for those) and saves as it goes.
@@ -193,11 +223,14 @@ def run_algorithm(name: str, algorithm_config: Any, model, data: FederatedData,
   compiling and every round, with its time limit. Ctrl-C raises RunInterrupted, saying
   where the run was and which checkpoint is kept.
   """
+  trainer = client_trainer(model, data, train)
+  algorithm = build_algorithm(algorithm, trainer)
+  name = algorithm.name
   progress = resolve_progress(progress, train.log_every)
   progress.start(name, train.rounds, data.task)
   stages = _StageReporter(name, train.rounds, watchdog, checkpointer)
   try:
-    return _train(name, algorithm_config, model, data, train, on_round, checkpointer, mesh,
+    return _train(algorithm, trainer, model, data, train, on_round, checkpointer, mesh,
                   progress, stages)
   except RunInterrupted:
     raise
@@ -262,11 +295,12 @@ def _best_mean(history: list[RoundMetrics], lower_is_better: bool,
   return best
 
 
-def _train(name, algorithm_config, model, data, train, on_round, checkpointer, mesh,
-           progress: Progress, stages: _StageReporter) -> RunResult:
+def _train(algorithm: Algorithm, trainer: ClientTrainer, model, data, train, on_round,
+           checkpointer, mesh, progress: Progress, stages: _StageReporter) -> RunResult:
+  name = algorithm.name
   stages.compiling()
-  prepared = prepare_run(name, algorithm_config, model, data, train, mesh)
-  algorithm, keys, buckets = prepared.algorithm, prepared.keys, prepared.buckets
+  prepared = _prepare(algorithm, trainer, model, data, train, mesh)
+  keys, buckets = prepared.keys, prepared.buckets
   state, compiled, compile_seconds = (prepared.state, prepared.compiled,
                                       prepared.compile_seconds)
 

@@ -269,8 +269,8 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
     return results
 
   with metric_writer.RoundWriter(workdir, config.algorithm, spec.task) as log_round:
-    result = run_algorithm(config.algorithm, algorithm_config, model, data, train,
-                           on_round=log_round, checkpointer=checkpointer,
+    result = run_algorithm(algorithms.make(config.algorithm, algorithm_config), model, data,
+                           train, on_round=log_round, checkpointer=checkpointer,
                            progress=progress, watchdog=watchdog)
   results_lib.write_timing(workdir, result)
   ours = results_lib.client_scores(result, spec.task)
@@ -281,10 +281,9 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   else:
     logger.info("training the LOCAL reference on the same split and seed")
     with metric_writer.RoundWriter(workdir, "local", spec.task) as log_round:
-      local_result = run_algorithm("local", algorithms.default_config("local", train), model,
-                                   data, train, on_round=log_round,
-                                   checkpointer=local_checkpointer, progress=progress,
-                                   watchdog=watchdog)
+      local_result = run_algorithm(algorithms.make("local"), model, data, train,
+                                   on_round=log_round, checkpointer=local_checkpointer,
+                                   progress=progress, watchdog=watchdog)
     local = results_lib.client_scores(local_result, spec.task)
     # Kept as a LOCAL run of its own, so later runs can pass it as `reference`.
     save(os.path.join(workdir, "local"), {**run_info, "algorithm": "local"}, local_result,
@@ -314,9 +313,8 @@ def serve_new_clients(federated, config, model, train: TrainConfig, fedora_resul
                       watchdog: Watchdog | None = None) -> dict:
   """Trains FedAvg on the same clients, then serves the held-out ones (Algorithm 2)."""
   logger.info("training FedAvg on the same clients as the new-client baseline")
-  fedavg_result = run_algorithm("fedavg", algorithms.default_config("fedavg", train), model,
-                                federated.data, train, progress=progress,
-                                watchdog=watchdog)
+  fedavg_result = run_algorithm(algorithms.make("fedavg"), model, federated.data, train,
+                                progress=progress, watchdog=watchdog)
   finetune_trainer = make_client_trainer(
       model.apply, make_optimizer(train.lr, train.momentum, train.weight_decay),
       epochs, train.batch_size, train.eval_batch_size)

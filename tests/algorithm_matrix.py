@@ -100,7 +100,8 @@ def run_path(name: str, plugin: str, path: Path, num_clients: int = len(SIZES)) 
                       log_every=0, client_chunk=path.client_chunk,
                       participation=path.participation)
   mesh = sharding.client_mesh(jax.devices()[:path.devices])
-  result = run_algorithm(name, config_of(name, plugin), model, data, train, mesh=mesh)
+  result = run_algorithm(algorithms.make(name, config_of(name, plugin)), model, data, train,
+                         mesh=mesh)
   history = result.history
   return {"val_loss": history.val_loss.tolist(), "test_acc": history.test_score.tolist(),
           "train_loss": history.train_loss.tolist(),

@@ -24,12 +24,13 @@ from experiments import reproduce
 from fedora_jax import simulation
 
 _running = {}
-_prepare_run, _check_finite = simulation.prepare_run, simulation.check_finite
+_build_algorithm, _check_finite = simulation.build_algorithm, simulation.check_finite
 
 
-def prepare_run(name, *args, **kwargs):
-  _running["algorithm"] = name
-  return _prepare_run(name, *args, **kwargs)
+def build_algorithm(*args, **kwargs):
+  algorithm = _build_algorithm(*args, **kwargs)
+  _running["algorithm"] = algorithm.name
+  return algorithm
 
 
 def check_finite(metrics, round_number):
@@ -42,6 +43,6 @@ def check_finite(metrics, round_number):
 
 
 if __name__ == "__main__":
-  simulation.prepare_run, simulation.check_finite = prepare_run, check_finite
+  simulation.build_algorithm, simulation.check_finite = build_algorithm, check_finite
   command = sys.argv.pop(1)
   app.run({"main": main_lib.main, "reproduce": reproduce.main}[command])

@@ -216,7 +216,7 @@ def test_interleaved_rounds_times_each_compiled_run_in_turn():
   model = tiny_model()
   train = TrainConfig(rounds=1, local_epochs=1, batch_size=4, log_every=0)
   config = algorithms.get("fedavg").config_class()
-  runs = {str(cb): prepare_run("fedavg", config, model, data,
+  runs = {str(cb): prepare_run(algorithms.make("fedavg", config), model, data,
                                dataclasses.replace(train, client_chunk=cb))
           for cb in (None, 2)}
   durations = measure.interleaved_rounds(runs, repeats=3, warmup=1)
@@ -277,7 +277,7 @@ def test_server_step_is_the_propagation_of_the_new_client_states():
   model = tiny_model()
   train = TrainConfig(rounds=1, local_epochs=1, batch_size=4, log_every=0)
   config = algorithms.get("fedora").config_class()
-  prepared = prepare_run("fedora", config, model, data, train)
+  prepared = prepare_run(algorithms.make("fedora", config), model, data, train)
   state = prepared.state
   step, client_results = measure.server_step(prepared, state, data)
   zeros, uploads = client_results()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fedora_jax import checkpoint as checkpoint_lib
-from fedora_jax import tree
+from fedora_jax import algorithms, tree
 from fedora_jax import results as results_lib
 from fedora_jax.algorithms import fedora
 from fedora_jax.algorithms.base import AlgorithmState
@@ -136,7 +136,7 @@ def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
   config = fedora.config_for_variant("paper", lr=0.1)
 
   def train(rounds, checkpointer=None):
-    return run_algorithm("fedora", config, model, data,
+    return run_algorithm(algorithms.make("fedora", config), model, data,
                          TrainConfig(rounds=rounds, local_epochs=1, batch_size=4, lr=0.1,
                                      log_every=0), checkpointer=checkpointer)
   straight = train(5)

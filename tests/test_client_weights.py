@@ -44,7 +44,7 @@ def test_fedavg_averages_by_samples_or_uniformly_by_hand():
 def test_equal_clients_give_the_same_run_either_way():
   data, _ = tiny_data([4, 4, 4])
   train = TrainConfig(rounds=2, local_epochs=1, batch_size=2, lr=0.1, log_every=0)
-  runs = [run_algorithm("fedavg", algorithms.default_config("fedavg"), tiny_model(), data,
+  runs = [run_algorithm(algorithms.make("fedavg"), tiny_model(), data,
                         dataclasses.replace(train, client_weights=weights))
           for weights in ("samples", "uniform")]
   chex.assert_trees_all_close(runs[0].history.test_score, runs[1].history.test_score)
@@ -55,7 +55,7 @@ def test_uniform_weights_are_over_the_round_s_sampled_clients():
   train = TrainConfig(rounds=1, local_epochs=1, batch_size=2, lr=0.1, log_every=0,
                       participation=0.5)
   run = lambda name, weights: run_algorithm(
-      name, algorithms.default_config(name), tiny_model(), data,
+      algorithms.make(name), tiny_model(), data,
       dataclasses.replace(train, client_weights=weights))
   trained = run("local", "uniform")
   sampled = np.asarray(trained.history.local_steps[0]) > 0

@@ -18,7 +18,8 @@ def _run(eval_every: int, rounds: int = ROUNDS, checkpointer=None):
   data, _ = tiny_data([12, 10, 12], seed=3)
   train = TrainConfig(rounds=rounds, local_epochs=1, batch_size=4, lr=0.3, log_every=0,
                       eval_every=eval_every)
-  return run_algorithm("fedavg", algorithms.default_config("fedavg", train), tiny_model(),
+  return run_algorithm(algorithms.make("fedavg", algorithms.default_config("fedavg", train)),
+                       tiny_model(),
                        data, train, checkpointer=checkpointer)
 
 

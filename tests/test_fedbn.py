@@ -104,8 +104,7 @@ def test_without_batch_norm_fedbn_is_fedavg_exactly():
 def test_two_rounds_of_a_tiny_resnet_keep_each_clients_batch_norm():
   data, _ = tiny_data([4, 6, 5], x_shape=RESNET_X_SHAPE)
   train = TrainConfig(rounds=2, local_epochs=1, batch_size=4, lr=0.1, log_every=0)
-  result = run_algorithm("fedbn", algorithms.default_config("fedbn"), tiny_resnet(), data,
-                         train)
+  result = run_algorithm(algorithms.make("fedbn"), tiny_resnet(), data, train)
   assert np.isfinite(result.history.val_loss).all()
   clients = result.final_state.algorithm.clients.batch_norm
   leaves = jax.tree_util.tree_leaves_with_path(clients)
@@ -147,7 +146,7 @@ def test_two_rounds_of_the_batch_norm_cnn_keep_its_four_batch_norms_local():
   data, _ = tiny_data([4, 6, 5], x_shape=(16, 16, 1))
   model = CNN(num_outputs=3, kernels=2, dense=(4, 3), batch_norm=True)
   train = TrainConfig(rounds=2, local_epochs=1, batch_size=4, lr=0.1, log_every=0)
-  result = run_algorithm("fedbn", algorithms.default_config("fedbn"), model, data, train)
+  result = run_algorithm(algorithms.make("fedbn"), model, data, train)
   assert np.isfinite(result.history.val_loss).all()
   leaves = jax.tree_util.tree_leaves_with_path(result.final_state.algorithm.clients.batch_norm)
   # ConvBN_0, ConvBN_1, DenseBN_0, DenseBN_1: scale, bias, mean and variance each.

@@ -10,7 +10,7 @@ import pytest
 
 from experiments import cli
 from experiments import flags as run_flags
-from fedora_jax import progress, simulation
+from fedora_jax import algorithms, progress, simulation
 from fedora_jax.errors import TrainingDivergedError
 from fedora_jax.rounds import RoundMetrics
 from fedora_jax.simulation import TrainConfig, run_algorithm
@@ -118,13 +118,13 @@ def test_run_algorithm_reports_compile_rounds_and_close_even_on_error():
   data, _ = tiny.tiny_data([8, 8, 8])
   train = TrainConfig(rounds=2, local_epochs=1, batch_size=4, lr=0.1, log_every=0)
   recorder = Recorder()
-  run_algorithm("local", tiny.default_config("local"), tiny.tiny_model(), data, train,
+  run_algorithm(algorithms.make("local"), tiny.tiny_model(), data, train,
                 progress=recorder)
   assert recorder.calls == [("start", "local", 2, "classification"), ("compiled", 0),
                             ("round", 1), ("round", 2), ("close",)]
   recorder = Recorder()
   with pytest.raises(TrainingDivergedError):
-    run_algorithm("local", tiny.default_config("local"), tiny.tiny_model(), data,
+    run_algorithm(algorithms.make("local"), tiny.tiny_model(), data,
                   dataclasses.replace(train, lr=1e30), progress=recorder)
   assert recorder.calls[-1] == ("close",) and ("round", 1) not in recorder.calls
 

@@ -123,9 +123,8 @@ def test_two_round_regression_run_end_to_end():
   data = stack_clients(_regression_clients([6, 8, 7, 20]), num_classes=1)
   model = build_model("mlp", data.num_classes, hidden=(8,))
   train = TrainConfig(rounds=2, local_epochs=1, batch_size=4, lr=0.01, log_every=0)
-  ours = run_algorithm(algorithm, algorithms.get(algorithm).config_class(), model, data,
-                       train)
-  local = run_algorithm("local", algorithms.get("local").config_class(), model, data, train)
+  ours = run_algorithm(algorithms.make(algorithm), model, data, train)
+  local = run_algorithm(algorithms.make("local"), model, data, train)
   for run in (ours, local):
     assert run.history.test_score.shape == (2, 4) and run.history.val_loss.shape == (2, 4)
     assert np.all(np.isfinite(run.history.test_score)) and np.all(run.history.test_score >= 0)

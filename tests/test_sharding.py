@@ -73,7 +73,8 @@ _FOUR_DEVICES = textwrap.dedent("""
           placed = sharding.place_buckets(data.buckets, mesh)  # as prepare_run places them
           shards = [len(b.train.x.sharding.device_set) for b in placed]
           slots = [b.train.x.shape[0] for b in placed]
-          history = run_algorithm(name, config, model, data, chunked, mesh=mesh).history
+          history = run_algorithm(algorithms.make(name, config), model, data, chunked,
+                                  mesh=mesh).history
           runs[client_chunk, count] = (shards, slots, history)
       (s1, k1, h1), (s4, k4, _) = runs[None, 1], runs[None, 4]
       report[name] = {{
@@ -84,7 +85,7 @@ _FOUR_DEVICES = textwrap.dedent("""
       # 4 of 7 clients a round: the sampled ones run in M slots across both buckets (a
       # small client may take the large bucket's slot), vmapped on 1 device and in chunks
       # under shard_map on 4 (slots padded per bucket); unsampled train losses are NaN.
-      partial = [run_algorithm(name, config, model, data,
+      partial = [run_algorithm(algorithms.make(name, config), model, data,
                                dataclasses.replace(train, client_chunk=chunk,
                                                    participation=0.5),
                                mesh=sharding.client_mesh(jax.devices()[:count])).history

@@ -283,7 +283,7 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
   batches = [bridges.client_batches(keys["train"], r, data, epochs, setting.batch_size,
                                     reference.trainings)
              for r in range(reference.rounds)]
-  result = run_algorithm(name, config, model, data, train, progress=None)
+  result = run_algorithm(algorithms.make(name, config), model, data, train, progress=None)
   # Each client's scored model, as the algorithm defines it.
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
                                 train.local_epochs, train.batch_size)

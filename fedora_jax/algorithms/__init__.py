@@ -12,6 +12,7 @@ client update of a host that sends a global model, ConFREE (confree.py,
 --aggregation=confree) in place of the server mean of a host's shared part.
 """
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfomo, fedora,
@@ -175,5 +176,18 @@ def build(name: str, config: Any, trainer: Any, ala: Any = None,
   return algorithm
 
 
+def make(name: str, config: Any = None, ala: Any = None,
+         aggregation: Any = None) -> Callable[[Any], Algorithm]:
+  """The registered algorithm `name` as the runner takes it: trainer -> Algorithm
+  (simulation.run_algorithm). `config`: its config or a Plugged (default: its defaults);
+  a plug-in its host cannot take fails here, before any work."""
+  name = canonical_name(name)
+  if config is None:
+    config = default_config(name)
+  plugins = (config.ala, config.aggregation) if isinstance(config, Plugged) else (ala, aggregation)
+  check_plugins(name, *plugins)
+  return functools.partial(build, name, config, ala=ala, aggregation=aggregation)
+
+
 __all__ = ["Algorithm", "AlgorithmState", "ClientOutput", "InitContext", "Plugged", "REGISTRY",
-           "build", "check_plugins", "default_config", "get"]
+           "build", "check_plugins", "default_config", "get", "make"]
