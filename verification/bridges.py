@@ -72,18 +72,34 @@ def client_batches(train_key: jax.Array, round_index: int, data: FederatedData,
   the client key itself); each split over the epochs, each epoch a shuffle cut into
   batches (local_training.epoch_batches). Every client must hold a multiple of
   `batch_size` samples (no partial batch: PFLlib drops it, the engine keeps it)."""
+  return client_loads(train_key, round_index, data,
+                      lambda key, n: [shuffled_epochs(training_key, n, epochs, batch_size)
+                                      for training_key in trainings(key)])
+
+
+def shuffled_epochs(key: jax.Array, n: int, epochs: int, batch_size: int
+                    ) -> list[np.ndarray]:
+  """The epochs of one trainer.train call from `key` on n samples: each a shuffle cut
+  into [n // batch_size, batch_size] indices (local_training.epoch_batches)."""
+  return [shuffle(epoch_key, n, batch_size) for epoch_key in jax.random.split(key, epochs)]
+
+
+def shuffle(key: jax.Array, n: int, batch_size: int) -> np.ndarray:
+  """One shuffle of n samples from `key` itself, cut into [n // batch_size, batch_size]
+  indices (local_training.epoch_batches)."""
+  assert n % batch_size == 0, f"{n} samples, batch {batch_size}"
+  return np.asarray(epoch_batches(key, np.ones(n, bool), n, batch_size, n // batch_size)[0])
+
+
+def client_loads(train_key: jax.Array, round_index: int, data: FederatedData,
+                 loads: Callable[[jax.Array, int], list[list[np.ndarray]]]
+                 ) -> list[list[list[np.ndarray]]]:
+  """[client][load][epoch] -> batch indices, in round `round_index` (0-based): `loads(
+  client key, n)` gives the epochs of each data loader the reference's client asks for,
+  in order, drawn from the key the engine hands client k (fold_in(round key, k))."""
   keys = client_keys(jax.random.fold_in(train_key, round_index), data.num_clients)
   sizes = data.split_sizes("train")
-  result = []
-  for k in range(data.num_clients):
-    n = int(sizes[k])
-    assert n % batch_size == 0, f"client {k}: {n} samples, batch {batch_size}"
-    mask = np.ones(n, bool)
-    result.append([[np.asarray(epoch_batches(epoch_key, mask, n, batch_size,
-                                             n // batch_size)[0])
-                    for epoch_key in jax.random.split(training_key, epochs)]
-                   for training_key in trainings(keys[k])])
-  return result
+  return [loads(keys[k], int(sizes[k])) for k in range(data.num_clients)]
 
 
 class EpochLoader:

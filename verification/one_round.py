@@ -16,7 +16,7 @@ import copy
 import os
 import tempfile
 import warnings
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -112,11 +112,15 @@ class Reference(NamedTuple):
   """How one algorithm runs in PFLlib, and which of our settings matches it."""
   server: str                  # module.Class under flcore/servers/
   client_file: str             # its client's file under flcore/clients/
-  steps: tuple[str, ...]       # the client's methods a round calls, in order
+  # The client's methods a round calls, in order; a function (client) -> None where a
+  # step is more than one call (Per-FedAvg's scoring: adapt a copy, keep it, restore).
+  steps: tuple[str | Callable[[Any], None], ...]
   # The keys of our client's trainer.train calls, in the order the steps train.
   trainings: Callable[[jax.Array], list[jax.Array]]
   aggregates: bool             # whether the server averages uploaded models
-  personal: str | None         # the client's attribute holding its scored model
+  # The client's attribute holding its scored model, or a function (client) -> the
+  # scored model where none holds it (FedRoD: generic head plus personal head).
+  personal: str | Callable[[Any], Any] | None
   config: dict                 # our algorithm's config fields
   args: dict                   # PFLlib's arguments
   # PyTorch's model split as PFLlib's main.py splits it for this algorithm: its last
@@ -134,6 +138,10 @@ class Reference(NamedTuple):
   # Whether the client's model is read after the next send_models, where PFLlib's
   # evaluation reads it; False: right after its training (see pFedMe).
   scored_after_send: bool = True
+  # Where the client's data loaders differ from one per training (another batch size,
+  # one loader an epoch): (client key, n, our epochs, batch size) -> the epochs of each
+  # loader the steps ask for, in order. None: `trainings`, each the setting's batches.
+  loads: Callable[[jax.Array, int, int, int], list[list[np.ndarray]]] | None = None
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -144,6 +152,38 @@ def _ditto_keys(key: jax.Array) -> list[jax.Array]:
   """Ours splits (global, personal); PFLlib trains the personal model first."""
   global_key, personal_key = jax.random.split(key)
   return [personal_key, global_key]
+
+
+def _rod_personalized(client):
+  """PFLlib's FedRoD scores the generic head's logits plus the personal head's: on a
+  linear head, one model whose head is their sum."""
+  import torch  # pylint: disable=import-outside-toplevel
+  model = copy.deepcopy(client.model)
+  with torch.no_grad():
+    for summed, personal in zip(model.head.parameters(), client.head.parameters()):
+      summed.add_(personal)
+  return model
+
+
+def _peravg_loads(key: jax.Array, n: int, epochs: int, batch_size: int
+                  ) -> list[list[np.ndarray]]:
+  """Per-FedAvg's loaders: the scoring's batch of B (our adaptation's), then one loader
+  an epoch (PFLlib's server calls train() once an epoch) of batches of 2B, each its D
+  followed by its D' (ours deals a chunk of 2B in turn to D and D'; PFLlib cuts a batch
+  of 2B in halves)."""
+  train_key, adapt_key = jax.random.split(key)
+  meta = bridges.shuffled_epochs(train_key, n, epochs, 2 * batch_size)
+  return [[bridges.shuffle(adapt_key, n, batch_size)]] + [
+      [np.concatenate([chunks[:, 0::2], chunks[:, 1::2]], axis=1)] for chunks in meta]
+
+
+def _peravg_score(client) -> None:
+  """PFLlib's evaluate_one_step for one client: one step from the received model on a
+  training batch, that adapted copy kept as the scored model, the model restored."""
+  received = copy.deepcopy(client.model)
+  client.train_one_step()
+  client.adapted = copy.deepcopy(client.model)
+  client.clone_model(received, client.model)
 
 
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
@@ -202,6 +242,19 @@ REFERENCES = {
                         config={"head_epochs": 1, "head_layers": 1},
                         args={"plocal_epochs": 1, "local_epochs": 1}, split=True,
                         compare_server=False, our_epochs=2),
+    # The personal head starts as the initial head (PFLlib's copy); scored summed with
+    # the generic head, after send_models as PFLlib's evaluate() reads it.
+    "fedrod": Reference("serverrod.FedROD", "clientrod.py", ("train",), _own_key,
+                        aggregates=True, personal=_rod_personalized,
+                        config={"personal_init": "copy"}, args={}, split=True),
+    # First-order, alpha = beta = the learning rate (PFLlib's); its server trains each
+    # client twice a round (our two local epochs). Two rounds: the second scores the
+    # adaptation of a trained global model (PFLlib adapts before training, as ours).
+    "perfedavg": Reference("serverperavg.PerAvg", "clientperavg.py",
+                           (_peravg_score, "train", "train"), _own_key, aggregates=True,
+                           personal="adapted",
+                           config={"alpha": 0.05, "beta": 0.05, "variant": "fo"}, args={},
+                           rounds=2, our_epochs=2, loads=_peravg_loads),
 }
 
 
@@ -252,7 +305,7 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
                       for epochs in trainings])
       client.load_train_data = lambda batch_size=None, loaders=loaders: next(loaders)
       for step in reference.steps:
-        getattr(client, step)()
+        step(client) if callable(step) else getattr(client, step)()
     if reference.aggregates:
       server.receive_models()
       server.aggregate_parameters()
@@ -263,10 +316,17 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
   server_layers = None
   if reference.aggregates and reference.compare_server:
     server_layers = bridges.torch_linear_layers(copy.deepcopy(server.global_model))
-  scored = [getattr(c, reference.personal) if reference.personal else server.global_model
-            for c in server.clients]
+  scored = [_scored_model(reference, c, server) for c in server.clients]
   return (server_layers, [bridges.torch_linear_layers(m) for m in scored],
           [_torch_accuracy(m, d) for m, d in zip(scored, clients)])
+
+
+def _scored_model(reference: Reference, client, server):
+  if reference.personal is None:
+    return server.global_model
+  if callable(reference.personal):
+    return reference.personal(client)
+  return getattr(client, reference.personal)
 
 
 def _our_round(name: str, setting: Setting, clients: list[Client], reference: Reference):
@@ -280,9 +340,14 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
   config = algorithms.default_config(name, train, **reference.config)
   keys = root_keys(setting.seed)
   initial = initial_model(model, data, keys["init"])
-  batches = [bridges.client_batches(keys["train"], r, data, epochs, setting.batch_size,
-                                    reference.trainings)
-             for r in range(reference.rounds)]
+  if reference.loads is None:
+    batches = [bridges.client_batches(keys["train"], r, data, epochs, setting.batch_size,
+                                      reference.trainings)
+               for r in range(reference.rounds)]
+  else:
+    loads = lambda key, n: reference.loads(key, n, epochs, setting.batch_size)
+    batches = [bridges.client_loads(keys["train"], r, data, loads)
+               for r in range(reference.rounds)]
   result = run_algorithm(algorithms.make(name, config), model, data, train, progress=None)
   # Each client's scored model, as the algorithm defines it.
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
