@@ -142,6 +142,9 @@ class Reference(NamedTuple):
   # one loader an epoch): (client key, n, our epochs, batch size) -> the epochs of each
   # loader the steps ask for, in order. None: `trainings`, each the setting's batches.
   loads: Callable[[jax.Array, int, int, int], list[list[np.ndarray]]] | None = None
+  # Another model each client holds, compared too: (ours from our algorithm and its
+  # final state, [K, ...]; the reference's from its client) (FedAMP's cloud models).
+  also: tuple[Callable[[Any, Any], Any], Callable[[Any], Any]] | None = None
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -184,6 +187,15 @@ def _peravg_score(client) -> None:
   client.train_one_step()
   client.adapted = copy.deepcopy(client.model)
   client.clone_model(received, client.model)
+
+
+def _amp_ours_cloud(algorithm, state):
+  """Our FedAMP's cloud models u_i as its next broadcast sends them."""
+  return algorithm.broadcast(state.server, state.clients).cloud_model
+
+
+def _amp_cloud(client):
+  return client.client_u
 
 
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
@@ -242,6 +254,31 @@ REFERENCES = {
                         config={"head_epochs": 1, "head_layers": 1},
                         args={"plocal_epochs": 1, "local_epochs": 1}, split=True,
                         compare_server=False, our_epochs=2),
+    # Two rounds: the control variates are zero through the first. Server lr 1, the
+    # uniform 1/|S| mean (both the paper's and PFLlib's).
+    "scaffold": Reference("serverscaffold.SCAFFOLD", "clientscaffold.py", ("train",),
+                          _own_key, aggregates=True, personal=None, config={},
+                          args={"server_learning_rate": 1.0}, rounds=2),
+    # PFLlib's unsquared penalty (--feddyn_penalty=norm); two rounds, so that the
+    # clients' g_k of the first round act in the second.
+    "feddyn": Reference("serverdyn.FedDyn", "clientdyn.py", ("train",), _own_key,
+                        aggregates=True, personal=None,
+                        config={"alpha": 0.1, "penalty": "norm"}, args={"alpha": 0.1},
+                        rounds=2),
+    # PFLlib's form: the KL times tau^2 and the uniform server mean; tau 2 so that the
+    # factor shows (its DNN's log_softmax shifts each row of logits, which neither the
+    # cross-entropy nor the not-true softmax sees).
+    "fedntd": Reference("serverntd.FedNTD", "clientntd.py", ("train",), _own_key,
+                        aggregates=True, personal=None,
+                        config={"tau": 2.0, "beta": 1.0, "tau_squared": True,
+                                "server_mean": "uniform"},
+                        args={"tau": 2.0, "beta": 1.0}),
+    # PFLlib's form: the federation's class counts and the softmax cross-entropy of the
+    # calibrated logits (its server reads the model's head: the MLP split).
+    "fedlc": Reference("serverlc.FedLC", "clientlc.py", ("train",), _own_key,
+                       aggregates=True, personal=None,
+                       config={"tau": 1.0, "counts": "global", "denominator": "all"},
+                       args={"tau": 1.0}, split=True),
     # The personal head starts as the initial head (PFLlib's copy); scored summed with
     # the generic head, after send_models as PFLlib's evaluate() reads it.
     "fedrod": Reference("serverrod.FedROD", "clientrod.py", ("train",), _own_key,
@@ -250,6 +287,16 @@ REFERENCES = {
     # First-order, alpha = beta = the learning rate (PFLlib's); its server trains each
     # client twice a round (our two local epochs). Two rounds: the second scores the
     # adaptation of a trained global model (PFLlib adapts before training, as ours).
+    # PFLlib's own values (alpha_K, lambda, sigma 1) and its step as given (clip_step
+    # off). Its regulariser is built from p.data, detached: it has no gradient, so its
+    # clients train like LOCAL, which ours does at lambda 0 (docs/verification.md). The
+    # cloud models u_i, built from the round's models at the next send_models, compared.
+    "fedamp": Reference("serveramp.FedAMP", "clientamp.py", ("train",), _own_key,
+                        aggregates=True, personal="model",
+                        config={"lam": 0.0, "alpha_k": 1.0, "sigma": 1.0,
+                                "clip_step": False},
+                        args={"lamda": 1.0, "alphaK": 1.0, "sigma": 1.0},
+                        compare_server=False, also=(_amp_ours_cloud, _amp_cloud)),
     "perfedavg": Reference("serverperavg.PerAvg", "clientperavg.py",
                            (_peravg_score, "train", "train"), _own_key, aggregates=True,
                            personal="adapted",
@@ -317,7 +364,11 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
   if reference.aggregates and reference.compare_server:
     server_layers = bridges.torch_linear_layers(copy.deepcopy(server.global_model))
   scored = [_scored_model(reference, c, server) for c in server.clients]
-  return (server_layers, [bridges.torch_linear_layers(m) for m in scored],
+  scored_layers = [bridges.torch_linear_layers(m) for m in scored]
+  if reference.also is not None:
+    scored_layers += [bridges.torch_linear_layers(reference.also[1](c))
+                      for c in server.clients]
+  return (server_layers, scored_layers,
           [_torch_accuracy(m, d) for m, d in zip(scored, clients)])
 
 
@@ -353,9 +404,12 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
                                 train.local_epochs, train.batch_size)
   state = result.final_state.algorithm
-  personal = algorithms.build(name, config, trainer).personalized_params(state.server,
-                                                                         state.clients)
-  return result, initial, batches, personal
+  built = algorithms.build(name, config, trainer)
+  personal = built.personalized_params(state.server, state.clients)
+  compared = _client_layers(personal)
+  if reference.also is not None:
+    compared += _client_layers(reference.also[0](built, state))
+  return result, initial, batches, compared
 
 
 def _flat(layers) -> list[np.ndarray]:
@@ -376,7 +430,7 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
   check."""
   reference = REFERENCES[name]
   clients = real_clients(setting)
-  result, initial, batches, personal = _our_round(name, setting, clients, reference)
+  result, initial, batches, compared = _our_round(name, setting, clients, reference)
   if control:
     batches = [[[[np.roll(epoch, 1, axis=0) for epoch in training] for training in client]
                 for client in round_batches] for round_batches in batches]
@@ -388,8 +442,8 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
     ours = bridges.dense_stack_to_torch(jax.tree.map(np.asarray, state.server))
     errors.append(relative_error(_flat(ours), _flat(server)))
   if reference.personal is not None:
-    errors += [relative_error(_flat(o), _flat(r))
-               for o, r in zip(_client_layers(personal), scored)]
+    assert len(compared) == len(scored), (len(compared), len(scored))
+    errors += [relative_error(_flat(o), _flat(r)) for o, r in zip(compared, scored)]
   ours_accuracy = [float(a) for a in result.history.test_score[-1]]
   server_file = reference.server.split(".")[0] + ".py"
   return Comparison(
