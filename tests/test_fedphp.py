@@ -37,6 +37,25 @@ def test_mmd_is_fedrepos_and_ignores_padding():
   assert abs(float(fedphp.mmd(jnp.asarray(source), jnp.asarray(source), jnp.ones(4)))) < 1e-6
 
 
+def test_pfllib_kernel_mmd_has_fixed_bandwidths():
+  """PFLlib's MMD(x, y, 'rbf'): mean(XX + YY - 2 XY), each the sum over a in 10, 15,
+  20, 50 of exp(-d / (2 a)), d the squared distances; here in numpy, features scaled so
+  that the fixed bandwidths and FedRepo's data-driven ones disagree."""
+  rng = np.random.default_rng(1)
+  source, target = 4 * rng.normal(size=(5, 3)), 4 * rng.normal(size=(5, 3)) + 2.0
+  def kernels(a, b):
+    distances = ((a[:, None] - b[None]) ** 2).sum(-1)
+    return sum(np.exp(-0.5 * distances / s) for s in (10, 15, 20, 50))
+  expected = np.mean(kernels(source, source) + kernels(target, target)
+                     - 2 * kernels(source, target))
+  value = fedphp.mmd(jnp.asarray(source, jnp.float32), jnp.asarray(target, jnp.float32),
+                     jnp.ones(5), kernel="pfllib")
+  np.testing.assert_allclose(value, expected, rtol=1e-5)
+  assert abs(float(value) - fedrepo_mmd(source, target)) > 1e-3
+  with pytest.raises(ConfigError, match="fedphp: mmd_kernel"):
+    fedphp.fedphp(fedphp.FedPhpConfig(mmd_kernel="rbf"), tiny_trainer(tiny_model()))
+
+
 def test_distillation_is_cross_entropy_to_the_softened_teacher():
   student = np.array([[1.0, 0.0, -1.0], [0.5, 0.5, 2.0]])
   teacher = np.array([[4.0, 0.0, 0.0], [0.0, 8.0, 0.0]])

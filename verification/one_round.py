@@ -145,6 +145,8 @@ class Reference(NamedTuple):
   # Another model each client holds, compared too: (ours from our algorithm and its
   # final state, [K, ...]; the reference's from its client) (FedAMP's cloud models).
   also: tuple[Callable[[Any, Any], Any], Callable[[Any], Any]] | None = None
+  # Whether the server's send_models takes the round index (FedPHP's: its mu ramp).
+  send_takes_round: bool = False
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -196,6 +198,15 @@ def _amp_ours_cloud(algorithm, state):
 
 def _amp_cloud(client):
   return client.client_u
+
+
+def _php_ours_hpm(algorithm, state):
+  del algorithm
+  return state.clients.hpm
+
+
+def _php_hpm(client):
+  return client.model_p
 
 
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
@@ -297,6 +308,16 @@ REFERENCES = {
                                 "clip_step": False},
                         args={"lamda": 1.0, "alphaK": 1.0, "sigma": 1.0},
                         compare_server=False, also=(_amp_ours_cloud, _amp_cloud)),
+    # PFLlib's form: its fixed-bandwidth MMD, the trained local model scored, mu ramped
+    # over the run's rounds (ours: Q = 2 participations, all clients in every round).
+    # Two rounds: in the first mu is 0 and the HPM starts equal to the global model.
+    "fedphp": Reference("serverphp.FedPHP", "clientphp.py", ("train",), _own_key,
+                        aggregates=True, personal="model",
+                        config={"lam": 0.5, "mu_max": 0.9, "mu_participations": 2,
+                                "personal_model": "local", "mmd_kernel": "pfllib"},
+                        args={"lamda": 0.5, "mu": 0.9, "global_rounds": 2}, split=True,
+                        rounds=2, scored_after_send=False, send_takes_round=True,
+                        also=(_php_ours_hpm, _php_hpm)),
     "perfedavg": Reference("serverperavg.PerAvg", "clientperavg.py",
                            (_peravg_score, "train", "train"), _own_key, aggregates=True,
                            personal="adapted",
@@ -343,9 +364,9 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     with _working_directory(system), contextlib.redirect_stdout(open(os.devnull, "w")):
       server = server_class(args, 0)
   server.selected_clients = list(server.clients)
-  for round_batches in batches:  # [round][client][training][epoch]
+  for round_index, round_batches in enumerate(batches):  # [round][client][load][epoch]
     if reference.aggregates:
-      server.send_models()
+      _send_models(server, reference, round_index)
     for client, data, trainings in zip(server.clients, clients, round_batches):
       loaders = iter([bridges.EpochLoader(bridges.model_inputs(data.x_train),
                                           data.y_train.astype(np.int64), epochs)
@@ -359,7 +380,7 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
   if reference.aggregates and reference.scored_after_send:
     # Where PFLlib scores a round: its next round's evaluate() follows send_models (a
     # client scored with its own model holds the server's new part by then).
-    server.send_models()
+    _send_models(server, reference, len(batches))
   server_layers = None
   if reference.aggregates and reference.compare_server:
     server_layers = bridges.torch_linear_layers(copy.deepcopy(server.global_model))
@@ -370,6 +391,10 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
                       for c in server.clients]
   return (server_layers, scored_layers,
           [_torch_accuracy(m, d) for m, d in zip(scored, clients)])
+
+
+def _send_models(server, reference: Reference, round_index: int) -> None:
+  server.send_models(*((round_index,) if reference.send_takes_round else ()))
 
 
 def _scored_model(reference: Reference, client, server):

@@ -29,8 +29,12 @@ Client k, when sampled in round t (FedRepo's update_local):
   3. it uploads w_k; the server averages the uploads (FedAvg, weighted by training-set
      size over the round's sampled clients).
 The personalised model is the HPM v_k (FedRepo tests the HPM); PFLlib evaluates the
-trained local model w_k, `personal_model="local"`. A client that sits a round out keeps
-its HPM. FedRepo also clips the gradient norm; here the run's optimizer is used as is.
+trained local model w_k, `personal_model="local"`. PFLlib's MMD (clientphp.py, 'rbf')
+has fixed bandwidths instead of FedRepo's data-driven ones: the sum over a in
+10, 15, 20, 50 of exp(-||a - b||^2 / (2 a)), `mmd_kernel="pfllib"`; with full
+participation and Q the run's rounds, our mu_k is PFLlib's mu_max t / T. A client that
+sits a round out keeps its HPM. FedRepo also clips the gradient norm; here the run's
+optimizer is used as is.
 
 Defaults: mmd with lambda = 0.05, mu_max = 0.9, Q = 100: FedRepo's runs (train_lab.py
 tries KD at 0.05 and MMD at 0.1 and 0.05; PFLlib implements MMD only).
@@ -51,6 +55,9 @@ Params = Any
 
 REGULARIZERS = ("mmd", "kd")
 PERSONAL_MODELS = ("hpm", "local")
+MMD_KERNELS = ("fedrepo", "pfllib")
+# PFLlib's MMD(x, y, 'rbf'): fixed bandwidths a, kernels exp(-d / (2 a)).
+PFLLIB_BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)
 # FedRepo's guassian_kernel: kernel_mul 2, kernel_num 5.
 KERNEL_MUL, KERNEL_NUM = 2.0, 5
 
@@ -62,6 +69,7 @@ class FedPhpConfig(NamedTuple):
   mu_participations: int = 100  # Q: participations over which mu ramps from 0 to mu_max
   temperature: float = 4.0      # kd: the HPM's logits are divided by T
   personal_model: str = "hpm"   # evaluated: "hpm" (FedRepo) or "local" (PFLlib)
+  mmd_kernel: str = "fedrepo"   # mmd's kernels: "fedrepo" (data-driven) or "pfllib" (fixed)
 
 
 FLAG_HELP = {
@@ -73,6 +81,9 @@ FLAG_HELP = {
     "temperature": "FedPHP: kd temperature T of the HPM's logits",
     "personal_model": "FedPHP: evaluated model, hpm (the authors') or local (the trained"
                       " local model, PFLlib's)",
+    "mmd_kernel": "FedPHP: mmd's Gaussian kernels, fedrepo (5 bandwidths scaled by the"
+                  " batch's mean squared distance, the authors') or pfllib (fixed"
+                  " bandwidths 10, 15, 20, 50)",
 }
 
 
@@ -94,6 +105,7 @@ def validate(config: FedPhpConfig) -> FedPhpConfig:
   if not config.temperature > 0:
     raise FieldError("fedphp", "temperature", f"must be > 0, got {config.temperature}")
   check_one_of("fedphp", config, "personal_model", PERSONAL_MODELS)
+  check_one_of("fedphp", config, "mmd_kernel", MMD_KERNELS)
   return config
 
 
@@ -112,8 +124,16 @@ def gaussian_kernels(a: jax.Array, b: jax.Array, bandwidth: jax.Array) -> jax.Ar
   return jnp.sum(jnp.exp(-distances[..., None] / scales), axis=-1)
 
 
-def mmd(source: jax.Array, target: jax.Array, weights: jax.Array) -> jax.Array:
-  """FedRepo's mmd_rbf_noaccelerate over the real samples (weights 1) of a batch."""
+def fixed_gaussian_kernels(a: jax.Array, b: jax.Array) -> jax.Array:
+  """[Na, Nb]: PFLlib's sum over its bandwidths s of exp(-||a - b||^2 / (2 s))."""
+  distances = jnp.sum(jnp.square(a[:, None] - b[None]), axis=-1)
+  return sum(jnp.exp(-0.5 * distances / s) for s in PFLLIB_BANDWIDTHS)
+
+
+def mmd(source: jax.Array, target: jax.Array, weights: jax.Array,
+        kernel: str = "fedrepo") -> jax.Array:
+  """FedRepo's mmd_rbf_noaccelerate over the real samples (weights 1) of a batch; with
+  kernel "pfllib", the same estimate with PFLlib's fixed kernels."""
   pooled = jnp.concatenate([source, target])
   pooled_weights = jnp.concatenate([weights, weights])
   pair_weights = pooled_weights[:, None] * pooled_weights[None]
@@ -124,9 +144,14 @@ def mmd(source: jax.Array, target: jax.Array, weights: jax.Array) -> jax.Array:
       jnp.sum(distances * pair_weights) / jnp.maximum(count * count - count, 1.0))
   bandwidth = bandwidth + 1e-8
 
+  def kernels(a, b):
+    if kernel == "pfllib":
+      return fixed_gaussian_kernels(a, b)
+    return gaussian_kernels(a, b, bandwidth)
+
   def block(a, b):
     pairs = weights[:, None] * weights[None]
-    return jnp.sum(gaussian_kernels(a, b, bandwidth) * pairs)
+    return jnp.sum(kernels(a, b) * pairs)
   total = block(source, source) + block(target, target) - 2.0 * block(source, target)
   return total / jnp.maximum(jnp.square(jnp.sum(weights)), 1.0)
 
@@ -146,7 +171,7 @@ def php_loss(trainer: ClientTrainer, features, config: FedPhpConfig, hpm: Params
     student_features, student_logits = features(params, x)
     teacher_features, teacher_logits = jax.lax.stop_gradient(features(hpm, x))
     if config.reg == "mmd":
-      transfer = mmd(student_features, teacher_features, weights)
+      transfer = mmd(student_features, teacher_features, weights, config.mmd_kernel)
     else:
       transfer = distillation(student_logits, teacher_logits, weights, config.temperature)
     return (1.0 - config.lam) * data_loss + config.lam * transfer
