@@ -147,6 +147,11 @@ class Reference(NamedTuple):
   also: tuple[Callable[[Any, Any], Any], Callable[[Any], Any]] | None = None
   # Whether the server's send_models takes the round index (FedPHP's: its mu ramp).
   send_takes_round: bool = False
+  # The global model in our server's state (SCAFFOLD's and FedDyn's hold more).
+  server_model: Callable[[Any], Any] = lambda server: server
+  # The server's methods a round calls after receive_models, in order (FedDyn's train()
+  # updates its state h first).
+  server_steps: tuple[str, ...] = ("aggregate_parameters",)
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -198,6 +203,10 @@ def _amp_ours_cloud(algorithm, state):
 
 def _amp_cloud(client):
   return client.client_u
+
+
+def _global_params(server):
+  return server.params
 
 
 def _php_ours_hpm(algorithm, state):
@@ -269,13 +278,15 @@ REFERENCES = {
     # uniform 1/|S| mean (both the paper's and PFLlib's).
     "scaffold": Reference("serverscaffold.SCAFFOLD", "clientscaffold.py", ("train",),
                           _own_key, aggregates=True, personal=None, config={},
-                          args={"server_learning_rate": 1.0}, rounds=2),
+                          args={"server_learning_rate": 1.0}, rounds=2,
+                          server_model=_global_params),
     # PFLlib's unsquared penalty (--feddyn_penalty=norm); two rounds, so that the
     # clients' g_k of the first round act in the second.
     "feddyn": Reference("serverdyn.FedDyn", "clientdyn.py", ("train",), _own_key,
                         aggregates=True, personal=None,
                         config={"alpha": 0.1, "penalty": "norm"}, args={"alpha": 0.1},
-                        rounds=2),
+                        rounds=2, server_model=_global_params,
+                        server_steps=("update_server_state", "aggregate_parameters")),
     # PFLlib's form: the KL times tau^2 and the uniform server mean; tau 2 so that the
     # factor shows (its DNN's log_softmax shifts each row of logits, which neither the
     # cross-entropy nor the not-true softmax sees).
@@ -289,7 +300,7 @@ REFERENCES = {
     "fedlc": Reference("serverlc.FedLC", "clientlc.py", ("train",), _own_key,
                        aggregates=True, personal=None,
                        config={"tau": 1.0, "counts": "global", "denominator": "all"},
-                       args={"tau": 1.0}, split=True),
+                       args={"tau": 1.0}, split=True, server_model=_global_params),
     # The personal head starts as the initial head (PFLlib's copy); scored summed with
     # the generic head, after send_models as PFLlib's evaluate() reads it.
     "fedrod": Reference("serverrod.FedROD", "clientrod.py", ("train",), _own_key,
@@ -376,7 +387,8 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
         step(client) if callable(step) else getattr(client, step)()
     if reference.aggregates:
       server.receive_models()
-      server.aggregate_parameters()
+      for step in reference.server_steps:
+        getattr(server, step)()
   if reference.aggregates and reference.scored_after_send:
     # Where PFLlib scores a round: its next round's evaluate() follows send_models (a
     # client scored with its own model holds the server's new part by then).
@@ -464,7 +476,8 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
   state = result.final_state.algorithm
   errors = []
   if server is not None:
-    ours = bridges.dense_stack_to_torch(jax.tree.map(np.asarray, state.server))
+    ours = bridges.dense_stack_to_torch(jax.tree.map(np.asarray,
+                                                     reference.server_model(state.server)))
     errors.append(relative_error(_flat(ours), _flat(server)))
   if reference.personal is not None:
     assert len(compared) == len(scored), (len(compared), len(scored))
