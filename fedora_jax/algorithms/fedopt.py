@@ -1,5 +1,4 @@
-"""FedOpt: FedAvg's clients under an adaptive server optimiser (FedAdam, FedYogi,
-FedAdagrad).
+"""FedOpt (FedAdam, FedYogi, FedAdagrad): FedAvg under an adaptive server optimiser.
 
 Reddi, Charles, Zaheer, Garrett, Rush, Konecny, Kumar, McMahan. "Adaptive Federated
 Optimization." ICLR 2021. https://arxiv.org/abs/2003.00295
