@@ -219,12 +219,12 @@ _define_algorithm_flags()
 
 # Plug-ins (issue 7) around the chosen algorithm. --ala_* are also FedALA's own flags.
 flags.DEFINE_bool("ala", False, "FedALA's Adaptive Local Aggregation in front of the"
-                  f" algorithm's local training (hosts: {', '.join(sorted(ala_lib.HOOKS))});"
+                  f" algorithm's local training (hosts: {', '.join(algorithms.ala_hosts())});"
                   " settings --ala_*.")
 flags.DEFINE_enum("aggregation", "mean", ["mean", "confree"],
                   "Server aggregation of the shared part: mean (the algorithm's own) or"
                   " confree (ConFREE, conflict-free; settings --confree_*; hosts:"
-                  f" {', '.join(sorted(confree_lib.HOSTS))}).")
+                  f" {', '.join(algorithms.confree_hosts())}).")
 # "default", not "paper": ConFREE's paper gives none of these values (confree.py says
 # where each default comes from).
 for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():
@@ -259,9 +259,9 @@ def algorithm_help(name: str) -> str:
                  " --local_epochs, ...) apply")
   for flag in owned:
     lines += flag_lines(flag)
-  if name in ala_lib.HOOKS:
+  if name in algorithms.ala_hosts():
     lines.append("  takes FedALA's ALA plug-in: --ala (settings --ala_*)")
-  if name in confree_lib.HOSTS:
+  if name in algorithms.confree_hosts():
     lines.append("  takes ConFREE's aggregation: --aggregation=confree (settings --confree_*)")
   return "\n".join(lines)
 

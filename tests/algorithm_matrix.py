@@ -67,8 +67,8 @@ def pairings() -> list[tuple[str, str]]:
   """(algorithm, plug-in) for every algorithm alone and every plug-in on every host, and
   the OPTION_ROWS (algorithm, "field=value")."""
   pairs = [(name, "") for name in sorted(algorithms.REGISTRY)]
-  pairs += [(host, "ala") for host in sorted(ala.HOOKS)]
-  pairs += [(host, "confree") for host in sorted(confree.HOSTS)]
+  pairs += [(host, "ala") for host in algorithms.ala_hosts()]
+  pairs += [(host, "confree") for host in algorithms.confree_hosts()]
   return pairs + list(OPTION_ROWS)
 
 

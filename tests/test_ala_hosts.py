@@ -58,7 +58,7 @@ class _Case:
     self.theta_hat = mixed(self.new_weights)
 
   def client_update(self, host, host_state, trainer):
-    wrapped = ala.with_ala(host, ala.HOOKS[host.name], ALA_CONFIG, trainer)
+    wrapped = ala.with_ala(host, ALA_CONFIG, trainer)
     client = ala.AlaClient(host=host_state, local=self.local, weights=self.weights,
                            rounds=jnp.asarray(2, jnp.int32))   # a later round: one epoch
     out = jax.jit(wrapped.client_update)(client, self.global_, self.splits,
@@ -170,7 +170,7 @@ def test_fedrep_mixes_the_top_layer_of_the_received_body_under_the_clients_head(
   model, splits, local, global_, grad = _three_layers()
   trainer = tiny_trainer(model, batch_size=4, epochs=2)   # head step, then body step
   host = fedrep.fedrep(fedrep.FedRepConfig(head_epochs=1, head_layers=1), trainer)
-  wrapped = ala.with_ala(host, ala.HOOKS["fedrep"], ALA_CONFIG, trainer)
+  wrapped = ala.with_ala(host, ALA_CONFIG, trainer)
   # W covers the top layer of what FedRep sends, the body's (Dense_1), not the head.
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), local)
   init = wrapped.init(InitContext(params=stacked, data=None, trainer=trainer,
@@ -204,8 +204,7 @@ def _partialfed_case(config, logits, key):
   model, splits, local, global_, grad = _three_layers()
   trainer = tiny_trainer(model, batch_size=4, epochs=1)   # one SGD step
   host = partialfed.partialfed(config, trainer)
-  wrapped = ala.with_ala(host, ala.hooks_for("partialfed", config), ALA_CONFIG._replace(p=2),
-                         trainer)
+  wrapped = ala.with_ala(host, ALA_CONFIG._replace(p=2), trainer)
   names = ["Dense_0", "Dense_1", "Dense_2"]
   load, noise, _ = partialfed.draw_loading(config, names, logits, jax.random.split(key)[1])
   load = [bool(a) for a in np.asarray(load)]

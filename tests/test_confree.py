@@ -229,7 +229,7 @@ def _two_rounds(name, **plugins):
   return algorithm, state
 
 
-@pytest.mark.parametrize("name", confree.HOSTS)
+@pytest.mark.parametrize("name", algorithms.confree_hosts())
 def test_confree_composes_with_each_host(name):
   algorithm, _ = _two_rounds(name, aggregation=confree.ConfreeConfig())
   assert algorithm.name == f"{name}+confree"

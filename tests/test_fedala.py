@@ -91,7 +91,7 @@ def test_weights_rest_in_round_one_converge_in_round_two_then_one_epoch():
   assert epochs(2) == 1
 
 
-@pytest.mark.parametrize("name", sorted(ala.HOOKS))
+@pytest.mark.parametrize("name", algorithms.ala_hosts())
 def test_ala_composes_with_each_host(name):
   algorithm, state = _two_rounds(name, ala=ala.AlaConfig(batch_size=4, max_epochs=5))
   assert algorithm.name == f"{name}+ala"

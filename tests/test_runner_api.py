@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from fedora_jax import algorithms, tree
+from fedora_jax.algorithms import ala, confree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput
+from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER, model_message
 from fedora_jax.errors import ConfigError
 from fedora_jax.simulation import TrainConfig, client_trainer, prepare_run, run_algorithm
 from tiny import tiny_data, tiny_model
@@ -14,9 +16,10 @@ from tiny import tiny_data, tiny_model
 TRAIN = TrainConfig(rounds=3, local_epochs=1, batch_size=4, lr=0.1, log_every=0)
 
 
-def server_step_fedavg(step: float):
+def server_step_fedavg(step: float, plugins: bool = False):
   """FedAvg whose server moves `step` of the way to the clients' weighted mean (1: FedAvg),
-  as a notebook would write it: a function of the run's client trainer."""
+  as a notebook would write it: a function of the run's client trainer. With `plugins`,
+  it declares what ALA and ConFREE need."""
   def build(trainer) -> Algorithm:
     def init(context):
       return AlgorithmState(server=tree.first(context.params),
@@ -39,7 +42,9 @@ def server_step_fedavg(step: float):
                      broadcast=lambda server, clients: tree.broadcast_to_clients(
                          server, tree.leading_size(clients)),
                      client_update=client_update, aggregate=aggregate,
-                     personalized_params=personalized_params)
+                     personalized_params=personalized_params,
+                     ala_hooks=model_message(personal_is_local=True) if plugins else None,
+                     shared_part=WHOLE_SERVER if plugins else None)
   return build
 
 
@@ -81,3 +86,36 @@ def test_a_name_where_an_algorithm_belongs_is_a_one_line_error():
     run_algorithm("fedavg", tiny_model(), data, TRAIN)
   with pytest.raises(ConfigError, match="not an Algorithm"):
     run_algorithm(lambda trainer: None, tiny_model(), data, TRAIN)
+
+
+def test_a_host_takes_the_plugins_by_declaring_their_fields():
+  data, _ = tiny_data([6, 9, 5])
+  train = TrainConfig(rounds=3, local_epochs=1, batch_size=4, lr=0.1, log_every=0)
+  config = ala.AlaConfig(batch_size=4)
+
+  def with_ala(trainer):
+    return ala.with_ala(server_step_fedavg(1.0, plugins=True)(trainer), config, trainer)
+  ours = run_algorithm(with_ala, tiny_model(), data, train, progress=None)
+  fedala = run_algorithm(algorithms.make("fedala", config), tiny_model(), data, train,
+                         progress=None)
+  np.testing.assert_allclose(ours.history.test_score, fedala.history.test_score)
+  np.testing.assert_allclose(ours.history.val_loss, fedala.history.val_loss, rtol=1e-5)
+
+  def with_confree(trainer):
+    return confree.with_confree(server_step_fedavg(1.0, plugins=True)(trainer),
+                                confree.ConfreeConfig())
+  ours = run_algorithm(with_confree, tiny_model(), data, train, progress=None)
+  registered = run_algorithm(
+      algorithms.make("fedavg", algorithms.Plugged(algorithms.default_config("fedavg"),
+                                                   aggregation=confree.ConfreeConfig())),
+      tiny_model(), data, train, progress=None)
+  np.testing.assert_allclose(ours.history.val_loss, registered.history.val_loss, rtol=1e-5)
+
+  undeclared = server_step_fedavg(1.0)
+  with pytest.raises(ConfigError, match="declares none"):
+    run_algorithm(lambda trainer: ala.with_ala(undeclared(trainer), config, trainer),
+                  tiny_model(), data, train)
+  with pytest.raises(ConfigError, match="declares none"):
+    run_algorithm(lambda trainer: confree.with_confree(undeclared(trainer),
+                                                       confree.ConfreeConfig()),
+                  tiny_model(), data, train)

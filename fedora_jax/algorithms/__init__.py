@@ -9,7 +9,8 @@ training (`train_fields`: FEDORA's lr) and tie a field to another's value (`only
 
 Plug-ins wrap a registered host (`build`, `Plugged`): ALA (ala.py, --ala) in front of the
 client update of a host that sends a global model, ConFREE (confree.py,
---aggregation=confree) in place of the server mean of a host's shared part.
+--aggregation=confree) in place of the server mean of a host's shared part; a host takes
+one by declaring what it needs (plugin_fields.py; `ala_hosts`, `confree_hosts`).
 """
 
 import functools
@@ -22,7 +23,10 @@ from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import (apple, coaching, confree, fedala, fedavg_c, fedbabu,
                                    fedbn, fedcp, fedpac, fedphp, fedprox_c, fedproto, fedrep,
                                    fedrod, moon, partialfed, perfedavg, pfedla, pfedme)
+from fedora_jax.algorithms import (fedavgm, feddyn, fedlc, fednova, fedntd, fedopt,
+                                   scaffold)
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError
 
 
@@ -111,6 +115,16 @@ REGISTRY: dict[str, Registered] = {
     "fedbabu": Registered(fedbabu.FedBabuConfig, fedbabu.fedbabu, fedbabu.FLAG_HELP),
     "pfedla": Registered(pfedla.PfedlaConfig, pfedla.pfedla, pfedla.FLAG_HELP),
     "fedbn": Registered(fedbn.FedBnConfig, fedbn.fedbn, fedbn.FLAG_HELP),
+    "scaffold": Registered(scaffold.ScaffoldConfig, scaffold.scaffold, scaffold.FLAG_HELP,
+                           train_fields=("lr",)),
+    "feddyn": Registered(feddyn.FedDynConfig, feddyn.feddyn, feddyn.FLAG_HELP),
+    "fedavgm": Registered(fedavgm.FedAvgMConfig, fedavgm.fedavgm, fedavgm.FLAG_HELP),
+    "fedopt": Registered(fedopt.FedOptConfig, fedopt.fedopt, fedopt.FLAG_HELP,
+                         presets=fedopt.PRESETS, default_preset=fedopt.DEFAULT_VARIANT,
+                         preset_help=fedopt.PRESET_HELP),
+    "fednova": Registered(fednova.FedNovaConfig, fednova.fednova, train_fields=("momentum",)),
+    "fedntd": Registered(fedntd.FedNtdConfig, fedntd.fedntd, fedntd.FLAG_HELP),
+    "fedlc": Registered(fedlc.FedLcConfig, fedlc.fedlc, fedlc.FLAG_HELP),
 }
 
 
@@ -151,15 +165,39 @@ class Plugged(NamedTuple):
   aggregation: confree.ConfreeConfig | None = None
 
 
+def _stand_in_trainer():
+  """A trainer that builds an algorithm without a model (its factory only closes over
+  it), with the default run's epochs and batch size (simulation.TrainConfig)."""
+  return make_client_trainer(lambda params, x: x, make_optimizer(5e-3, 0.9, 5e-5), 5, 64)
+
+
+@functools.cache
+def _declares(name: str) -> tuple[bool, bool]:
+  """Whether `name`, at its defaults, declares what ALA and what ConFREE need."""
+  host = get(name).factory(default_config(name), _stand_in_trainer())
+  return host.ala_hooks is not None, host.shared_part is not None
+
+
+def ala_hosts() -> list[str]:
+  """The registered algorithms ALA can wrap (they declare Algorithm.ala_hooks)."""
+  return [name for name in sorted(REGISTRY) if _declares(name)[0]]
+
+
+def confree_hosts() -> list[str]:
+  """The registered algorithms ConFREE can wrap (they declare Algorithm.shared_part)."""
+  return [name for name in sorted(REGISTRY) if _declares(name)[1]]
+
+
 def check_plugins(name: str, ala: Any = None, aggregation: Any = None) -> None:
   """One-line ConfigError for a plug-in its host cannot take (call before any work)."""
-  get(name)
-  if ala is not None and name not in ala_lib.HOOKS:
+  name = canonical_name(name)
+  takes_ala, takes_confree = _declares(name)
+  if ala is not None and not takes_ala:
     raise ConfigError(f"--ala needs an algorithm that sends a global model; {name} does not"
-                      f" (supported: {', '.join(sorted(ala_lib.HOOKS))}; fedala has ALA built in)")
-  if aggregation is not None and name not in confree.HOSTS:
+                      f" (supported: {', '.join(ala_hosts())}; fedala has ALA built in)")
+  if aggregation is not None and not takes_confree:
     raise ConfigError(f"--aggregation=confree needs an algorithm whose server averages a"
-                      f" shared part; not {name} (supported: {', '.join(sorted(confree.HOSTS))})")
+                      f" shared part; not {name} (supported: {', '.join(confree_hosts())})")
 
 
 def build(name: str, config: Any, trainer: Any, ala: Any = None,
@@ -170,9 +208,9 @@ def build(name: str, config: Any, trainer: Any, ala: Any = None,
   check_plugins(name, ala, aggregation)
   algorithm = get(name).factory(config, trainer)
   if ala is not None:
-    algorithm = ala_lib.with_ala(algorithm, ala_lib.hooks_for(name, config), ala, trainer)
+    algorithm = ala_lib.with_ala(algorithm, ala, trainer)
   if aggregation is not None:
-    algorithm = confree.with_confree(algorithm, aggregation, confree.HOSTS[name])
+    algorithm = confree.with_confree(algorithm, aggregation)
   return algorithm
 
 
@@ -190,4 +228,5 @@ def make(name: str, config: Any = None, ala: Any = None,
 
 
 __all__ = ["Algorithm", "AlgorithmState", "ClientOutput", "InitContext", "Plugged", "REGISTRY",
-           "build", "check_plugins", "default_config", "get", "make"]
+           "ala_hosts", "build", "check_plugins", "confree_hosts", "default_config", "get",
+           "make"]

@@ -37,7 +37,8 @@ that model sits in the message, which trained model is the client's next theta_i
 which model the host's training starts from. The received model can be some of the
 layers (FedRep's body: W covers its top p layers, the head stays the client's), and a
 host can keep some received layers out of its start (PartialFed's loading strategy); W
-always learns on the loss of the model the host trains from. Per host: HOOKS below.
+always learns on the loss of the model the host trains from. Each host declares its
+hooks (Algorithm.ala_hooks, next to its own code).
 
 Partial participation (--participation < 1), the definition here: ALA is part of a
 client's round, so only the round's sampled clients run it (then their host's local
@@ -82,13 +83,13 @@ import jax
 import jax.numpy as jnp
 
 from fedora_jax import tree
-from fedora_jax.algorithms import partialfed
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import AlaHooks
 from fedora_jax.algorithms.layers import layer_names, merge_layers, take_layers
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import ClientTrainer, epoch_batches
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 PyTree = Any
@@ -131,25 +132,6 @@ def validate(config: AlaConfig) -> AlaConfig:
   if config.batch_size < 1:
     raise FieldError("ala", "batch_size", f"must be >= 1, got {config.batch_size}")
   return config
-
-
-class AlaHooks(NamedTuple):
-  """Where a host keeps the model ALA works on.
-
-  The received model may be all of the model or some of its layers (FedRep's body): W
-  covers the top p layers of what the host sends, theta_hat has the received layers, and
-  `initial` says which model the host's training then starts from; W learns on that
-  model's loss (the paper's Eq. 1: the loss of the initialised local model).
-  """
-  received: Callable[[PyTree], Params]                       # message -> global model
-  # (state, message, theta_hat) -> (state, message)
-  replace: Callable[[PyTree, PyTree, Params], tuple[PyTree, PyTree]]
-  trained: Callable[[ClientOutput], Params]                   # the client's next theta_i
-  personal_is_local: bool  # evaluate theta_i (hosts whose own personal model is the global one)
-  # (host state, theta_i, theta_hat, host's key) -> the model the host trains from; None:
-  # theta_i with the received layers replaced by theta_hat's (theta_hat itself when the
-  # host sends the whole model).
-  initial: Callable[[PyTree, Params, Params, jax.Array], Params] | None = None
 
 
 class AlaClient(NamedTuple):
@@ -244,10 +226,15 @@ def learn_weights(loss_fn, config: AlaConfig, local: Params, global_params: Para
   return weights, count, jnp.where(count > 0, last, 0.0)  # 0: W did not train this round
 
 
-def with_ala(host: Algorithm, hooks: AlaHooks, config: AlaConfig, trainer: ClientTrainer,
+def with_ala(host: Algorithm, config: AlaConfig, trainer: ClientTrainer,
              name: str | None = None) -> Algorithm:
-  """The host algorithm with ALA's local initialization in front of its client update."""
+  """The host algorithm with ALA's local initialization in front of its client update,
+  where its `ala_hooks` say."""
   config = validate(config)
+  hooks = host.ala_hooks
+  if hooks is None:
+    raise ConfigError(f"--ala needs an algorithm that sends a global model; {host.name}"
+                      " declares none (Algorithm.ala_hooks)")
 
   initial = hooks.initial or overwrite
 
@@ -303,92 +290,6 @@ def with_ala(host: Algorithm, hooks: AlaHooks, config: AlaConfig, trainer: Clien
                    personalized_params=personalized_params, artifacts=host.artifacts,
                    # The host's own evaluation of its personalized model (APFL's output
                    # mixture), unless ALA evaluates theta_i, a model of the run.
-                   evaluate=None if hooks.personal_is_local else host.evaluate)
-
-
-def _model_message(personal_is_local: bool) -> AlaHooks:
-  """Hosts whose message is the global model and whose upload is its local training."""
-  return AlaHooks(received=lambda message: message,
-                  replace=lambda state, message, start: (state, start),
-                  trained=lambda out: out.upload, personal_is_local=personal_is_local)
-
-
-def _partialfed_hooks(config: partialfed.PartialFedConfig) -> AlaHooks:
-  """PartialFed loads theta_hat's layers where its strategy A loads and keeps its own
-  elsewhere; W learns on that start, with the A the host draws from the same key."""
-  config = partialfed.validate(config)
-
-  def initial(state: partialfed.PartialFedClient, local, theta_hat, key):
-    del local  # the same model as state.local (theta_i is PartialFed's upload)
-    load, _, _ = partialfed.draw_loading(config, layer_names(theta_hat), state.logits, key)
-    return partialfed.load_layers(state.local, theta_hat, load)
-  return _model_message(personal_is_local=True)._replace(initial=initial)
-
-
-# Hosts ALA can wrap, by registry name: FedALA's Table "+ALA" (FedAvg, FedProx, Per-FedAvg,
-# FedRep, pFedMe, Ditto, FedAMP, FedPHP, PartialFed) and APFL. The authors' recipe
-# (TsingZ0/FedALA README, "How to use"): the client calls
-# ALA.adaptive_local_aggregation(received_global_model, self.model) where it would copy
-# the global model into self.model, i.e. theta_i is the model the client trains, as it
-# holds it when the next global model arrives. Per host (PFLlib's clients, which FedALA's
-# experiments ran):
-#   * Per-FedAvg (clientperavg.py): self.model is the meta model, trained from the global
-#     model and adapted by one step for evaluation (train_one_step). theta_hat replaces the
-#     received global model in both; theta_i is the trained meta model (the upload).
-#   * pFedMe (clientpFedMe.py): set_parameters copies the global model into self.model and
-#     the local copy w_i; train() ends with self.model = w_{i,R}. theta_hat starts w_i and
-#     theta's solver; theta_i is w_{i,R} (the upload), not the personalised theta.
-#   * FedPHP (clientphp.py): self.model is the local model trained against the HPM and
-#     folded into it. theta_hat is where that training starts; theta_i is the trained w_k
-#     (the upload); the HPM (model_p) is not touched by ALA.
-#   * FedRep (clientrep.py): the server averages and sends the body only (receive_models
-#     collects client.model.base) and set_parameters(base) copies it into
-#     self.model.base; the head never leaves the client. ALA in place of that copy works on
-#     the body: W covers the body's top p layers (ALA.py's layer_idx counts the parameters
-#     of the module it is given, here the base), the lower body layers take the global
-#     ones, the head is the client's own. W learns on the loss of the whole model (body
-#     theta_hat under the client's head: the local objective; the base alone has no
-#     class scores). FedRep then trains head, then body, from there; theta_i is the whole
-#     trained model.
-#   * PartialFed: no code by its authors, none in PFLlib (any version) or TsingZ0/FedALA,
-#     and the FedALA paper does not say how it combined them. PartialFed's client
-#     overwrites only the layers its strategy A loads (partialfed.py); ALA takes the place
-#     of that overwrite: theta_hat (over the whole received model) is what PartialFed
-#     loads from, so the client starts from the paper's Eq. 2 on the loaded layers (the
-#     loaded ones among the top p mixed by W, the loaded lower ones global) and from its
-#     own layers where A keeps them. W learns on the loss of that start (a kept layer gives
-#     W no gradient: its W stays), with the A the host itself draws (same key). The other
-#     reading, ALA over the whole model in place of the loading, makes PartialFed-Fix's
-#     start FedALA's; the paper's numbers rule it out (CIFAR-100: PartialFed 48.81,
-#     PartialFed+ALA 48.99, FedALA 55.92). At the defaults (Fix, the classifier kept, p =
-#     1) W's layer is never loaded and the start is PartialFed's own; ALA acts with p >
-#     local_layers, or when an adaptive client loads its top layer. Adaptive PartialFed's
-#     strategy compares theta_hat's layer with the client's (what loading would bring).
-# Per-FedAvg, pFedMe, FedPHP, Ditto and APFL evaluate their own personalised model (the
-# adapted model, theta, the HPM, v_i, the mixture). FedAvg, FedProx, FedRep and
-# PartialFed evaluate a model overwritten by the latest global layers (all, the body,
-# the loaded ones), the very copy ALA replaces: with ALA they evaluate theta_i, as FedALA.
-# FedAMP's "global model" for client i is its cloud model u_i (the prox anchor); ALA
-# replaces it and also starts training from theta_hat.
-HOOKS: dict[str, AlaHooks | Callable[[Any], AlaHooks]] = {
-    "fedavg": _model_message(personal_is_local=True),
-    "fedprox": _model_message(personal_is_local=True),
-    "ditto": _model_message(personal_is_local=False),
-    "apfl": _model_message(personal_is_local=False),
-    "perfedavg": _model_message(personal_is_local=False),
-    "pfedme": _model_message(personal_is_local=False),
-    "fedphp": _model_message(personal_is_local=False),
-    "fedamp": AlaHooks(
-        received=lambda message: message.cloud_model,
-        replace=lambda state, message, start: (start, message._replace(cloud_model=start)),
-        trained=lambda out: out.state, personal_is_local=False),
-    # The message is the body; FedRep merges it into the client's model (its state).
-    "fedrep": _model_message(personal_is_local=True)._replace(trained=lambda out: out.state),
-    "partialfed": _partialfed_hooks,  # needs the host's strategy
-}
-
-
-def hooks_for(name: str, host_config: Any) -> AlaHooks:
-  """The hooks of host `name` run with `host_config` (HOOKS: fixed, or built from it)."""
-  hooks = HOOKS[name]
-  return hooks if isinstance(hooks, AlaHooks) else hooks(host_config)
+                   evaluate=None if hooks.personal_is_local else host.evaluate,
+                   # The server's state and uploads are the host's: its ConFREE part too.
+                   shared_part=host.shared_part)

@@ -78,6 +78,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER, model_message
 from fedora_jax.engine.local_training import ClientTrainer, masked_cross_entropy
 from fedora_jax.errors import ConfigError, FieldError
 
@@ -268,4 +269,6 @@ def apfl(config: ApflConfig, trainer: ClientTrainer) -> Algorithm:
                                                                        personal, x))
   return Algorithm(name="apfl", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params, evaluate=evaluate)
+                   personalized_params=personalized_params, evaluate=evaluate,
+                   ala_hooks=model_message(personal_is_local=False),
+                   shared_part=WHOLE_SERVER)

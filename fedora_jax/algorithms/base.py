@@ -12,6 +12,8 @@ carry a leading client axis [K, ...]. A round is
 
 `shared_model` and `uploads_unordered` (optional) let the engine skip [K, ...] copies that
 FedAvg-like algorithms never need; results are the same up to summation order.
+`ala_hooks` and `shared_part` (optional) declare what the plug-ins need to wrap the
+algorithm (plugin_fields.py).
 
 Algorithm files never loop over clients and never call `jit`; the engine does both
 (vmapping `client_update` over each size bucket, jitting the whole round once).
@@ -21,6 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
+from fedora_jax.algorithms.plugin_fields import AlaHooks, SharedPart
 from fedora_jax.data.client_data import ClientData, ClientSplits, FederatedData
 from fedora_jax.engine.local_training import ClientTrainer, EvalStats, TrainStats
 
@@ -71,6 +74,11 @@ class Algorithm(NamedTuple):
   # sampled slots' uploads and weights [S, ...] (fillers weigh 0) in place of a [K, ...]
   # scatter that is zero for every client that sat the round out.
   uploads_unordered: bool = False
+  # Where ALA (--ala) finds the global model the client receives; None: not an ALA host.
+  ala_hooks: AlaHooks | None = None
+  # Where ConFREE (--aggregation=confree) finds the server's shared part; None: not a
+  # ConFREE host.
+  shared_part: SharedPart | None = None
 
 
 def no_broadcast(server, clients):

@@ -54,10 +54,11 @@ in jnp on the K x K Gram matrix. Against SLSQP with exact gradients in float64 i
 within 1e-5 (relative) at the default 300 steps on random instances of up to 40
 clients; the mirror descent it replaces was up to 2.6 % off after 500 (docs/confree.md).
 
-Hosts (`HOSTS`): the part ConFREE moves is the host's shared model, the poster's
-theta_g (Algorithm 1: each client keeps its head h_i and uploads theta_i). For FedAvg,
+Hosts (those declaring `Algorithm.shared_part`): the part ConFREE moves is the host's
+shared model, the poster's theta_g (Algorithm 1: each client keeps its head h_i and
+uploads theta_i). For FedAvg,
 APFL, FedPer, LG-FedAvg, FedRep, FedRoD and FedALA that is the server's whole state. Two
-hosts keep more on the server (`SharedPart` says where theta_g sits):
+hosts keep more on the server (their `SharedPart` says where theta_g sits):
   * FedCP: theta_g is the feature extractor f. Its global head h_g and conditional
     policy network are still the FedAvg of the uploads (and still go to the round's
     clients), as in the authors' FedCP host (StuZheng/ConFREE server/servercp.py:
@@ -83,6 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState
+from fedora_jax.algorithms.plugin_fields import SharedPart
 from fedora_jax.errors import ConfigError, FieldError
 
 _TINY = 1e-12
@@ -257,31 +259,19 @@ def aggregate_updates(updates, config: ConfreeConfig, sampled: jax.Array | None 
                                       zip(steps, leaves)])
 
 
-class SharedPart(NamedTuple):
-  """Where a host keeps theta_g, the part ConFREE aggregates."""
-  of_server: Callable[[PyTree], PyTree]          # server state -> theta_g
-  of_uploads: Callable[[PyTree], PyTree]         # uploads -> the clients' theta_i [K, ...]
-  replace: Callable[[PyTree, PyTree], PyTree]    # (server state, new theta_g) -> state
-
-
-WHOLE_SERVER = SharedPart(of_server=lambda server: server,
-                          of_uploads=lambda uploads: uploads,
-                          replace=lambda server, shared: shared)
-BODY = SharedPart(of_server=lambda server: server.body,
-                  of_uploads=lambda uploads: uploads.body,
-                  replace=lambda server, shared: server._replace(body=shared))
-
-
-def with_confree(host: Algorithm, config: ConfreeConfig, shared: SharedPart = WHOLE_SERVER,
-                 name: str | None = None) -> Algorithm:
-  """The host with theta_g, its server's shared parameters (`shared`), moved by ConFREE's
-  d* instead of the mean.
+def with_confree(host: Algorithm, config: ConfreeConfig, name: str | None = None) -> Algorithm:
+  """The host with theta_g, its server's shared parameters (where its `shared_part`
+  says), moved by ConFREE's d* instead of the mean.
 
   The host's own aggregate still runs (for anything else it keeps); its new theta_g is
   then replaced by the old one plus d*, computed from the old one and the uploaded
   copies.
   """
   config = validate(config)
+  shared: SharedPart | None = host.shared_part
+  if shared is None:
+    raise ConfigError(f"--aggregation=confree needs an algorithm whose server averages a"
+                      f" shared part; {host.name} declares none (Algorithm.shared_part)")
 
   def aggregate(server, clients, uploads, weights):
     state = host.aggregate(server, clients, uploads, weights)
@@ -298,13 +288,3 @@ def with_confree(host: Algorithm, config: ConfreeConfig, shared: SharedPart = WH
   # Its projections run over the uploads one client at a time, in client order.
   return host._replace(name=name or f"{host.name}+confree", aggregate=aggregate,
                        uploads_unordered=False)
-
-
-# Hosts by registry name, and where each keeps theta_g.
-HOSTS: dict[str, SharedPart] = {
-    "fedavg": WHOLE_SERVER, "apfl": WHOLE_SERVER, "fedrep": WHOLE_SERVER,
-    "fedala": WHOLE_SERVER, "fedrod": WHOLE_SERVER, "fedper": WHOLE_SERVER,
-    "lg_fedavg": WHOLE_SERVER,
-    "fedcp": BODY,     # FedCpServer.body: the feature extractor f
-    "fedpac": BODY,    # FedPacServer.body: the feature extractor
-}

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import model_message
 from fedora_jax.algorithms.fedprox import proximal_term
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError, check_one_of
@@ -189,4 +190,6 @@ def ditto(config: DittoConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="ditto", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=lambda server, personal_params: personal_params)
+                   personalized_params=lambda server, personal_params: personal_params,
+                   # theta_hat takes the received global model's place; v_i is Ditto's own.
+                   ala_hooks=model_message(personal_is_local=False))

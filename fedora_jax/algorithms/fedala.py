@@ -31,5 +31,5 @@ FLAG_NAMES = {field: f"ala_{field}" for field in ala.AlaConfig._fields}
 
 
 def fedala(config: ala.AlaConfig, trainer: ClientTrainer) -> Algorithm:
-  return ala.with_ala(fedavg.fedavg(fedavg.FedAvgConfig(), trainer), ala.HOOKS["fedavg"],
-                      config, trainer, name="fedala")
+  return ala.with_ala(fedavg.fedavg(fedavg.FedAvgConfig(), trainer), config, trainer,
+                      name="fedala")

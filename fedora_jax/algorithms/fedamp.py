@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import AlaHooks
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError, FieldError
 
@@ -170,4 +171,11 @@ def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
   return Algorithm(name="fedamp", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=lambda server, clients: clients,
-                   artifacts=lambda server: {"attention": server.attention})
+                   artifacts=lambda server: {"attention": server.attention},
+                   # Client i's "global model" is its cloud model u_i (the prox anchor):
+                   # ALA replaces it, and training starts from theta_hat too.
+                   ala_hooks=AlaHooks(
+                       received=lambda message: message.cloud_model,
+                       replace=lambda state, message, start: (
+                           start, message._replace(cloud_model=start)),
+                       trained=lambda out: out.state, personal_is_local=False))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER, model_message
 from fedora_jax.engine.local_training import ClientTrainer
 
 
@@ -44,4 +45,7 @@ def fedavg(config: FedAvgConfig, trainer: ClientTrainer) -> Algorithm:
   return Algorithm(name="fedavg", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=personalized_params,
-                   shared_model=lambda global_params: global_params, uploads_unordered=True)
+                   shared_model=lambda global_params: global_params, uploads_unordered=True,
+                   # ALA takes the place of the client's copy of the global model.
+                   ala_hooks=model_message(personal_is_local=True),
+                   shared_part=WHOLE_SERVER)

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import BODY
 from fedora_jax.algorithms.layers import (affine_head, apply_with_representation, head_layer,
                                           merge_layers, split_body_head, take_layers)
 from fedora_jax.engine.local_training import ClientTrainer, masked_cross_entropy
@@ -261,4 +262,5 @@ def fedcp(config: FedCpConfig, trainer: ClientTrainer) -> Algorithm:
   return Algorithm(name="fedcp", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=personalized_params,
-                   evaluate=trainer.evaluate_with(forward))
+                   evaluate=trainer.evaluate_with(forward),
+                   shared_part=BODY)  # FedCpServer.body: the feature extractor f

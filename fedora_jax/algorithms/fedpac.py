@@ -59,6 +59,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import BODY
 from fedora_jax.algorithms.fedrep import alternating_train, batch_size_of
 from fedora_jax.algorithms.layers import (apply_with_representation, head_layer, merge_layers,
                                           split_body_head, take_layers)
@@ -289,4 +290,5 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
   return Algorithm(name="fedpac", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=personalized_params,
-                   artifacts=lambda server: {"combination_weights": server.combination})
+                   artifacts=lambda server: {"combination_weights": server.combination},
+                   shared_part=BODY)  # FedPacServer.body: the feature extractor

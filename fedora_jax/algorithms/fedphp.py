@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import model_message
 from fedora_jax.algorithms.layers import apply_with_representation, split_body_head
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError, FieldError, check_one_of
@@ -227,4 +228,7 @@ def fedphp(config: FedPhpConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="fedphp", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params)
+                   personalized_params=personalized_params,
+                   # theta_hat is where the local model's training starts; theta_i is the
+                   # trained w_k (the upload); ALA leaves the HPM alone (clientphp.py).
+                   ala_hooks=model_message(personal_is_local=False))

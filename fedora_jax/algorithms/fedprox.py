@@ -68,6 +68,7 @@ def proximal_train(trainer: ClientTrainer, mu: float, global_params, data, key: 
 def fedprox(config: FedProxConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config)
   # Same server state, broadcast and aggregation as FedAvg; only local training differs.
+  # FedAvg's ALA hooks hold; ConFREE does not count FedProx among its hosts.
   base = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)
 
   def client_update(client_state, global_params, data, key):
@@ -75,7 +76,7 @@ def fedprox(config: FedProxConfig, trainer: ClientTrainer) -> Algorithm:
     return ClientOutput(state=client_state, upload=params, train=stats)
 
   if config.evaluate == "global":
-    return base._replace(name="fedprox", client_update=client_update)
+    return base._replace(name="fedprox", client_update=client_update, shared_part=None)
 
   # "local": each client keeps the model it last trained, and is scored on it.
   def init(context: InitContext) -> AlgorithmState:
@@ -87,4 +88,4 @@ def fedprox(config: FedProxConfig, trainer: ClientTrainer) -> Algorithm:
 
   return base._replace(name="fedprox", init=init, client_update=local_update,
                        personalized_params=lambda global_params, clients: clients,
-                       shared_model=None)
+                       shared_model=None, shared_part=None)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER, model_message
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError, FieldError
@@ -145,6 +146,13 @@ def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
   def personalized_params(body, client_params):
     return merge_layers(client_params, broadcast(body, client_params))
 
+  # ALA (PFLlib's clientrep.py: the server sends the body, copied into model.base) in
+  # place of that copy works on the body: W covers the body's top p layers, the head is
+  # the client's own, W learns on the whole model's loss; theta_i is the whole trained
+  # model, the client's state.
   return Algorithm(name="fedrep", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params)
+                   personalized_params=personalized_params,
+                   ala_hooks=model_message(personal_is_local=True)._replace(
+                       trained=lambda out: out.state),
+                   shared_part=WHOLE_SERVER)

@@ -57,6 +57,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import AlaHooks, model_message
 from fedora_jax.algorithms.layers import layer_names
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError, check_one_of
@@ -199,4 +200,23 @@ def partialfed(config: PartialFedConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="partialfed", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params)
+                   personalized_params=personalized_params, ala_hooks=ala_hooks(config))
+
+
+def ala_hooks(config: PartialFedConfig) -> AlaHooks:
+  """ALA in place of PartialFed's loading: the client loads theta_hat's layers where its
+  strategy A loads (drawn as the host draws it, from the same key) and keeps its own
+  elsewhere; W learns on the loss of that start.
+
+  Neither PartialFed's authors, PFLlib nor TsingZ0/FedALA has code for PartialFed+ALA,
+  and the FedALA paper does not say how it combined them. The other reading, ALA over
+  the whole model in place of the loading, makes PartialFed-Fix's start FedALA's; the
+  paper's numbers rule it out (CIFAR-100: PartialFed 48.81, PartialFed+ALA 48.99, FedALA
+  55.92). At the defaults (Fix, the classifier kept, p = 1) W's layer is never loaded and
+  the start is PartialFed's own; ALA acts with p > local_layers, or when an adaptive
+  client loads its top layer."""
+  def initial(state: PartialFedClient, local, theta_hat, key):
+    del local  # the same model as state.local (theta_i is PartialFed's upload)
+    load, _, _ = draw_loading(config, layer_names(theta_hat), state.logits, key)
+    return load_layers(state.local, theta_hat, load)
+  return model_message(personal_is_local=True)._replace(initial=initial)

@@ -56,6 +56,7 @@ import optax
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import model_message
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats
@@ -193,4 +194,8 @@ def perfedavg(config: PerFedAvgConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="perfedavg", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=lambda server, personal: personal)
+                   personalized_params=lambda server, personal: personal,
+                   # ALA's theta_hat replaces the received global model before both the
+                   # meta-training and the one-step adaptation; theta_i is the trained meta
+                   # model (PFLlib's clientperavg.py).
+                   ala_hooks=model_message(personal_is_local=False))

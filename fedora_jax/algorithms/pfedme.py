@@ -51,6 +51,7 @@ import optax
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import model_message
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats
@@ -188,4 +189,7 @@ def pfedme(config: PfedmeConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="pfedme", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=lambda server, clients: clients.personal)
+                   personalized_params=lambda server, clients: clients.personal,
+                   # theta_hat starts w_i and theta's solver; theta_i is w_{i,R}, the upload,
+                   # not the personalised theta (PFLlib's clientpFedMe.py).
+                   ala_hooks=model_message(personal_is_local=False))
