@@ -202,3 +202,26 @@ def test_algorithm_names_are_taken_in_any_case():
   assert algorithms.get("PFEDME") is algorithms.REGISTRY["pfedme"]
   with pytest.raises(ConfigError, match="unknown algorithm 'FedNope'"):
     algorithms.canonical_name("FedNope")
+
+
+def test_observe_sums_over_the_real_steps_at_each_steps_starting_params():
+  """train(observe=...): summed over the real steps only (a client padded from 3 to 5
+  samples skips its padded step), each read before its step."""
+  data, _ = tiny_data([3, 5])
+  model = tiny_model()
+  trainer = tiny_trainer(model, batch_size=2, epochs=2)
+  params = init_params(model)
+  split = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0]).train
+  seen_samples = lambda p, x, y, w: jnp.sum(w)
+  trained, stats, samples = trainer.train(params, split, jax.random.key(0),
+                                          observe=seen_samples)
+  assert float(samples) == 6.0 and int(stats.steps) == 4
+  plain, _ = trainer.train(params, split, jax.random.key(0))
+  chex.assert_trees_all_close(plain, trained)
+  # Full batches, two epochs: the bias at the start plus the bias after one step.
+  full = tiny_trainer(model, batch_size=8, epochs=2)
+  bias = lambda p, x, y, w: p["params"]["Dense_1"]["bias"]
+  _, _, biases = full.train(params, split, jax.random.key(0), observe=bias)
+  one_step, _ = full.train(params, split, jax.random.key(0), epochs=1)
+  np.testing.assert_allclose(biases, params["params"]["Dense_1"]["bias"]
+                             + one_step["params"]["Dense_1"]["bias"], atol=1e-6)

@@ -90,6 +90,34 @@ def test_one_local_step_and_the_uploaded_prototypes():
   chex.assert_trees_all_close(out.state.prototypes, out.upload)
 
 
+def test_training_prototypes_average_each_steps_representations_before_its_step():
+  """prototypes="training" (the codes'): two full-batch epochs, so the class means of the
+  representations under the initial model and under the model after one step."""
+  data, clients = tiny_data([6, 6])
+  model = tiny_model(hidden=(5,))
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=2)
+  algorithm = fedproto.fedproto(fedproto.FedProtoConfig(lam=2.0, prototypes="training"),
+                                trainer)
+  params = init_params(model, seed=0)
+  global_protos = fedproto.Prototypes(
+      means=jax.random.normal(jax.random.key(3), (3, 5)), counts=jnp.array([4.0, 0.0, 1.0]))
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  x, y = jnp.asarray(clients[0].x_train), jnp.asarray(clients[0].y_train)
+  client = fedproto.FedProtoClient(params=params, prototypes=global_protos)
+  out = algorithm.client_update(client, global_protos, splits, jax.random.key(0))
+  grad = jax.grad(_hand_objective)(params, x, y, global_protos, 2.0)
+  after_one = jax.tree.map(lambda p, g: p - LR * g, params, grad)
+  def features(p):
+    body = p["params"]["Dense_0"]
+    return np.asarray(jax.nn.relu(x @ body["kernel"] + body["bias"]))
+  z = np.concatenate([features(params), features(after_one)])
+  labels = np.concatenate([np.asarray(y), np.asarray(y)])
+  counts = np.bincount(np.asarray(y), minlength=3)
+  means = np.stack([z[labels == c].mean(0) if counts[c] else np.zeros(5) for c in range(3)])
+  np.testing.assert_allclose(out.upload.means, means, atol=1e-5)
+  np.testing.assert_allclose(out.upload.counts, counts)
+
+
 def test_nearest_prototype_inference_as_the_personalised_models_head():
   data, _ = tiny_data([6, 6])
   model = tiny_model(hidden=(5,))
@@ -126,6 +154,7 @@ def test_bad_hyperparameters_are_one_line_errors():
   for config, match in ((fedproto.FedProtoConfig(lam=-1.0), "fedproto: lam"),
                         (fedproto.FedProtoConfig(distance="l1"), "fedproto: distance"),
                         (fedproto.FedProtoConfig(aggregation="max"), "fedproto: aggregation"),
-                        (fedproto.FedProtoConfig(inference="vote"), "fedproto: inference")):
+                        (fedproto.FedProtoConfig(inference="vote"), "fedproto: inference"),
+                        (fedproto.FedProtoConfig(prototypes="last"), "fedproto: prototypes")):
     with pytest.raises(ConfigError, match=match):
       fedproto.fedproto(config, trainer)

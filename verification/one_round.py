@@ -150,8 +150,15 @@ class Reference(NamedTuple):
   # The global model in our server's state (SCAFFOLD's and FedDyn's hold more).
   server_model: Callable[[Any], Any] = lambda server: server
   # The server's methods a round calls after receive_models, in order (FedDyn's train()
-  # updates its state h first).
-  server_steps: tuple[str, ...] = ("aggregate_parameters",)
+  # updates its state h first); a function (server) -> None where a step is more than
+  # one call (FedProto's: receive, aggregate and send prototypes).
+  server_steps: tuple[str | Callable[[Any], None], ...] = ("aggregate_parameters",)
+  # Whether a round starts with the server's send_models: not where the server sends
+  # no model (FedProto's sends prototypes, in its server_steps).
+  sends: bool = True
+  # The reference's own scoring, (client, its data) -> test accuracy, where its scored
+  # model is not a classifier's forward (FedProto: the nearest global prototype).
+  accuracy: Callable[[Any, Client], float] | None = None
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -216,6 +223,46 @@ def _php_ours_hpm(algorithm, state):
 
 def _php_hpm(client):
   return client.model_p
+
+
+def _proto_server_step(server) -> None:
+  """FedProto's server after its clients train (serverproto.py's train()): receive the
+  prototypes, average them, send them."""
+  import flcore.servers.serverproto as serverproto  # pylint: disable=import-outside-toplevel
+  server.receive_protos()
+  server.global_protos = serverproto.proto_aggregation(server.uploaded_protos)
+  server.send_protos()
+
+
+def _proto_personalized(client):
+  """The client's model with the nearest-prototype classifier ours scores with: kernel
+  2 C^T, bias -||C_c||^2 from the global prototypes it received (fedproto.prototype_head)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  model = copy.deepcopy(client.model)
+  with torch.no_grad():
+    for label, prototype in client.global_protos.items():
+      model.head.weight[label] = 2.0 * prototype
+      model.head.bias[label] = -torch.sum(prototype * prototype)
+  return model
+
+
+def _proto_accuracy(client, data: Client) -> float:
+  """PFLlib's own FedProto scoring (clientproto.test_metrics) on the client's test set."""
+  import torch  # pylint: disable=import-outside-toplevel
+  client.load_test_data = lambda batch_size=None: [
+      (torch.from_numpy(bridges.model_inputs(data.x_test)),
+       torch.from_numpy(data.y_test.astype(np.int64)))]
+  correct, count, _ = client.test_metrics()
+  return correct / count
+
+
+def _proto_ours_model(algorithm, state):
+  del algorithm
+  return state.clients.params
+
+
+def _proto_model(client):
+  return client.model
 
 
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
@@ -329,6 +376,19 @@ REFERENCES = {
                         args={"lamda": 0.5, "mu": 0.9, "global_rounds": 2}, split=True,
                         rounds=2, scored_after_send=False, send_takes_round=True,
                         also=(_php_ours_hpm, _php_hpm)),
+    # The codes' form: prototypes averaged over the training steps' representations,
+    # their plain mean on the server, the MSE regulariser, and the nearest of all global
+    # prototypes scored (PFLlib's test_metrics). Two rounds: the regulariser acts only
+    # once global prototypes exist. Compared: each client's model, and that model with
+    # the nearest-global-prototype head (our scored model).
+    "fedproto": Reference("serverproto.FedProto", "clientproto.py", ("train",), _own_key,
+                          aggregates=True, personal=_proto_personalized,
+                          config={"lam": 1.0, "distance": "mse", "aggregation": "mean",
+                                  "inference": "global", "prototypes": "training"},
+                          args={"lamda": 1.0}, split=True, compare_server=False,
+                          rounds=2, sends=False, server_steps=(_proto_server_step,),
+                          accuracy=_proto_accuracy,
+                          also=(_proto_ours_model, _proto_model)),
     "perfedavg": Reference("serverperavg.PerAvg", "clientperavg.py",
                            (_peravg_score, "train", "train"), _own_key, aggregates=True,
                            personal="adapted",
@@ -376,7 +436,7 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
       server = server_class(args, 0)
   server.selected_clients = list(server.clients)
   for round_index, round_batches in enumerate(batches):  # [round][client][load][epoch]
-    if reference.aggregates:
+    if reference.aggregates and reference.sends:
       _send_models(server, reference, round_index)
     for client, data, trainings in zip(server.clients, clients, round_batches):
       loaders = iter([bridges.EpochLoader(bridges.model_inputs(data.x_train),
@@ -388,8 +448,8 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     if reference.aggregates:
       server.receive_models()
       for step in reference.server_steps:
-        getattr(server, step)()
-  if reference.aggregates and reference.scored_after_send:
+        step(server) if callable(step) else getattr(server, step)()
+  if reference.aggregates and reference.sends and reference.scored_after_send:
     # Where PFLlib scores a round: its next round's evaluate() follows send_models (a
     # client scored with its own model holds the server's new part by then).
     _send_models(server, reference, len(batches))
@@ -401,6 +461,9 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
   if reference.also is not None:
     scored_layers += [bridges.torch_linear_layers(reference.also[1](c))
                       for c in server.clients]
+  if reference.accuracy is not None:
+    return (server_layers, scored_layers,
+            [reference.accuracy(c, d) for c, d in zip(server.clients, clients)])
   return (server_layers, scored_layers,
           [_torch_accuracy(m, d) for m, d in zip(scored, clients)])
 

@@ -22,7 +22,7 @@ TOLERANCE = 1e-4          # max relative error of any compared tensor, float32 o
 ACCURACY_TOLERANCE = 1e-6  # test accuracies: the same images classified alike
 CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
 COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg", "fedrep",
-           "fedbabu", "moon", "pfedme", "fedrod", "perfedavg", "fedamp", "fedphp")
+           "fedbabu", "moon", "pfedme", "fedrod", "perfedavg", "fedamp", "fedphp", "fedproto")
 
 
 def missing() -> str | None:

@@ -32,9 +32,11 @@ Where the printed equations and the authors' code differ, behind config fields:
     "squared" is Appendix B's lambda ||f(x) - C^(y)||^2. The default is the code's
     because the paper's lambda values were tuned with it (with d = 128, "squared" is 128x
     stronger at the same lambda).
-  * prototypes: the authors' code averages the representations computed during the last
-    local epoch's training steps (each before its step); Eq. 3 and this module use the
-    trained model, on the whole training split, after training.
+  * prototypes: "trained" (default) is Eq. 3, the trained model on the whole training
+    split, after training; "training" averages the representations the training steps
+    compute (each before its step, in the loss's forward pass) over the local epochs, as
+    PFLlib's clientproto.py does (the authors' code keeps the last epoch's: the same at
+    one local epoch).
   * inference: "global_own" (default) is the authors' "with protos" accuracy: the nearest
     global prototype among the classes the client holds (its training classes); "global"
     is Eq. 4 over every global prototype; "local" uses the client's own prototypes; "head"
@@ -74,6 +76,7 @@ Params = Any
 AGGREGATIONS = ("weighted", "mean")
 DISTANCES = ("mse", "squared")
 INFERENCES = ("global_own", "global", "local", "head")
+PROTOTYPE_SOURCES = ("trained", "training")
 # The logit of a class without a prototype: below any 2 <z, C> - ||C||^2 of real features.
 ABSENT_SCORE = -1e9
 
@@ -83,6 +86,7 @@ class FedProtoConfig(NamedTuple):
   distance: str = "mse"                 # "mse" (authors' code) or "squared" (Appendix B)
   aggregation: str = "weighted"         # "weighted" (Eq. 6) or "mean" (authors' code)
   inference: str = "global_own"         # or "global", "local", "head"
+  prototypes: str = "trained"           # "trained" (Eq. 3) or "training" (the codes')
 
 
 FLAG_HELP = {
@@ -95,6 +99,9 @@ FLAG_HELP = {
     "inference": "FedProto: classify by the nearest global prototype of the client's own"
                  " classes (global_own, authors' code), of all classes (global, Eq. 4), by"
                  " the client's own prototypes (local) or by its classifier (head)",
+    "prototypes": "FedProto: local prototypes from the trained model (trained, Eq. 3) or"
+                  " averaged over the representations the training steps computed"
+                  " (training, PFLlib's and the authors' code)",
 }
 
 
@@ -115,6 +122,16 @@ def class_prototypes(z: jax.Array, y: jax.Array, mask: jax.Array,
   counts = jnp.sum(one_hot, axis=0)
   return Prototypes(means=(one_hot.T @ z) / jnp.maximum(counts, 1.0)[:, None],
                     counts=counts)
+
+
+def step_representation_sums(apply_fn, head: str, num_classes: int):
+  """observe(params, x, y, weights) for trainer.train: a step's class sums [C, d] of its
+  batch's representations and their counts [C] (real samples only)."""
+  def observe(params, x, y, weights):
+    _, z = apply_with_representation(apply_fn, params, x, head)
+    one_hot = jax.nn.one_hot(y, num_classes) * weights[:, None]
+    return one_hot.T @ z, jnp.sum(one_hot, axis=0)
+  return observe
 
 
 def aggregate_prototypes(uploads: Prototypes, weights: jax.Array, previous: Prototypes,
@@ -171,7 +188,7 @@ def validate(config: FedProtoConfig, trainer: ClientTrainer) -> FedProtoConfig:
   if config.lam < 0:
     raise FieldError("fedproto", "lam", f"must be >= 0, got {config.lam}")
   for field, allowed in (("distance", DISTANCES), ("aggregation", AGGREGATIONS),
-                         ("inference", INFERENCES)):
+                         ("inference", INFERENCES), ("prototypes", PROTOTYPE_SOURCES)):
     check_one_of("fedproto", config, field, allowed)
   check_representation_trainer("fedproto", trainer)
   return config
@@ -193,11 +210,19 @@ def fedproto(config: FedProtoConfig, trainer: ClientTrainer) -> Algorithm:
 
   def client_update(client: FedProtoClient, global_prototypes: Prototypes, data, key):
     head, _, num_classes = _head_shapes(client.params)
-    params, stats = trainer.train(
-        client.params, data.train, key,
-        loss_fn=fedproto_loss(trainer.apply, head, global_prototypes, config))
-    z = representations(trainer.apply, params, data.train.x, head)
-    local = class_prototypes(z, data.train.y, data.train.mask, num_classes)
+    loss_fn = fedproto_loss(trainer.apply, head, global_prototypes, config)
+    if config.prototypes == "training":
+      params, stats, (sums, seen) = trainer.train(
+          client.params, data.train, key, loss_fn=loss_fn,
+          observe=step_representation_sums(trainer.apply, head, num_classes))
+      # The split's class counts weigh the aggregation, whatever the local epochs.
+      counts = jnp.sum(jax.nn.one_hot(data.train.y, num_classes)
+                       * data.train.mask[:, None], axis=0)
+      local = Prototypes(means=sums / jnp.maximum(seen, 1.0)[:, None], counts=counts)
+    else:
+      params, stats = trainer.train(client.params, data.train, key, loss_fn=loss_fn)
+      z = representations(trainer.apply, params, data.train.x, head)
+      local = class_prototypes(z, data.train.y, data.train.mask, num_classes)
     return ClientOutput(state=FedProtoClient(params=params, prototypes=local), upload=local,
                         train=stats)
 

@@ -35,6 +35,10 @@ PostStep = Callable[[Params, Params], Params]
 # loss_fn(params, x, y, weights) -> scalar: a data loss replacing the model's cross-entropy,
 # for algorithms that train more than one model's parameters at once (e.g. APFL).
 LossFn = Callable[[Params, jax.Array, jax.Array, jax.Array], jax.Array]
+# observe(params, x, y, weights) -> a pytree of arrays, read at each real step's params
+# before the step, in the loss's mode, and summed over the steps (FedProto's prototypes
+# as its authors' code collects them).
+Observe = Callable[[Params, jax.Array, jax.Array, jax.Array], Any]
 
 
 class TrainStats(NamedTuple):
@@ -133,8 +137,10 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
             regularizer: Regularizer | None = None,
             post_step: PostStep | None = None,
             loss_fn: LossFn | None = None,
-            epochs: int | None = None):
-    """`epochs` (static): this call's epochs instead of the trainer's (fine-tuning)."""
+            epochs: int | None = None,
+            observe: Observe | None = None):
+    """`epochs` (static): this call's epochs instead of the trainer's (fine-tuning).
+    With `observe`, returns (params, stats, the sum of observe over the real steps)."""
     epochs = default_epochs if epochs is None else epochs
     data = jax.tree.map(jnp.asarray, data)
     data_loss_fn = loss if loss_fn is None else loss_fn
@@ -159,8 +165,16 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
       total = data_loss if regularizer is None else data_loss + regularizer(p)
       return total, data_loss
 
+    def observed(p, x, y, w):
+      if statistics:
+        with batch_stats.training(w > 0):
+          return observe(p, x, y, w)
+      return observe(p, x, y, w)
+
     def take_step(carry, idx, w):
-      params, opt_state = carry
+      params, opt_state, seen = carry
+      if observe is not None:
+        seen = jax.tree.map(jnp.add, seen, observed(params, data.x[idx], data.y[idx], w))
       (_, data_loss), grads = jax.value_and_grad(objective, has_aux=True)(
           params, data.x[idx], data.y[idx], w)
       carried = grads
@@ -172,7 +186,7 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
         new_params = batch_stats.apply_carried_update(new_params, params, carried)
       if post_step is not None:
         new_params = post_step(new_params, params)
-      return (new_params, new_opt_state), data_loss
+      return (new_params, new_opt_state, seen), data_loss
 
     def step(carry, batch):
       idx, w = batch
@@ -185,11 +199,14 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
                                       lambda c, *_: (c, skipped_loss), carry, idx, w)
       return carry, (data_loss, active)
 
-    (params, _), (losses, active) = jax.lax.scan(
-        step, (params, optimizer.init(params)), (indices, weights))
+    seen = () if observe is None else jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype),
+        jax.eval_shape(observed, params, data.x[indices[0]], data.y[indices[0]], weights[0]))
+    (params, _, seen), (losses, active) = jax.lax.scan(
+        step, (params, optimizer.init(params), seen), (indices, weights))
     stats = TrainStats(loss=_masked_mean(losses, active.astype(jnp.float32)),
                        steps=jnp.sum(active).astype(jnp.int32))
-    return params, stats
+    return (params, stats) if observe is None else (params, stats, seen)
 
   def evaluate_with(forward):
     """`evaluate` of the models that `forward(model, x) -> outputs` runs."""
