@@ -89,7 +89,13 @@ def main(argv: list[str]) -> int:
                   " epoch, then one body epoch), FedBABU (its global model scored) and"
                   " MOON (mu 1, tau 0.5, two rounds) on the MLP split into its hidden"
                   " layer (base) and output layer (head); pFedMe (lambda 15, K 5,"
-                  " personal lr 0.09, mu 0.001, beta 1) with its local models compared"),
+                  " personal lr 0.09, mu 0.001, beta 1) with its local models compared;"
+                  " FedRoD (its personal head a copy of the initial head); Per-FedAvg"
+                  " (first-order, alpha = beta = lr, PFLlib's two train calls a round, two"
+                  " rounds); FedAMP (alpha_K, lambda, sigma 1, the step unclipped, our"
+                  " lambda 0: PFLlib's regulariser has no gradient); FedPHP (PFLlib's"
+                  " fixed-bandwidth MMD, lambda 0.5, two rounds); FedProto (the codes'"
+                  " prototypes, mean aggregation, nearest global prototype, two rounds)"),
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
