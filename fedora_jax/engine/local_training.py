@@ -39,6 +39,10 @@ LossFn = Callable[[Params, jax.Array, jax.Array, jax.Array], jax.Array]
 # before the step, in the loss's mode, and summed over the steps (FedProto's prototypes
 # as its authors' code collects them).
 Observe = Callable[[Params, jax.Array, jax.Array, jax.Array], Any]
+# With train(carry=c0): loss_fn(params, carry, x, y, weights) -> (scalar, new carry), a
+# state the steps thread through, read and renewed by each real step's loss (FedDBE's
+# running mean of the representations); padded steps keep it.
+CarriedLossFn = Callable[[Params, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
 class TrainStats(NamedTuple):
@@ -138,9 +142,11 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
             post_step: PostStep | None = None,
             loss_fn: LossFn | None = None,
             epochs: int | None = None,
-            observe: Observe | None = None):
+            observe: Observe | None = None,
+            carry: Any = None):
     """`epochs` (static): this call's epochs instead of the trainer's (fine-tuning).
-    With `observe`, returns (params, stats, the sum of observe over the real steps)."""
+    With `observe`, returns (params, stats, the sum of observe over the real steps).
+    With `carry` (the loss then a CarriedLossFn), returns its last value after those."""
     epochs = default_epochs if epochs is None else epochs
     data = jax.tree.map(jnp.asarray, data)
     data_loss_fn = loss if loss_fn is None else loss_fn
@@ -155,15 +161,20 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     # regulariser, none into the optimizer, their carried update set after it.
     statistics = batch_stats.has_statistics(params)
 
-    def objective(p, x, y, w):
+    def carried_loss(p, c, x, y, w):
+      if carry is None:
+        return data_loss_fn(p, x, y, w), c
+      return data_loss_fn(p, c, x, y, w)
+
+    def objective(p, c, x, y, w):
       if statistics:
         with batch_stats.training(w > 0):
-          data_loss = data_loss_fn(p, x, y, w)
+          data_loss, c = carried_loss(p, c, x, y, w)
         p = batch_stats.without_statistics_gradient(p)
       else:
-        data_loss = data_loss_fn(p, x, y, w)
+        data_loss, c = carried_loss(p, c, x, y, w)
       total = data_loss if regularizer is None else data_loss + regularizer(p)
-      return total, data_loss
+      return total, (data_loss, c)
 
     def observed(p, x, y, w):
       if statistics:
@@ -172,11 +183,11 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
       return observe(p, x, y, w)
 
     def take_step(carry, idx, w):
-      params, opt_state, seen = carry
+      params, opt_state, seen, threaded = carry
       if observe is not None:
         seen = jax.tree.map(jnp.add, seen, observed(params, data.x[idx], data.y[idx], w))
-      (_, data_loss), grads = jax.value_and_grad(objective, has_aux=True)(
-          params, data.x[idx], data.y[idx], w)
+      (_, (data_loss, threaded)), grads = jax.value_and_grad(objective, has_aux=True)(
+          params, threaded, data.x[idx], data.y[idx], w)
       carried = grads
       if statistics:
         grads = batch_stats.zero_statistics(grads)
@@ -186,7 +197,7 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
         new_params = batch_stats.apply_carried_update(new_params, params, carried)
       if post_step is not None:
         new_params = post_step(new_params, params)
-      return (new_params, new_opt_state, seen), data_loss
+      return (new_params, new_opt_state, seen, threaded), data_loss
 
     def step(carry, batch):
       idx, w = batch
@@ -202,11 +213,13 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     seen = () if observe is None else jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype),
         jax.eval_shape(observed, params, data.x[indices[0]], data.y[indices[0]], weights[0]))
-    (params, _, seen), (losses, active) = jax.lax.scan(
-        step, (params, optimizer.init(params), seen), (indices, weights))
+    threaded = () if carry is None else carry
+    (params, _, seen, threaded), (losses, active) = jax.lax.scan(
+        step, (params, optimizer.init(params), seen, threaded), (indices, weights))
     stats = TrainStats(loss=_masked_mean(losses, active.astype(jnp.float32)),
                        steps=jnp.sum(active).astype(jnp.int32))
-    return (params, stats) if observe is None else (params, stats, seen)
+    return ((params, stats) + ((seen,) if observe is not None else ())
+            + ((threaded,) if carry is not None else ()))
 
   def evaluate_with(forward):
     """`evaluate` of the models that `forward(model, x) -> outputs` runs."""
