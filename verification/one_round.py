@@ -26,6 +26,7 @@ from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.data.sources import load_mnist
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.models import build_model
+from fedora_jax.rounds import client_keys
 from fedora_jax.simulation import TrainConfig, initial_model, root_keys, run_algorithm
 from verification import bridges
 
@@ -159,6 +160,10 @@ class Reference(NamedTuple):
   # The reference's own scoring, (client, its data) -> test accuracy, where its scored
   # model is not a classifier's forward (FedProto: the nearest global prototype).
   accuracy: Callable[[Any, Client], float] | None = None
+  # Where the server trains its clients while it is built (FedDBE's initialization
+  # period): (client k's key from our algorithm key, n, our epochs, batch size) -> the
+  # epochs of each loader the client asks for then, in order (ours: algorithm.init's).
+  built_loads: Callable[[jax.Array, int, int, int], list[list[np.ndarray]]] | None = None
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -263,6 +268,28 @@ def _proto_ours_model(algorithm, state):
 
 def _proto_model(client):
   return client.model
+
+
+def _dbe_built_loads(key: jax.Array, n: int, epochs: int, batch_size: int
+                     ) -> list[list[np.ndarray]]:
+  """FedDBE's client while built: a loader it reads one batch of (the representation's
+  shape), then the initialization period's training (ours: trainer.train from its key)."""
+  training = bridges.shuffled_epochs(key, n, epochs, batch_size)
+  return [training, training]
+
+
+def _dbe_personalized(client):
+  """PFLlib's FedDBE scores head(base(x) + client_mean): on a linear head, one model whose
+  head bias is b + W client_mean (feddbe.shifted_head)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  model = copy.deepcopy(client.model)
+  with torch.no_grad():
+    model.head.bias.add_(model.head.weight @ client.client_mean)
+  return model
+
+
+def _dbe_server_model(server):
+  return server.model
 
 
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
@@ -394,6 +421,15 @@ REFERENCES = {
                            personal="adapted",
                            config={"alpha": 0.05, "beta": 0.05, "variant": "fo"}, args={},
                            rounds=2, our_epochs=2, loads=_peravg_loads),
+    # The authors' kl_weight 50 with PFLlib's default momentum 0.1 (the running mean
+    # carried over the steps); its initialization period, run as the server is built,
+    # from the batches our init draws. Two rounds: the personal biases of the first
+    # act in the second. Scored: the global model on the shifted representation.
+    "feddbe": Reference("serverdbe.FedDBE", "clientdbe.py", ("train",), _own_key,
+                        aggregates=True, personal=_dbe_personalized,
+                        config={"kl_weight": 50.0, "mean_momentum": 0.1},
+                        args={"kl_weight": 50.0, "momentum": 0.1}, split=True, rounds=2,
+                        server_model=_dbe_server_model, built_loads=_dbe_built_loads),
 }
 
 
@@ -412,7 +448,7 @@ PFLLIB_COMMIT = "d832e76f6a23"
 
 
 def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client], initial,
-                  batches) -> tuple[list | None, list, list[float]]:
+                  batches, built=None) -> tuple[list | None, list, list[float]]:
   """One PFLlib round: (the server's layers, None where it averages nothing; each client's
   layers of the model it is scored with; each client's test accuracy of that model)."""
   bridges.import_pfllib()
@@ -432,7 +468,8 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
   args = _pfllib_args(setting, class_name, model, **reference.args)
   with tempfile.TemporaryDirectory() as folder:
     system = bridges.write_pfllib_split(clients, folder, "verify")
-    with _working_directory(system), contextlib.redirect_stdout(open(os.devnull, "w")):
+    with (_working_directory(system), contextlib.redirect_stdout(open(os.devnull, "w")),
+          _loaders_while_built(built, clients)):
       server = server_class(args, 0)
   server.selected_clients = list(server.clients)
   for round_index, round_batches in enumerate(batches):  # [round][client][load][epoch]
@@ -466,6 +503,37 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
             [reference.accuracy(c, d) for c, d in zip(server.clients, clients)])
   return (server_layers, scored_layers,
           [_torch_accuracy(m, d) for m, d in zip(scored, clients)])
+
+
+def _built_batches(reference: Reference, setting: Setting, clients: list[Client]):
+  """[client][load][epoch] -> batch indices the reference's clients read while its
+  server is built, from the keys our algorithm.init hands client k (fold_in(algorithm
+  key, k)); None where it trains nobody then."""
+  if reference.built_loads is None:
+    return None
+  keys = client_keys(root_keys(setting.seed)["algorithm"], len(clients))
+  epochs = reference.our_epochs or setting.local_epochs
+  return [reference.built_loads(keys[k], len(c.x_train), epochs, setting.batch_size)
+          for k, c in enumerate(clients)]
+
+
+@contextlib.contextmanager
+def _loaders_while_built(built, clients: list[Client]):
+  """PFLlib's clients reading the loaders of `built` in order while the server is built
+  (their data files otherwise); nothing where `built` is None."""
+  if built is None:
+    yield
+    return
+  from flcore.clients.clientbase import Client as PfllibClient  # pylint: disable=import-outside-toplevel
+  loaders = [iter([bridges.EpochLoader(bridges.model_inputs(data.x_train),
+                                       data.y_train.astype(np.int64), epochs)
+                   for epochs in loads]) for loads, data in zip(built, clients)]
+  original = PfllibClient.load_train_data
+  PfllibClient.load_train_data = lambda self, batch_size=None: next(loaders[self.id])
+  try:
+    yield
+  finally:
+    PfllibClient.load_train_data = original
 
 
 def _send_models(server, reference: Reference, round_index: int) -> None:
@@ -534,8 +602,10 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
   if control:
     batches = [[[[np.roll(epoch, 1, axis=0) for epoch in training] for training in client]
                 for client in round_batches] for round_batches in batches]
+  built = _built_batches(reference, setting, clients)
   server, scored, accuracy = _pfllib_round(reference, setting, clients,
-                                           bridges.dense_stack_to_torch(initial), batches)
+                                           bridges.dense_stack_to_torch(initial), batches,
+                                           built)
   state = result.final_state.algorithm
   errors = []
   if server is not None:
