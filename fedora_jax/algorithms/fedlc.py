@@ -11,12 +11,13 @@ of class c (a pairwise label margin favouring its rare classes), and
 the true class left out of the denominator as the paper writes it. The server averages
 as FedAvg's (the run's client weights); the global model is scored on raw logits.
 
-Departure options: `denominator` "others" (the paper's sum over c != y) or "all" (the
-softmax cross-entropy of the calibrated logits: PFLlib's and FL-bench's code; FL-bench
-notes that the paper's form made its training collapse: that loss has no lower bound,
-its gradient in f_y is -1 whatever f_y); `counts` "client" (the paper's and FL-bench's
-n_{m,c}) or "global" (PFLlib's: every client calibrated by the federation's class
-counts). A class a client lacks has n = 1e-8 (margin 100 tau, FL-bench's stand-in for
+Departure, by default: `denominator` "all", the softmax cross-entropy of the calibrated
+logits (PFLlib's and FL-bench's code). The paper's sum over c != y ("others") has no
+lower bound (its gradient in f_y is -1 whatever f_y): FL-bench reports its training
+collapsed, and here it reached an infinite loss in the first round of MNIST
+pathological (20 clients, MLP, lr 0.01). Option `counts`: "client" (the paper's and
+FL-bench's n_{m,c}) or "global" (PFLlib's: every client calibrated by the federation's
+class counts). A class a client lacks has n = 1e-8 (margin 100 tau, FL-bench's stand-in for
 the paper's infinite one). tau = 1: PFLlib's and FL-bench's default.
 """
 
@@ -39,14 +40,14 @@ ABSENT_COUNT = 1e-8  # a class the client lacks (FL-bench's floor)
 
 class FedLcConfig(NamedTuple):
   tau: float = 1.0
-  denominator: str = "others"  # others: the paper's sum over c != y; all: PFLlib's softmax
+  denominator: str = "all"  # all: the codes' softmax; others: the paper's c != y (diverges)
   counts: str = "client"  # client: the paper's n_{m,c}; global: PFLlib's federation counts
 
 
 FLAG_HELP = {
     "tau": "FedLC calibration strength: logit_c - tau n_c^(-1/4)",
-    "denominator": "FedLC loss: others (the paper's, the true class out of the softmax's"
-                   " denominator) or all (PFLlib's and FL-bench's cross-entropy)",
+    "denominator": "FedLC loss: all (PFLlib's and FL-bench's cross-entropy) or others (the"
+                   " paper's, the true class out of the denominator; unbounded below)",
     "counts": "FedLC class counts n_c: client (each client's own, the paper) or global"
               " (the whole federation's, PFLlib)",
 }
