@@ -22,7 +22,8 @@ TOLERANCE = 1e-4          # max relative error of any compared tensor, float32 o
 ACCURACY_TOLERANCE = 1e-6  # test accuracies: the same images classified alike
 CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
 COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg", "fedrep",
-           "fedbabu", "moon", "pfedme", "fedrod", "perfedavg", "fedamp", "fedphp", "fedproto")
+           "fedbabu", "moon", "pfedme", "fedrod", "perfedavg", "fedamp", "fedphp", "fedproto",
+           "scaffold", "feddyn", "fedntd", "fedlc")
 
 
 def missing() -> str | None:
@@ -95,7 +96,10 @@ def main(argv: list[str]) -> int:
                   " rounds); FedAMP (alpha_K, lambda, sigma 1, the step unclipped, our"
                   " lambda 0: PFLlib's regulariser has no gradient); FedPHP (PFLlib's"
                   " fixed-bandwidth MMD, lambda 0.5, two rounds); FedProto (the codes'"
-                  " prototypes, mean aggregation, nearest global prototype, two rounds)"),
+                  " prototypes, mean aggregation, nearest global prototype, two rounds);"
+                  " SCAFFOLD (two rounds); FedDyn (alpha 0.1, PFLlib's unsquared penalty,"
+                  " two rounds); FedNTD (tau 2, beta 1, PFLlib's tau^2 and uniform mean);"
+                  " FedLC (tau 1, PFLlib's federation counts and cross-entropy)"),
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
