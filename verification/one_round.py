@@ -27,7 +27,8 @@ from fedora_jax.data.sources import load_mnist
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.models import build_model
 from fedora_jax.rounds import client_keys
-from fedora_jax.simulation import TrainConfig, initial_model, root_keys, run_algorithm
+from fedora_jax.simulation import (TrainConfig, initial_model, jitted_init, root_keys,
+                                   run_algorithm)
 from verification import bridges
 
 HIDDEN = 100
@@ -164,6 +165,12 @@ class Reference(NamedTuple):
   # period): (client k's key from our algorithm key, n, our epochs, batch size) -> the
   # epochs of each loader the client asks for then, in order (ours: algorithm.init's).
   built_loads: Callable[[jax.Array, int, int, int], list[list[np.ndarray]]] | None = None
+  # (the reference's server, our state after init) -> None: puts into the reference what
+  # our init draws beside the model (GPFL's category embeddings and valve); None: nothing.
+  load_initial: Callable[[Any, Any], None] | None = None
+  # The model in our personalized_params that `personal` is compared with, where they
+  # hold more than a model (GPFL: its valve and conditional input beside it).
+  our_personal: Callable[[Any], Any] = lambda personal: personal
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -290,6 +297,42 @@ def _dbe_personalized(client):
 
 def _dbe_server_model(server):
   return server.model
+
+
+def _gpfl_load_initial(server, state) -> None:
+  """Our initial category embeddings and valve into every PFLlib client (its GCE, the
+  GCE_frozen copy, its CoV)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  valve = jax.tree.map(lambda a: torch.from_numpy(np.asarray(a).copy()), state.server.valve)
+  embeddings = torch.from_numpy(np.asarray(state.server.embeddings).copy())
+  with torch.no_grad():
+    for client in server.clients:
+      for gce in (client.GCE, client.GCE_frozen):
+        gce.embedding.weight.copy_(embeddings)
+      for branch, ours in ((client.CoV.Conditional_gamma, valve["gamma"]),
+                           (client.CoV.Conditional_beta, valve["beta"])):
+        branch[0].weight.copy_(ours["kernel"].T)
+        branch[0].bias.copy_(ours["bias"])
+        branch[2].weight.copy_(ours["scale"])
+        branch[2].bias.copy_(ours["offset"])
+
+
+def _gpfl_ours_valve(algorithm, state):
+  """Our valve's two Linear layers, every client's copy (the global one)."""
+  del algorithm
+  valve = state.server.valve
+  layers = {"params": {f"Dense_{i}": {"kernel": valve[b]["kernel"], "bias": valve[b]["bias"]}
+                       for i, b in enumerate(("gamma", "beta"))}}
+  return jax.tree.map(lambda a: np.broadcast_to(a, (len(state.clients.class_shares),)
+                                                + a.shape), layers)
+
+
+def _gpfl_valve(client):
+  return client.CoV
+
+
+def _gpfl_server_model(server):
+  return server.body
 
 
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
@@ -430,6 +473,18 @@ REFERENCES = {
                         config={"kl_weight": 50.0, "mean_momentum": 0.1},
                         args={"kl_weight": 50.0, "momentum": 0.1}, split=True, rounds=2,
                         server_model=_dbe_server_model, built_loads=_dbe_built_loads),
+    # The authors' lambda 0.01 and mu 0.1. Its server aggregates, then sends phi, the GCE
+    # (each client rebuilding its conditional inputs first) and the CoV; two rounds, so
+    # that the conditional inputs act. Compared: phi, each client's phi and head, the
+    # CoV's Linear layers; scored by PFLlib's own test_metrics (head on the CoV route).
+    "gpfl": Reference("servergpfl.GPFL", "clientgpfl.py", ("train",), _own_key,
+                      aggregates=True, personal="model", config={"lam": 0.01, "mu": 0.1},
+                      args={"lamda": 0.01, "mu": 0.1}, split=True, rounds=2, sends=False,
+                      server_steps=("aggregate_parameters", "send_models", "global_GCE",
+                                    "global_CoV"),
+                      server_model=_gpfl_server_model, accuracy=_proto_accuracy,
+                      also=(_gpfl_ours_valve, _gpfl_valve), load_initial=_gpfl_load_initial,
+                      our_personal=lambda personal: personal.model),
 }
 
 
@@ -448,7 +503,7 @@ PFLLIB_COMMIT = "d832e76f6a23"
 
 
 def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client], initial,
-                  batches, built=None) -> tuple[list | None, list, list[float]]:
+                  batches, built=None, loaded=None) -> tuple[list | None, list, list[float]]:
   """One PFLlib round: (the server's layers, None where it averages nothing; each client's
   layers of the model it is scored with; each client's test accuracy of that model)."""
   bridges.import_pfllib()
@@ -471,6 +526,8 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     with (_working_directory(system), contextlib.redirect_stdout(open(os.devnull, "w")),
           _loaders_while_built(built, clients)):
       server = server_class(args, 0)
+  if loaded is not None:
+    reference.load_initial(server, loaded)
   server.selected_clients = list(server.clients)
   for round_index, round_batches in enumerate(batches):  # [round][client][load][epoch]
     if reference.aggregates and reference.sends:
@@ -503,6 +560,23 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
             [reference.accuracy(c, d) for c, d in zip(server.clients, clients)])
   return (server_layers, scored_layers,
           [_torch_accuracy(m, d) for m, d in zip(scored, clients)])
+
+
+def _our_initial_state(name: str, setting: Setting, clients: list[Client],
+                       reference: Reference):
+  """Our algorithm's state after init, as run_algorithm starts it (same keys)."""
+  data = stack_clients(clients, num_classes=10)
+  model = build_model("mlp", 10, (HIDDEN,))
+  epochs = reference.our_epochs or setting.local_epochs
+  train = TrainConfig(rounds=reference.rounds, local_epochs=epochs,
+                      batch_size=setting.batch_size, lr=setting.lr, momentum=0.0,
+                      weight_decay=0.0, seed=setting.seed, log_every=0)
+  trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
+                                epochs, train.batch_size)
+  config = algorithms.default_config(name, train, **reference.config)
+  keys = root_keys(setting.seed)
+  init = jitted_init(algorithms.build(name, config, trainer), trainer, data)
+  return init(initial_model(model, data, keys["init"]), data.buckets, keys["algorithm"])
 
 
 def _built_batches(reference: Reference, setting: Setting, clients: list[Client]):
@@ -574,7 +648,7 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
   state = result.final_state.algorithm
   built = algorithms.build(name, config, trainer)
   personal = built.personalized_params(state.server, state.clients)
-  compared = _client_layers(personal)
+  compared = _client_layers(reference.our_personal(personal))
   if reference.also is not None:
     compared += _client_layers(reference.also[0](built, state))
   return result, initial, batches, compared
@@ -603,9 +677,11 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
     batches = [[[[np.roll(epoch, 1, axis=0) for epoch in training] for training in client]
                 for client in round_batches] for round_batches in batches]
   built = _built_batches(reference, setting, clients)
+  loaded = (None if reference.load_initial is None
+            else _our_initial_state(name, setting, clients, reference))
   server, scored, accuracy = _pfllib_round(reference, setting, clients,
                                            bridges.dense_stack_to_torch(initial), batches,
-                                           built)
+                                           built, loaded)
   state = result.final_state.algorithm
   errors = []
   if server is not None:
