@@ -14,7 +14,8 @@ from fedora_jax.algorithms import coaching
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.errors import ConfigError
 from fedora_jax.plots import relation_figure
-from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
+from fedora_jax.rounds import sampled_clients
+from tiny import init_params, mean_ce, run_rounds, tiny_data, tiny_model, tiny_trainer
 
 K = 4
 
@@ -277,3 +278,104 @@ def test_norm_coaching_loss_pulls_each_layer_by_a_unit_vector():
         lambda w, g, s: w - lr * (g + lam * (w - s) / norm), layer, grad["params"][name],
         coach_0["params"][name])
   chex.assert_trees_all_close(out.state, expected, atol=1e-6)
+
+
+# Client selection, checked by hand: numpy from the paper's equations, nothing from the
+# module but the random initial cube (Algorithm 1, line 2, gives no distribution) and
+# the engine's draw of the round's clients.
+
+def _np_forward(params, x):
+  """The tiny MLP, Dense_0 -> ReLU -> Dense_1, in float64; returns (hidden, logits)."""
+  hidden = np.maximum(x @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"], 0.0)
+  return hidden, hidden @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"]
+
+
+def _np_cross_entropy_gradient(params, x, y):
+  """grad f_i (Eq. 1): the mean cross-entropy's gradient, backpropagated by hand."""
+  hidden, logits = _np_forward(params, x)
+  probs = np.exp(logits - logits.max(1, keepdims=True))
+  probs /= probs.sum(1, keepdims=True)
+  d_logits = (probs - np.eye(logits.shape[1])[y]) / len(y)
+  d_hidden = (d_logits @ params["Dense_1"]["kernel"].T) * (hidden > 0)
+  return {"Dense_0": {"kernel": x.T @ d_hidden, "bias": d_hidden.sum(0)},
+          "Dense_1": {"kernel": hidden.T @ d_logits, "bias": d_logits.sum(0)}}
+
+
+def _np_layer_vectors(models, name):
+  """[K, d_l]: each client's layer l (kernel and bias) as one vector."""
+  return np.stack([np.concatenate([m[name]["kernel"].ravel(), m[name]["bias"]])
+                   for m in models])
+
+
+def _np_relation_step(relation, models, lam, beta):
+  """Eq. (11) on every row r_i^l, with eta_r = 1 / L_r, L_r = beta + 2 lam
+  lambda_max(G_l) (Theorem 1): grad = 2 lam (<s_i^l, w_j^l> - <w_i^l, w_j^l>) + beta (r - 1/N)."""
+  num = len(models)
+  new = relation.copy()
+  for l, name in enumerate(("Dense_0", "Dense_1")):
+    vectors = _np_layer_vectors(models, name)
+    gram = vectors @ vectors.T
+    grad = 2 * lam * (relation[:, l, :] @ gram - gram) + beta * (relation[:, l, :] - 1 / num)
+    new[:, l, :] = relation[:, l, :] - grad / (beta + 2 * lam * np.linalg.eigvalsh(gram)[-1])
+  return new
+
+
+def _np_coaching_model(relation, models, i):
+  """Eq. (14): s_i^l = sum_j r_ij^l w_j^l."""
+  return {name: {leaf: sum(relation[i, l, j] * models[j][name][leaf]
+                           for j in range(len(models)))
+                 for leaf in ("kernel", "bias")}
+          for l, name in enumerate(("Dense_0", "Dense_1"))}
+
+
+def test_a_round_under_client_selection_matches_the_paper_by_hand():
+  # Four clients, two sampled a round (participation 0.5), two rounds, one full-batch SGD
+  # step per round. What Algorithm 1 does, read for client selection:
+  #   * R steps (lines 5-8, Eq. 11) at the models the server holds, W^k: the sampled
+  #     clients' latest and the others' last uploaded (here: the initial model);
+  #   * each sampled client gets s_i = r_i W^k (Eq. 14) and trains ITS OWN w_i from where
+  #     it stopped (Eq. 16); the others neither train nor change;
+  #   * every client is scored with its own w_i (line 14), the unsampled ones too.
+  num, lam, beta, lr = 4, 0.5, 0.2, 0.1
+  model = tiny_model(hidden=(3,))
+  data, clients = tiny_data([6] * num, seed=3)
+  trainer = tiny_trainer(model, lr=lr, batch_size=8)  # 6 samples: one full-batch step
+  config = coaching.CoachingConfig(lam=lam, beta=beta)
+  algorithm = coaching.coaching(config, trainer)
+  state, metrics, stacked, _ = run_rounds(algorithm, trainer, data, model, rounds=2,
+                                          participation=0.5)
+
+  initial = jax.tree.map(lambda a: np.asarray(a[0], np.float64), stacked["params"])
+  models = [jax.tree.map(np.copy, initial) for _ in range(num)]
+  relation = np.asarray(coaching.initial_relation(jax.random.key(0), num, 2, config),
+                        np.float64)
+  # Round 1's R step at the initial models (all equal, rows summing to 1: s_i = w, so
+  # only beta's pull towards 1/N moves R).
+  relation = _np_relation_step(relation, models, lam, beta)
+  for round_index in range(2):
+    sampled = np.flatnonzero(sampled_clients(jax.random.fold_in(jax.random.key(1),
+                                                                round_index), num, 2))
+    assert len(sampled) == 2
+    coaches = {i: _np_coaching_model(relation, models, i) for i in sampled}
+    trained = list(models)
+    for i in sampled:
+      grad = _np_cross_entropy_gradient(models[i], clients[i].x_train.astype(np.float64),
+                                        clients[i].y_train)
+      trained[i] = jax.tree.map(lambda w, g, s: w - lr * (g + 2 * lam * (w - s)),
+                                models[i], grad, coaches[i])  # Eq. (16)
+    models = trained
+    # The next round's R step, at W^{k+1} (stale rows and models included).
+    relation = _np_relation_step(relation, models, lam, beta)
+
+  for i in range(num):
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda a, i=i: a[i], state.algorithm.clients["params"]), models[i],
+        atol=1e-5)
+  np.testing.assert_allclose(state.algorithm.server.relation, relation, atol=1e-5)
+  # Round 2: the sampled clients took one step, the others none and report no loss.
+  np.testing.assert_array_equal(metrics.local_steps, np.isin(np.arange(num), sampled))
+  assert np.isnan(np.asarray(metrics.train_loss)[~np.isin(np.arange(num), sampled)]).all()
+  # Every client is scored with its own model on its own test data.
+  expected_accuracy = [np.mean(np.argmax(_np_forward(models[i], clients[i].x_test)[1], 1)
+                               == clients[i].y_test) for i in range(num)]
+  np.testing.assert_allclose(metrics.test_score, expected_accuracy, atol=1e-6)
