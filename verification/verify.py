@@ -23,7 +23,7 @@ ACCURACY_TOLERANCE = 1e-6  # test accuracies: the same images classified alike
 CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
 COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg", "fedrep",
            "fedbabu", "moon", "pfedme", "fedrod", "perfedavg", "fedamp", "fedphp", "fedproto",
-           "scaffold", "feddyn", "fedntd", "fedlc")
+           "scaffold", "feddyn", "fedntd", "fedlc", "feddbe", "gpfl")
 
 
 def missing() -> str | None:
@@ -99,7 +99,10 @@ def main(argv: list[str]) -> int:
                   " prototypes, mean aggregation, nearest global prototype, two rounds);"
                   " SCAFFOLD (two rounds); FedDyn (alpha 0.1, PFLlib's unsquared penalty,"
                   " two rounds); FedNTD (tau 2, beta 1, PFLlib's tau^2 and uniform mean);"
-                  " FedLC (tau 1, PFLlib's federation counts and cross-entropy)"),
+                  " FedLC (tau 1, PFLlib's federation counts and cross-entropy);"
+                  " FedDBE (kl_weight 50, momentum 0.1, its initialization period from our"
+                  " batches, two rounds); GPFL (lambda 0.01, mu 0.1, our initial GCE and"
+                  " CoV, two rounds)"),
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
