@@ -40,6 +40,14 @@ gives no distribution: each row r_i^l is drawn uniformly from the probability si
 Dirichlet(1, ..., 1), so that every s_i starts as a convex combination of models of the
 clients' scale). A client's personalised model is its own w_i (line 14).
 
+Under client selection (--participation < 1, the paper's Table 2) the engine trains the
+round's sampled clients only (rounds.py); the others keep their w_i, which s_i and R's
+step read as part of W^k ("the parameters of all clients in the server", after Eq. 14).
+R's step covers every row each round (Eq. 9's whole cube); Algorithm 1's loop over
+clients, read for selection, would step only the sampled clients' rows. With the default
+step R moves ~5e-6 a round there, so the two readings agree to that (docs/coaching.md,
+"Under client selection", with the measured reason coaching trails LOCAL there).
+
 Defaults are the paper's where it states them: E_r = 1 ("the local epochs for W and R
 are set to 5 and 1 ... the learning rates for W and R are both set to 0.01"; E and the
 client learning rate are the run's --local_epochs and --lr). For eta_r the paper states
