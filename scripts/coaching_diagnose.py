@@ -88,14 +88,16 @@ def summary(path: str) -> str:
   """A markdown table of a --diag_out file: per round, the sampled clients' mean test
   accuracy before, of s_i, after coaching and after LOCAL's step from the same model;
   the pull's gradient norm before and after training; the mean update norm over layers
-  against LOCAL's step's, and the mean weight norm; r_ii and the weight on never-trained clients (means over layers) of the
-  sampled rows; how far R moved from its start."""
+  against LOCAL's step's, and the mean weight norm; r_ii of the sampled and the stale
+  rows and the sampled rows' weight on never-trained clients (means over layers); how
+  far R moved from its start."""
   with open(path) as f:
     rounds = json.load(f)["rounds"]
   lines = ["| round | never trained after it | before | s_i | after coaching |"
            " after LOCAL step | pull 2 lam ||w - s|| before -> after |"
-           " update norm: coaching / LOCAL step (weight norm) | r_ii sampled / stale rows | sampled rows' weight on"
-           " never-trained | R moved |", "|" + "---|" * 11]
+           " update norm: coaching / LOCAL step (weight norm) |"
+           " r_ii sampled / stale rows | sampled rows' weight on never-trained |"
+           " R moved |", "|" + "---|" * 11]
   for r in rounds:
     rows, stale = r["relation_rows"]["sampled"], r["relation_rows"]["stale"]
     local_update = (f"{np.mean(r['update_norm_local_step']):.3f}"
