@@ -94,7 +94,7 @@ def summary(path: str) -> str:
   with open(path) as f:
     rounds = json.load(f)["rounds"]
   lines = ["| round | never trained after it | before | s_i | after coaching |"
-           " after LOCAL step | pull 2 lam ||w - s|| before -> after |"
+           " after LOCAL step | pull 2 lam norm(w - s) before -> after |"
            " update norm: coaching / LOCAL step (weight norm) |"
            " r_ii sampled / stale rows | sampled rows' weight on never-trained |"
            " R moved |", "|" + "---|" * 11]
