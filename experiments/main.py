@@ -30,6 +30,7 @@ import jax
 
 from experiments import cli
 from experiments import flags as run_flags
+from fedora_jax import algorithms
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import progress as progress_lib
 from fedora_jax import results as results_lib
@@ -56,7 +57,7 @@ def run(progress: progress_lib.Progress | None = None,
                                        progress or cli.progress_reporter(), watchdog)
   own = workdir if jax.process_index() == 0 else os.path.join(
       workdir, f"process{jax.process_index()}")
-  for directory in (own, os.path.join(own, "local")):
+  for directory in (own, os.path.join(own, algorithms.REFERENCE)):
     if os.path.isfile(os.path.join(directory, "results.json")):
       with open(os.path.join(directory, "flags.txt"), "w") as f:
         f.write(FLAGS.flags_into_string())

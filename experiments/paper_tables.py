@@ -89,7 +89,7 @@ ROW_FLAGS = ("algorithm", "ala", "aggregation")  # and the row algorithm's own <
 # any other one on the command line is reported as a departure from the paper.
 NEUTRAL_FLAGS = (*checkpoint_lib.NOT_IDENTITY, "seed", "data_dir", "data_source",
                  "client_chunk", "eval_batch_size")
-REFERENCE_ROW = "local"
+REFERENCE_ROW = algorithms.REFERENCE
 # What --finished_only's tables say of their rows (here and in reproduce's FEDORA tables).
 FINISHED_ONLY_ROWS = ("rows: those finished in the workdir, read; none trained"
                       " (`--finished_only`: a sweep in progress)")
@@ -309,8 +309,8 @@ def row_reference(table: dict, column: str, row: str,
 def trained_local(workdir: str, row: str) -> str | None:
   """The results.json of the LOCAL run a finished row's directory holds: the row itself
   for LOCAL, else the one its run trained beside it (<workdir>/local/), if any."""
-  path = os.path.join(workdir if row == REFERENCE_ROW else os.path.join(workdir, "local"),
-                      "results.json")
+  beside = os.path.join(workdir, algorithms.REFERENCE)
+  path = os.path.join(workdir if row == REFERENCE_ROW else beside, "results.json")
   return path if os.path.isfile(path) else None
 
 

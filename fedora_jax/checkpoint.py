@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from fedora_jax.algorithms import REFERENCE
 from fedora_jax.rounds import RoundMetrics, RoundState
 from fedora_jax.errors import ConfigError, DataError
 
@@ -212,7 +213,7 @@ def run_identity(settings: dict[str, Any], algorithm: str, owner_of: dict[str, s
   switched_on = {"ala": bool(settings.get("ala")),
                  "aggregation": settings.get("aggregation") not in (None, "mean")}
   for switch, names in plugin_settings.items():
-    if switched_on.get(switch) and algorithm != "local":
+    if switched_on.get(switch) and algorithm != REFERENCE:
       continue
     identity.pop(switch, None)
     for name in names:
@@ -220,7 +221,7 @@ def run_identity(settings: dict[str, Any], algorithm: str, owner_of: dict[str, s
         identity.pop(name, None)
   if identity.get("data_source") == "files":  # the default: earlier runs keep their identity
     identity.pop("data_source")
-  if algorithm == "local":  # LOCAL averages nothing: one run serves either weighting
+  if algorithm == REFERENCE:  # LOCAL averages nothing: one run serves either weighting
     identity.pop("client_weights", None)
   for name in OPTIONAL:
     if identity.get(name) is None:

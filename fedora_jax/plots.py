@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from fedora_jax.algorithms import REFERENCE, variant_label
 from fedora_jax.errors import ConfigError
 from fedora_jax.results import run_label, split_label
 
@@ -230,7 +231,7 @@ def reproduced_table_figure(rows: list[Mapping], title: str = "",
     ours, paper = _values(rows, metric, scale), _values(rows, f"paper_{metric}", scale)
     errors = np.nan_to_num(_values(rows, f"{metric}_std", scale))
     if metric != "acc":  # LOCAL against itself: R-Acc 0, PTR 1 by definition
-      is_local = np.array([r["algorithm"] == "local" for r in rows])
+      is_local = np.array([r["algorithm"] == REFERENCE for r in rows])
       ours[is_local] = np.nan
       for xi in x[is_local]:
         ax.text(xi, 0.5, "the reference", transform=ax.get_xaxis_transform(),
@@ -261,8 +262,8 @@ def reproduced_table_figure(rows: list[Mapping], title: str = "",
                              ours[np.isfinite(ours)] - errors[np.isfinite(ours)],
                              paper[np.isfinite(paper)], seeds_y])
     if metric == "acc":
-      if "local" in [r["algorithm"] for r in rows]:
-        ax.axhline(ours[[r["algorithm"] for r in rows].index("local")], color="black",
+      if REFERENCE in [r["algorithm"] for r in rows]:
+        ax.axhline(ours[[r["algorithm"] for r in rows].index(REFERENCE)], color="black",
                    linestyle="--", linewidth=0.8, label="ours, LOCAL")
       if finite.size:
         ax.set_ylim(max(0.0, finite.min() - 0.1), min(1.0, finite.max() + 0.06))
@@ -358,9 +359,9 @@ def table_curves_figure(curves: Mapping[str, Mapping[str, np.ndarray]],
   fig = Figure(figsize=(9.0, 3.2 * len(columns) + 1.2), layout="constrained")
   axes = np.atleast_1d(fig.subplots(len(columns), 1, squeeze=False)[:, 0])
   for ax, column in zip(axes, columns):
-    rows = [row for row in curves[column] if row != "local"]
+    rows = [row for row in curves[column] if row != REFERENCE]
     styles = dict(zip(rows, curve_styles(len(rows))))
-    styles["local"] = ("black", "--")
+    styles[REFERENCE] = ("black", "--")
     for row, values in curves[column].items():
       rounds = np.arange(1, len(values) + 1)
       color, linestyle = styles[row]
@@ -389,7 +390,7 @@ def write_run_plots(workdir: str, results: Mapping, history: Mapping[str, np.nda
   # results.json lists clients in the order of the history's and artifacts' client axis.
   client_ids = np.array([c["id"] for c in results["clients"]])
   # A LOCAL run is its own reference: every R-Acc is 0, so the bars would say nothing.
-  if results["algorithm"] != "local":
+  if results["algorithm"] != REFERENCE:
     r_acc = np.array([np.nan if c["r_acc"] is None else c["r_acc"]
                       for c in results["clients"]])
     fig = relative_accuracy_figure(r_acc, relative_accuracy_title(results), client_ids)
@@ -425,7 +426,7 @@ def write_plots_for_run_dir(workdir: str) -> list[str]:
                for name in ("similarity", "graph", "relation_cube")
                if os.path.isfile(os.path.join(workdir, f"{name}.npy"))}
   return write_run_plots(workdir, results, _load_npz(os.path.join(workdir, "history.npz")),
-                         artifacts, _load_npz(os.path.join(workdir, "local", "history.npz")))
+                         artifacts, _load_npz(os.path.join(workdir, REFERENCE, "history.npz")))
 
 
 class SavedRun(NamedTuple):
@@ -466,7 +467,7 @@ def load_saved_run(directory: str) -> SavedRun:
     raise ConfigError(f"{directory}: no {test} in a history.npz (a run's per-round history)")
   local = None
   try:
-    local = _load_npz(os.path.join(directory, "local", "history.npz"))
+    local = _load_npz(os.path.join(directory, REFERENCE, "history.npz"))
   except (OSError, ValueError):
     pass  # LOCAL's curve is an extra: the comparison goes on without it
   if local is not None and test not in local:
@@ -474,24 +475,14 @@ def load_saved_run(directory: str) -> SavedRun:
   return SavedRun(directory, results, history, local)
 
 
-def _fedora_variant(block: Mapping) -> str:
-  """"authors" or "paper" (fedora_jax/algorithms/fedora.py's presets), with the fields a
-  run changed on top of the nearer one."""
-  from fedora_jax.algorithms import fedora  # pylint: disable=g-import-not-at-top
-  changes = {}
-  for variant in fedora.PRESETS:
-    preset = fedora.FedoraConfig(**{**fedora.PRESETS[variant], "lr": block.get("lr", 0.0)})
-    changes[variant] = [f"{k}={block[k]}" for k, v in preset._asdict().items()
-                        if k in block and block[k] != v]
-  variant = min(changes, key=lambda v: len(changes[v]))
-  return "; ".join([variant, *changes[variant]])
-
-
 def saved_run_label(results: Mapping) -> str:
-  """The algorithm, FEDORA's variant and the plug-ins: "fedora (authors)", "fedavg + ala"."""
+  """The algorithm, its variant (where it has presets) and the plug-ins: "fedora
+  (authors)", "fedavg + ala"."""
   label = results["algorithm"]
-  if isinstance(results.get("fedora"), Mapping):
-    label += f" ({_fedora_variant(results['fedora'])})"
+  fields = results.get(label)  # the config of an algorithm with presets (train.py)
+  variant = variant_label(label, fields) if isinstance(fields, Mapping) else None
+  if variant is not None:
+    label += f" ({variant})"
   plugins = results.get("plugins") or {}
   if plugins.get("ala"):
     label += " + ala"
@@ -553,7 +544,7 @@ def comparison_figure(runs: list[SavedRun], title: str = "") -> Figure:
 
   # A LOCAL run is its own reference (R-Acc 0 everywhere): nothing to show on the right.
   relative = [(run, label, color) for run, label, color in zip(runs, labels, colors)
-              if run.results["algorithm"] != "local"]
+              if run.results["algorithm"] != REFERENCE]
   width = 0.8 / max(len(relative), 1)
   all_ids = sorted({c["id"] for run, _, _ in relative for c in run.results["clients"]})
   position = {client: i for i, client in enumerate(all_ids)}

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from fedora_jax import metrics
+from fedora_jax.algorithms import REFERENCE
 from fedora_jax.errors import ConfigError
 from fedora_jax.simulation import RunResult
 
@@ -63,8 +64,9 @@ def load_reference(path: str, run_info: dict[str, Any]) -> ClientScores:
       reference = json.load(f)
   except (OSError, json.JSONDecodeError) as e:
     raise ConfigError(f"--reference {path}: cannot read a results.json ({e})") from None
-  if reference.get("algorithm") != "local":
-    raise ConfigError(f"--reference {path} is a {reference.get('algorithm')!r} run, not local")
+  if reference.get("algorithm") != REFERENCE:
+    raise ConfigError(f"--reference {path} is a {reference.get('algorithm')!r} run, not"
+                      f" {REFERENCE}")
   if task_of(reference) != task_of(run_info):
     raise ConfigError(f"--reference {path} is a {task_of(reference)} run, this run is a"
                       f" {task_of(run_info)}")

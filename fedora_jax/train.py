@@ -102,14 +102,13 @@ def check_config(config: ExperimentConfig) -> None:
       train.lr, train.momentum, train.weight_decay), train.local_epochs, train.batch_size)
   algorithms.build(config.algorithm, algorithm_config, stand_in)
   if config.new_clients:
-    if config.algorithm != "fedora":
+    check_new_clients = algorithms.get(config.algorithm).new_clients
+    if check_new_clients is None:
+      serving = [name for name, r in algorithms.REGISTRY.items() if r.new_clients]
       raise FieldError("experiment", "new_clients",
-                       "is FEDORA's Algorithm 2: use it with the fedora algorithm")
-    if algorithm_config.similarity != "principal_angles":
-      raise FieldError("experiment", "new_clients",
-                       "compares a new client's data subspace with the trained clients';"
-                       f" it has no {algorithm_config.similarity} similarity to them (leave"
-                       " FEDORA's similarity at principal_angles)")
+                       f"serves clients held out of training, which {config.algorithm} does"
+                       f" not; use it with {' or '.join(serving)} (FEDORA's Algorithm 2)")
+    check_new_clients(algorithm_config)
     task = datasets.get_spec(config.dataset).task
     if task != "classification":
       raise FieldError("experiment", "new_clients",
@@ -237,7 +236,8 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
                                                                config.setting)
   run_info = _run_info(config, num_clients, model_name, partition)
   reference = None
-  if config.reference and config.algorithm != "local":
+  is_reference = config.algorithm == algorithms.REFERENCE  # LOCAL: its own reference
+  if config.reference and not is_reference:
     reference = results_lib.load_reference(config.reference, run_info)
   # Before any work: refuse a workdir holding another run, and find checkpoints to resume.
   identity = identity or functools.partial(config_identity, config)
@@ -245,10 +245,11 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
                                          config.checkpoint_every, checkpoint_root,
                                          identity_defaults)
   local_checkpointer = None
-  if config.algorithm != "local" and reference is None:
+  if not is_reference and reference is None:
     local_checkpointer = checkpoint_lib.open_run(
-        os.path.join(workdir, "local"), identity("local"), train.rounds,
-        config.checkpoint_every, os.path.join(checkpoint_root, "local"), identity_defaults)
+        os.path.join(workdir, algorithms.REFERENCE), identity(algorithms.REFERENCE),
+        train.rounds, config.checkpoint_every,
+        os.path.join(checkpoint_root, algorithms.REFERENCE), identity_defaults)
 
   federated = datasets.build_federated_dataset(
       config.dataset, config.data_dir, num_clients, config.setting, _data_seed(config),
@@ -274,26 +275,28 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
                            progress=progress, watchdog=watchdog)
   results_lib.write_timing(workdir, result)
   ours = results_lib.client_scores(result, spec.task)
-  if config.algorithm == "local":
+  if is_reference:
     local = ours
   elif reference is not None:
     local = reference
   else:
     logger.info("training the LOCAL reference on the same split and seed")
-    with metric_writer.RoundWriter(workdir, "local", spec.task) as log_round:
-      local_result = run_algorithm(algorithms.make("local"), model, data, train,
+    with metric_writer.RoundWriter(workdir, algorithms.REFERENCE, spec.task) as log_round:
+      local_result = run_algorithm(algorithms.make(algorithms.REFERENCE), model, data, train,
                                    on_round=log_round, checkpointer=local_checkpointer,
                                    progress=progress, watchdog=watchdog)
     local = results_lib.client_scores(local_result, spec.task)
     # Kept as a LOCAL run of its own, so later runs can pass it as `reference`.
-    save(os.path.join(workdir, "local"), {**run_info, "algorithm": "local"}, local_result,
-         local, local)
+    save(os.path.join(workdir, algorithms.REFERENCE),
+         {**run_info, "algorithm": algorithms.REFERENCE}, local_result, local, local)
     if not config.keep_checkpoints:
-      checkpoint_lib.remove_checkpoints(os.path.join(checkpoint_root, "local"))
+      checkpoint_lib.remove_checkpoints(os.path.join(checkpoint_root, algorithms.REFERENCE))
 
   info = dict(run_info)
-  if config.algorithm == "fedora":
-    info["fedora"] = algorithm_config._asdict()
+  if algorithms.get(config.algorithm).presets:  # which variant ran (plots' labels)
+    own = (algorithm_config.config if isinstance(algorithm_config, algorithms.Plugged)
+           else algorithm_config)
+    info[config.algorithm] = own._asdict()
   if isinstance(algorithm_config, algorithms.Plugged):
     info["plugins"] = {
         "ala": algorithm_config.ala and algorithm_config.ala._asdict(),

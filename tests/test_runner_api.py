@@ -5,11 +5,11 @@ import jax
 import numpy as np
 import pytest
 
-from fedora_jax import algorithms, tree
-from fedora_jax.algorithms import ala, confree
+from fedora_jax import algorithms, train, tree
+from fedora_jax.algorithms import ala, confree, fedora
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput
 from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER, model_message
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.simulation import TrainConfig, client_trainer, prepare_run, run_algorithm
 from tiny import tiny_data, tiny_model
 
@@ -90,13 +90,12 @@ def test_a_name_where_an_algorithm_belongs_is_a_one_line_error():
 
 def test_a_host_takes_the_plugins_by_declaring_their_fields():
   data, _ = tiny_data([6, 9, 5])
-  train = TrainConfig(rounds=3, local_epochs=1, batch_size=4, lr=0.1, log_every=0)
   config = ala.AlaConfig(batch_size=4)
 
   def with_ala(trainer):
     return ala.with_ala(server_step_fedavg(1.0, plugins=True)(trainer), config, trainer)
-  ours = run_algorithm(with_ala, tiny_model(), data, train, progress=None)
-  fedala = run_algorithm(algorithms.make("fedala", config), tiny_model(), data, train,
+  ours = run_algorithm(with_ala, tiny_model(), data, TRAIN, progress=None)
+  fedala = run_algorithm(algorithms.make("fedala", config), tiny_model(), data, TRAIN,
                          progress=None)
   np.testing.assert_allclose(ours.history.test_score, fedala.history.test_score)
   np.testing.assert_allclose(ours.history.val_loss, fedala.history.val_loss, rtol=1e-5)
@@ -104,18 +103,35 @@ def test_a_host_takes_the_plugins_by_declaring_their_fields():
   def with_confree(trainer):
     return confree.with_confree(server_step_fedavg(1.0, plugins=True)(trainer),
                                 confree.ConfreeConfig())
-  ours = run_algorithm(with_confree, tiny_model(), data, train, progress=None)
+  ours = run_algorithm(with_confree, tiny_model(), data, TRAIN, progress=None)
   registered = run_algorithm(
       algorithms.make("fedavg", algorithms.Plugged(algorithms.default_config("fedavg"),
                                                    aggregation=confree.ConfreeConfig())),
-      tiny_model(), data, train, progress=None)
+      tiny_model(), data, TRAIN, progress=None)
   np.testing.assert_allclose(ours.history.val_loss, registered.history.val_loss, rtol=1e-5)
 
   undeclared = server_step_fedavg(1.0)
   with pytest.raises(ConfigError, match="declares none"):
     run_algorithm(lambda trainer: ala.with_ala(undeclared(trainer), config, trainer),
-                  tiny_model(), data, train)
+                  tiny_model(), data, TRAIN)
   with pytest.raises(ConfigError, match="declares none"):
     run_algorithm(lambda trainer: confree.with_confree(undeclared(trainer),
                                                        confree.ConfreeConfig()),
-                  tiny_model(), data, train)
+                  tiny_model(), data, TRAIN)
+
+
+def test_new_clients_need_an_algorithm_that_serves_them():
+  with pytest.raises(FieldError, match="fedavg does not; use it with fedora"):
+    train.check_config(train.ExperimentConfig(algorithm="fedavg", new_clients=2))
+  random_similarity = fedora.config_for_variant(similarity="random")
+  with pytest.raises(FieldError, match="principal_angles"):
+    train.check_config(train.ExperimentConfig(algorithm="fedora", new_clients=2,
+                                              algorithm_config=random_similarity))
+
+
+def test_a_run_s_variant_is_read_from_its_recorded_config():
+  authors = fedora.config_for_variant("authors", lr=0.01)._asdict()
+  assert algorithms.variant_label("fedora", authors) == "authors"
+  paper = fedora.config_for_variant("paper", p=3)._asdict()
+  assert algorithms.variant_label("fedora", paper) == "paper; p=3"
+  assert algorithms.variant_label("fedavg", {}) is None

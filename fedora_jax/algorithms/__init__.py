@@ -40,6 +40,10 @@ class Registered(NamedTuple):
   preset_help: str = ""
   train_fields: tuple[str, ...] = ()  # fields copied from the client training (TrainConfig)
   only_with: dict[str, tuple[str, Any]] = {}  # field -> (field, value) it only acts with
+  # Whether the algorithm serves clients held out of training (FEDORA's Algorithm 2,
+  # ExperimentConfig.new_clients): its check of the config that does (one-line error);
+  # None: it does not.
+  new_clients: Callable[[Any], None] | None = None
 
 
 REGISTRY: dict[str, Registered] = {
@@ -48,7 +52,7 @@ REGISTRY: dict[str, Registered] = {
     "fedora": Registered(fedora.FedoraConfig, fedora.fedora, fedora.FLAG_HELP,
                          presets=fedora.PRESETS, default_preset=fedora.DEFAULT_VARIANT,
                          preset_help=fedora.PRESET_HELP, train_fields=("lr",),
-                         only_with=fedora.ONLY_WITH),
+                         only_with=fedora.ONLY_WITH, new_clients=fedora.check_new_clients),
     "fedprox": Registered(fedprox.FedProxConfig, fedprox.fedprox, fedprox.FLAG_HELP),
     "fedavg_ft": Registered(fedavg_ft.FedAvgFTConfig, fedavg_ft.fedavg_ft),
     "fedprox_ft": Registered(fedprox_ft.FedProxFTConfig, fedprox_ft.fedprox_ft,
@@ -128,6 +132,11 @@ REGISTRY: dict[str, Registered] = {
 }
 
 
+# The algorithm every run is measured against (R-Acc, PTR): LOCAL, trained beside a run
+# unless the run is LOCAL itself or reads a finished LOCAL run (--reference).
+REFERENCE = "local"
+
+
 def canonical_name(name: str) -> str:
   """The registry's spelling of algorithm `name`, given in any case ("FedAvg": fedavg)."""
   if name in REGISTRY:
@@ -155,6 +164,23 @@ def default_config(name: str, train: Any = None, preset: str | None = None, **ov
     values.update({field: getattr(train, field) for field in registered.train_fields})
   values.update(overrides)
   return registered.config_class(**values)
+
+
+def variant_label(name: str, fields: dict[str, Any]) -> str | None:
+  """The preset of `name` nearest a run's recorded config `fields`, with the fields the
+  run changed on top of it ("paper; alpha=0.5"); None where `name` has no presets."""
+  registered = get(name)
+  if not registered.presets:
+    return None
+  changes = {}
+  for preset, values in registered.presets.items():
+    train_values = {field: fields[field] for field in registered.train_fields
+                    if field in fields}
+    defaults = registered.config_class(**{**values, **train_values})._asdict()
+    changes[preset] = [f"{k}={fields[k]}" for k, v in defaults.items()
+                       if k in fields and fields[k] != v]
+  nearest = min(changes, key=lambda preset: len(changes[preset]))
+  return "; ".join([nearest, *changes[nearest]])
 
 
 class Plugged(NamedTuple):
@@ -227,6 +253,6 @@ def make(name: str, config: Any = None, ala: Any = None,
   return functools.partial(build, name, config, ala=ala, aggregation=aggregation)
 
 
-__all__ = ["Algorithm", "AlgorithmState", "ClientOutput", "InitContext", "Plugged", "REGISTRY",
-           "ala_hosts", "build", "check_plugins", "confree_hosts", "default_config", "get",
-           "make"]
+__all__ = ["Algorithm", "AlgorithmState", "ClientOutput", "InitContext", "Plugged", "REFERENCE",
+           "REGISTRY", "ala_hosts", "build", "check_plugins", "confree_hosts",
+           "default_config", "get", "make", "variant_label"]

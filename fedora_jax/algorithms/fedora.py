@@ -153,6 +153,16 @@ ONLY_WITH = {"lambda_value": ("lambda_rule", "constant"), "temperature": ("weigh
              "val_batch_size": ("val_loss", "batch_sum")}
 
 
+def check_new_clients(config: FedoraConfig) -> None:
+  """Algorithm 2 (clients held out of training, served by propagation) compares a new
+  client's data subspace with the trained clients': principal angles only."""
+  if config.similarity != "principal_angles":
+    raise FieldError("experiment", "new_clients",
+                     "compares a new client's data subspace with the trained clients';"
+                     f" it has no {config.similarity} similarity to them (leave"
+                     " FEDORA's similarity at principal_angles)")
+
+
 def config_for_variant(variant: str = DEFAULT_VARIANT, **overrides) -> FedoraConfig:
   """The authors' (default) or the printed equations' settings, overrides on top."""
   if variant not in PRESETS:
