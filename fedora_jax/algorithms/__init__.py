@@ -25,6 +25,7 @@ from fedora_jax.algorithms import (apple, coaching, confree, fedala, fedavg_c, f
                                    fedrod, moon, partialfed, perfedavg, pfedla, pfedme)
 from fedora_jax.algorithms import (fedavgm, feddyn, fedlc, fednova, fedntd, fedopt,
                                    scaffold)
+from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml, gpfl, pflda
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError
@@ -129,6 +130,15 @@ REGISTRY: dict[str, Registered] = {
     "fednova": Registered(fednova.FedNovaConfig, fednova.fednova, train_fields=("momentum",)),
     "fedntd": Registered(fedntd.FedNtdConfig, fedntd.fedntd, fedntd.FLAG_HELP),
     "fedlc": Registered(fedlc.FedLcConfig, fedlc.fedlc, fedlc.FLAG_HELP),
+    "feddbe": Registered(feddbe.FedDbeConfig, feddbe.feddbe, feddbe.FLAG_HELP),
+    "gpfl": Registered(gpfl.GpflConfig, gpfl.gpfl, gpfl.FLAG_HELP),
+    "fedcac": Registered(fedcac.FedCacConfig, fedcac.fedcac, fedcac.FLAG_HELP),
+    "fedas": Registered(fedas.FedAsConfig, fedas.fedas, fedas.FLAG_HELP),
+    "fedgh": Registered(fedgh.FedGhConfig, fedgh.fedgh, fedgh.FLAG_HELP),
+    "fml": Registered(fml.FmlConfig, fml.fml, fml.FLAG_HELP),
+    "feddistill": Registered(feddistill.FedDistillConfig, feddistill.feddistill,
+                             feddistill.FLAG_HELP),
+    "pflda": Registered(pflda.PflDaConfig, pflda.pflda, pflda.FLAG_HELP),
 }
 
 
