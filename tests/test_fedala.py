@@ -91,6 +91,43 @@ def test_weights_rest_in_round_one_converge_in_round_two_then_one_epoch():
   assert epochs(2) == 1
 
 
+def test_the_authors_slice_is_consecutive_samples_in_stored_order_with_the_last_loss():
+  # sample="slice": m = 3 of 6 samples from a random start, batches of 2 (the last
+  # partial), the same every epoch; epoch_loss="last": the last batch's loss.
+  model, local, global_params = _model_and_pair()
+  train, client = _one_client()
+  trainer = tiny_trainer(model)
+  weights = jax.tree.map(lambda a: jnp.full_like(a, 0.5),
+                         {"params": {"Dense_2": local["params"]["Dense_2"]}})
+  config = ala.AlaConfig(s=50.0, eta=2.0, batch_size=2, sample="slice", epoch_loss="last")
+  key = jax.random.key(4)
+  learned, epochs, last = ala.learn_weights(trainer.loss, config, local, global_params,
+                                            weights, jnp.asarray(5), train, key)
+  start = int(ala.slice_start(jax.random.split(key)[0], 6, 3))
+  assert int(epochs) == 1 and 0 <= start <= 3
+
+  def step(w, rows):
+    x, y = jnp.asarray(client.x_train[rows]), jnp.asarray(client.y_train[rows])
+    loss_of = lambda w: trainer.loss(ala.aggregate_locally(local, global_params, w), x, y,
+                                     jnp.ones(len(rows)))
+    loss, grad = jax.value_and_grad(loss_of)(w)
+    return jax.tree.map(lambda a, g: jnp.clip(a - 2.0 * g, 0, 1), w, grad), loss
+  expected, _ = step(weights, [start, start + 1])
+  expected, expected_last = step(expected, [start + 2])
+  chex.assert_trees_all_close(learned, expected, atol=1e-6)
+  np.testing.assert_allclose(last, expected_last, rtol=1e-6)
+  # The batches do not depend on the epoch: two epochs are the same two steps twice.
+  twice, _, _ = ala.learn_weights(trainer.loss, config._replace(max_epochs=2, threshold=-1.0,
+                                                                num_pre_loss=2),
+                                  local, global_params, weights, jnp.asarray(1), train, key)
+  again, _ = step(step(expected, [start, start + 1])[0], [start + 2])
+  chex.assert_trees_all_close(twice, again, atol=1e-6)
+  with pytest.raises(ConfigError, match="ala: sample"):
+    ala.validate(config._replace(sample="contiguous"))
+  with pytest.raises(ConfigError, match="ala: epoch_loss"):
+    ala.validate(config._replace(epoch_loss="first"))
+
+
 @pytest.mark.parametrize("name", algorithms.ala_hosts())
 def test_ala_composes_with_each_host(name):
   algorithm, state = _two_rounds(name, ala=ala.AlaConfig(batch_size=4, max_epochs=5))

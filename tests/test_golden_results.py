@@ -51,5 +51,12 @@ def test_results_json_is_byte_identical(name, tmp_path):
         b'"similarity": "principal_angles"\n',
         b'"similarity": "principal_angles",\n    "val_loss": "mean",\n'
         b'    "val_batch_size": 64\n')
+  if name == "fedavg_ala":
+    # And AlaConfig gained sample and epoch_loss (2026-12-04), at defaults that leave
+    # every number as it was.
+    expected = expected.replace(
+        b'"batch_size": 64\n    },\n    "aggregation"',
+        b'"batch_size": 64,\n      "sample": "random",\n      "epoch_loss": "mean"\n'
+        b'    },\n    "aggregation"')
   with open(tmp_path / "results.json", "rb") as f:
     assert f.read() == expected

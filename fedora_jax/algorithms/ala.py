@@ -62,12 +62,17 @@ the global model, i.e. the definition above.
 Departures, all written down here:
   * p counts layers (flax top-level modules, e.g. Dense_2 = kernel + bias); the
     authors' layer_idx counts parameter tensors (their layer_idx=2 is one Linear layer).
-  * The s% sample is drawn afresh each round without replacement (the authors draw one
-    random contiguous slice); batches are the run's batch size, the last one partial
-    (the authors' DataLoader drops it, which trains nothing when s% of the data is
-    smaller than a batch).
+  * The s% sample is drawn afresh each round without replacement and reshuffled each
+    epoch (the authors draw one random contiguous slice, its samples in stored order,
+    the same batches every epoch: `sample="slice"`); batches are the run's batch size,
+    the last one partial, as the authors' (their ALA loader keeps it, drop_last=False).
   * An epoch's loss for the convergence test is the mean of its batch losses (the
-    authors record the last batch's).
+    authors record the last batch's: `epoch_loss="last"`).
+  * The sample's size: their int(s / 100 * n) in float64 falls one short of the exact
+    floor for some s and n (s 29, n 100: 28), ours (float32) did not on the sizes tried;
+    the two agree at the default s = 80.
+With sample="slice" and epoch_loss="last" W learns as the authors' ALA does
+(docs/verification.md: the FedALA rows, their code given our slice's start).
 BatchNorm (models with running averages, e.g. resnet18), as the authors' code does it:
 ALA sets parameters only (`model.parameters()`; PyTorch keeps running averages as
 buffers), so theta_hat keeps the local model's running averages in every layer, and the
@@ -89,7 +94,7 @@ from fedora_jax.algorithms.layers import layer_names, merge_layers, take_layers
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import ClientTrainer, epoch_batches
-from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.errors import ConfigError, FieldError, check_one_of
 
 Params = Any
 PyTree = Any
@@ -103,6 +108,8 @@ class AlaConfig(NamedTuple):
   num_pre_loss: int = 10    # epoch losses the convergence test looks at
   max_epochs: int = 100     # bound on W's epochs in the converging (second) round
   batch_size: int = 64      # batch size of W's SGD (the run's default --batch_size)
+  sample: str = "random"    # W's data: "random" subset, or the authors' contiguous "slice"
+  epoch_loss: str = "mean"  # convergence test's epoch loss: "mean" or the authors' "last"
 
 
 FLAG_HELP = {
@@ -115,7 +122,14 @@ FLAG_HELP = {
     "num_pre_loss": "ALA: epoch losses the convergence test of W looks at",
     "max_epochs": "ALA: at most this many epochs of W in the converging round",
     "batch_size": "ALA: batch size of W's SGD",
+    "sample": "ALA: W's data, random (a fresh s% subset, reshuffled each epoch) or slice"
+              " (the authors': s% consecutive samples from a random start, in stored order,"
+              " the same batches every epoch)",
+    "epoch_loss": "ALA: the epoch loss the convergence test reads, mean (of the epoch's"
+                  " batch losses) or last (the last batch's, the authors')",
 }
+SAMPLES = ("random", "slice")
+EPOCH_LOSSES = ("mean", "last")
 
 
 def validate(config: AlaConfig) -> AlaConfig:
@@ -131,6 +145,8 @@ def validate(config: AlaConfig) -> AlaConfig:
     raise FieldError("ala", "max_epochs", f"must be >= 1, got {config.max_epochs}")
   if config.batch_size < 1:
     raise FieldError("ala", "batch_size", f"must be >= 1, got {config.batch_size}")
+  check_one_of("ala", config, "sample", SAMPLES)
+  check_one_of("ala", config, "epoch_loss", EPOCH_LOSSES)
   return config
 
 
@@ -173,19 +189,42 @@ def _epoch_limit(rounds: jax.Array, config: AlaConfig) -> jax.Array:
   return jnp.where(rounds == 0, 0, jnp.where(rounds == 1, config.max_epochs, 1))
 
 
+def sample_size(s: float, n) -> jax.Array:
+  """m = floor(s% of n), at least 1: the samples W learns on."""
+  return jnp.maximum(1, jnp.floor(s / 100.0 * n)).astype(jnp.int32)
+
+
+def slice_start(key: jax.Array, n, m) -> jax.Array:
+  """The first of the slice's m consecutive samples, uniform in [0, n - m] (the authors'
+  random.randint(0, n - m))."""
+  return jax.random.randint(key, (), 0, n - m + 1)
+
+
+def slice_batches(key: jax.Array, n, m, batch_size: int, num_batches: int
+                  ) -> tuple[jax.Array, jax.Array]:
+  """The authors' sample: m consecutive samples from slice_start, in stored order, cut
+  into [num_batches, B] indices and weights (1 real, 0 pad), the last batch partial."""
+  slots = jnp.arange(num_batches * batch_size)
+  idx = jnp.where(slots < m, slice_start(key, n, m) + slots, 0)
+  return (idx.reshape(num_batches, batch_size),
+          (slots < m).astype(jnp.float32).reshape(num_batches, batch_size))
+
+
 def learn_weights(loss_fn, config: AlaConfig, local: Params, global_params: Params,
                   weights: Params, rounds: jax.Array, data: ClientData, key: jax.Array):
   """ALA's weight learning for ONE client: returns (W, epochs trained, last epoch loss;
   0 when W did not train this round)."""
   size = data.mask.shape[0]
   sample_key, epochs_key = jax.random.split(key)
+  m = sample_size(config.s, data.n)
   # A random s% of the real samples: the m lowest random ranks, padding ranked last.
-  m = jnp.maximum(1, jnp.floor(config.s / 100.0 * data.n)).astype(jnp.int32)
   ranks = jnp.where(data.mask, jax.random.uniform(sample_key, (size,)), 2.0)
   position = jnp.argsort(jnp.argsort(ranks))
   subset = data.mask & (position < m)
   max_subset = max(1, int(config.s / 100.0 * size))
   num_batches = -(-max_subset // config.batch_size)
+  if config.sample == "slice":  # the authors' slice, its batches the same every epoch
+    sliced = slice_batches(sample_key, data.n, m, config.batch_size, num_batches)
 
   def batch_loss(w, idx, batch_weights):
     return loss_fn(aggregate_locally(local, global_params, w), data.x[idx], data.y[idx],
@@ -205,11 +244,17 @@ def learn_weights(loss_fn, config: AlaConfig, local: Params, global_params: Para
 
   def epoch(carry):
     w, count, losses = carry
-    idx, batch_weights = epoch_batches(jax.random.fold_in(epochs_key, count), subset, m,
-                                       config.batch_size, num_batches)
+    if config.sample == "slice":
+      idx, batch_weights = sliced
+    else:
+      idx, batch_weights = epoch_batches(jax.random.fold_in(epochs_key, count), subset, m,
+                                         config.batch_size, num_batches)
     w, (batch_losses, real) = jax.lax.scan(w_step, w, (idx, batch_weights))
-    mean_loss = jnp.sum(batch_losses) / jnp.maximum(jnp.sum(real), 1)
-    losses = losses.at[count % config.num_pre_loss].set(mean_loss)
+    if config.epoch_loss == "last":  # real batches come first
+      epoch_loss = batch_losses[jnp.maximum(jnp.sum(real.astype(jnp.int32)) - 1, 0)]
+    else:
+      epoch_loss = jnp.sum(batch_losses) / jnp.maximum(jnp.sum(real), 1)
+    losses = losses.at[count % config.num_pre_loss].set(epoch_loss)
     return w, count + 1, losses
 
   limit = _epoch_limit(rounds, config)
