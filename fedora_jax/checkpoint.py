@@ -169,7 +169,9 @@ def _write_json_atomically(path: str, document: dict) -> None:
 # number and there is no schedule, so a longer run extends a shorter one exactly (cutting
 # a run short is refused by open_run). `reference` only changes what R-Acc compares with;
 # `eval_every` only which rounds' test scores the history holds.
-NOT_IDENTITY = ("workdir", "rounds", "reference", "log_every", "eval_every",
+# Settings that change no number a run computes: neither recorded nor compared. data_dir:
+# where the data sits (its files are checked when read), so moving it keeps a workdir.
+NOT_IDENTITY = ("workdir", "data_dir", "rounds", "reference", "log_every", "eval_every",
                 "checkpoint_every", "keep_checkpoints", "stall_timeout", "compile_timeout",
                 "help_algorithm", "per_client",
                 "verbose", "distributed",
@@ -265,6 +267,8 @@ def check_workdir(workdir: str, identity: dict[str, Any],
     return False
   except (OSError, json.JSONDecodeError) as e:
     raise ConfigError(f"{path}: cannot read the run's settings ({e})") from None
+  # A record made before a setting left the identity (data_dir) still matches.
+  recorded = {k: v for k, v in recorded.items() if k not in NOT_IDENTITY}
   if _without_defaults(recorded, defaults) == _without_defaults(current, defaults):
     return True
   if holds_a_run(workdir):

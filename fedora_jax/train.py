@@ -121,7 +121,6 @@ def default_workdir(config: ExperimentConfig) -> str:
   run with any other setting gets its own folder, and the same config, or more rounds
   of it, resumes in the same one."""
   identity = config_identity(config, config.algorithm)
-  del identity["data_dir"]  # moving the data changes no number
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
   return os.path.join("runs", f"{config.dataset}_{config.setting}_{config.algorithm}"
                               f"_seed{config.train.seed}_{digest}")
@@ -135,6 +134,7 @@ def config_identity(config: ExperimentConfig, algorithm: str) -> dict:
   identity = dataclasses.asdict(dataclasses.replace(
       config, algorithm=algorithm, algorithm_config=None, reference=None,
       checkpoint_every=0, keep_checkpoints=True))
+  del identity["data_dir"]  # moving the data changes no number
   identity["algorithm_config"] = repr(resolved_algorithm_config(config)) if own else None
   identity["train"] = {k: v for k, v in _train_info(config.train).items()
                        if k not in ("rounds", "log_every", "eval_every")}

@@ -242,6 +242,20 @@ def test_runs_recorded_with_the_old_eval_batch_default_resume(tmp_path):
     check_workdir(str(tmp_path), {**identity, "eval_batch_size": 32}, defaults)
 
 
+def test_runs_recorded_with_their_data_folder_match_the_data_anywhere(tmp_path):
+  # data_dir was part of the identity until 2026-12-04: such a record still matches a
+  # run that reads the data from another folder, and nothing else changes.
+  identity = {"algorithm": "fedora", "seed": 0}
+  (tmp_path / "run_config.json").write_text(
+      json.dumps({**identity, "data_dir": "/old/place/of/the/data"}))
+  (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+  assert check_workdir(str(tmp_path), identity)
+  assert "data_dir" not in checkpoint_lib.run_identity(
+      {**identity, "data_dir": "/new/place"}, "fedora", {}, {})
+  with pytest.raises(ConfigError, match="seed"):
+    check_workdir(str(tmp_path), {**identity, "seed": 1})
+
+
 def test_a_run_of_the_old_default_variant_is_not_resumed_as_the_new(straight, cli_env,
                                                                    tmp_path):
   # FEDORA's default was the equations as printed until 2026-11-26: a workdir recorded

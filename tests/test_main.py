@@ -199,6 +199,16 @@ def test_default_workdirs_differ_by_setting_and_the_same_command_resumes(tmp_pat
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "local: resuming after round 2 of 2" in proc.stderr
   assert sorted(os.listdir(tmp_path / "runs")) == workdirs
+  # The data moved to another folder: the same run, resumed.
+  moved = tmp_path / "moved_data"
+  moved.mkdir()
+  embedded = os.path.join(ROOT, "fedora_jax", "data", "mnist")
+  for name in os.listdir(embedded):
+    os.symlink(os.path.join(embedded, name), moved / name)
+  proc = run_here(f"--data_dir={moved}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "local: resuming after round 2 of 2" in proc.stderr
+  assert sorted(os.listdir(tmp_path / "runs")) == workdirs
 
 
 def test_helpfull_puts_the_projects_groups_first_and_each_algorithm_under_its_name():
