@@ -47,7 +47,7 @@ def curve_styles(count: int) -> list[tuple]:
   suffice, tab20 up to twenty (tab10 alone gave a table's 11th row the 1st row's colour),
   then tab20 again with the next line style."""
   palette = ([f"C{i}" for i in range(10)] if count <= 10
-             else list(matplotlib.colormaps["tab20"].colors))
+             else list(matplotlib.color_sequences["tab20"]))
   if count > len(palette) * len(_LINESTYLES):
     raise ValueError(f"{count} curves: at most {len(palette) * len(_LINESTYLES)} are"
                      " told apart by colour and line style")
@@ -251,8 +251,8 @@ def reproduced_table_figure(rows: list[Mapping], title: str = "",
     if seeds_x:
       ax.scatter(seeds_x, seeds_y, s=9, color="black", zorder=3, label="ours, one seed")
     if annotate:  # each value just past its bar's end (and error bar)
-      for offset, values, spread in ((-0.2, ours, errors), (0.2, paper, 0 * errors)):
-        for xi, v, e in zip(x + offset, values, spread):
+      for offset, bar_values, spread in ((-0.2, ours, errors), (0.2, paper, 0 * errors)):
+        for xi, v, e in zip(x + offset, bar_values, spread):
           if np.isfinite(v):
             text = f"{round(v, 1) + 0.0:+.1f}" if metric == "r_acc" else f"{v:.3f}"
             ax.annotate(text,
@@ -425,8 +425,11 @@ def write_plots_for_run_dir(workdir: str) -> list[str]:
   artifacts = {name: np.load(os.path.join(workdir, f"{name}.npy"))
                for name in ("similarity", "graph", "relation_cube")
                if os.path.isfile(os.path.join(workdir, f"{name}.npy"))}
-  return write_run_plots(workdir, results, _load_npz(os.path.join(workdir, "history.npz")),
-                         artifacts, _load_npz(os.path.join(workdir, REFERENCE, "history.npz")))
+  history = _load_npz(os.path.join(workdir, "history.npz"))
+  if history is None:
+    raise ConfigError(f"{workdir}: no history.npz (a run's per-round history)")
+  return write_run_plots(workdir, results, history, artifacts,
+                         _load_npz(os.path.join(workdir, REFERENCE, "history.npz")))
 
 
 class SavedRun(NamedTuple):
@@ -519,7 +522,7 @@ def comparison_figure(runs: list[SavedRun], title: str = "") -> Figure:
   colors = [palette[i % len(palette)] for i in range(len(runs))]
   fig = Figure(figsize=(13.0, 4.8), layout="constrained")
   curves, clients = fig.subplots(1, 2, width_ratios=(1.0, 1.3))
-  drawn_locals = []
+  drawn_locals: list[np.ndarray] = []
   for run, label, color in zip(runs, labels, colors):
     rounds, curve = mean_per_round(run.history[f"test_{score}"])
     final = run.results.get(score)
@@ -580,14 +583,15 @@ def comparison_figure(runs: list[SavedRun], title: str = "") -> Figure:
 
 def _shared_setting(runs: list[SavedRun]) -> str:
   """What the runs have in common, for the figure's title."""
-  parts = []
+  parts: list[str] = []
   for describe in (lambda r: r.get("dataset"), split_label,
                    lambda r: r.get("num_clients") and f"{r['num_clients']} clients",
                    lambda r: r.get("rounds") and f"{r['rounds']} rounds",
                    lambda r: r.get("seed") is not None and f"seed {r['seed']}"):
     values = {describe(run.results) for run in runs}
-    if len(values) == 1 and describe(runs[0].results):
-      parts.append(describe(runs[0].results))
+    value = describe(runs[0].results)
+    if len(values) == 1 and value:
+      parts.append(str(value))
   return ", ".join(parts)
 
 

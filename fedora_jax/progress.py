@@ -17,8 +17,9 @@ above it instead of tearing it.
 import logging
 import os
 import sys
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
+import jax
 import numpy as np
 
 from fedora_jax.rounds import RoundMetrics
@@ -47,7 +48,7 @@ def score_name(task: str) -> str:
   return "mae" if task == "regression" else "acc"
 
 
-def format_mean(values: np.ndarray) -> str:
+def format_mean(values: np.ndarray | jax.Array) -> str:
   """The mean over clients to 4 places; "n/a" for a round that did not score it (test
   under --eval_every)."""
   mean = float(np.mean(values))
@@ -148,7 +149,7 @@ class ProgressBar:
     self.label = label
     self._file = file
     self._notebook = notebook
-    self._bar = None
+    self._bar: Any = None  # a tqdm bar (untyped) from start to close
     self._rounds, self._task = 0, "classification"
 
   def start(self, run: str, rounds: int, task: str) -> None:
@@ -194,7 +195,8 @@ def _notebook_bar(rounds: int, description: str):
   bar on the cell's output."""
   import tqdm  # pylint: disable=g-import-not-at-top
   try:
-    import ipywidgets  # pylint: disable=g-import-not-at-top,unused-import
+    # Imported only to learn whether it is installed: tqdm.notebook's widget needs it.
+    import ipywidgets  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
     import tqdm.notebook  # pylint: disable=g-import-not-at-top
     bar_class = tqdm.notebook.tqdm
   except ImportError:

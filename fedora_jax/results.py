@@ -40,10 +40,10 @@ def score_name(task: str) -> str:
 
 
 def client_scores(result: RunResult, task: str = "classification") -> ClientScores:
-  best = metrics.best_validation_round(result.history.val_score,
-                                       lower_is_better=task == "regression")
-  return ClientScores(final=result.history.test_score[-1],
-                      best_val=result.history.test_score[best], best_round=best + 1)
+  # The history holds numpy arrays (RoundMetrics' fields are typed as the round's).
+  val, test = np.asarray(result.history.val_score), np.asarray(result.history.test_score)
+  best = metrics.best_validation_round(val, lower_is_better=task == "regression")
+  return ClientScores(final=test[-1], best_val=test[best], best_round=best + 1)
 
 
 # Fields a LOCAL reference must share with the run it is compared against.
@@ -312,9 +312,9 @@ def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
     json.dump(results, f, indent=2)
   write_timing(workdir, result)
   with open(os.path.join(workdir, "clients.csv"), "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(results["clients"][0]))
-    writer.writeheader()
-    writer.writerows(results["clients"])
+    client_writer = csv.DictWriter(f, fieldnames=list(results["clients"][0]))
+    client_writer.writeheader()
+    client_writer.writerows(results["clients"])
   history = result.history
   score = "mae" if task_of(results) == "regression" else "acc"  # the files' column names
   per_round = {name.replace("_score", f"_{score}"): getattr(history, name)

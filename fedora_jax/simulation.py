@@ -3,7 +3,7 @@
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -97,8 +97,12 @@ def jitted_init(algorithm, trainer, data: FederatedData, out_shardings=None):
   return jax.jit(init, out_shardings=out_shardings)
 
 
-def to_host(metrics: RoundMetrics) -> RoundMetrics:
-  """The round's metrics as numpy arrays on the host (waits for the round to finish)."""
+_Tree = TypeVar("_Tree")
+
+
+def to_host(metrics: _Tree) -> _Tree:
+  """The round's metrics (any pytree) as numpy arrays on the host (waits for the round
+  to finish)."""
   return jax.tree.map(np.asarray, jax.device_get(metrics))
 
 
@@ -192,7 +196,7 @@ def _prepare(algorithm: Algorithm, trainer: ClientTrainer, model, data: Federate
                      test_evaluation=test_evaluation)
 
 
-def due_for_test(round_number: int, train: TrainConfig, val_score: np.ndarray,
+def due_for_test(round_number: int, train: TrainConfig, val_score: np.ndarray | jax.Array,
                  best_mean_val: float, lower_is_better: bool = False) -> bool:
   """Whether round `round_number` (1-based) scores test under train.eval_every: every
   N-th round, the last, and a round whose mean validation score beats every earlier
@@ -248,6 +252,8 @@ def resolve_progress(progress: Progress | None | str, log_every: int) -> Progres
   """"auto" -> progress.default_progress; None -> nothing reported."""
   if progress == "auto":
     return default_progress(log_every)
+  if isinstance(progress, str):
+    raise ConfigError(f"progress: \"auto\", None or a Progress, got {progress!r}")
   return Silent() if progress is None else progress
 
 
@@ -259,7 +265,7 @@ class _StageReporter:
                checkpointer: Checkpointer | None):
     self.name, self.rounds, self.watchdog = name, rounds, watchdog
     self.checkpointer = checkpointer
-    self.saved_round = None
+    self.saved_round: int | None = None
     self.where = f"{name}:"
 
   def note(self) -> str:
@@ -304,7 +310,8 @@ def _train(algorithm: Algorithm, trainer: ClientTrainer, model, data, train, on_
   state, compiled, compile_seconds = (prepared.state, prepared.compiled,
                                       prepared.compile_seconds)
 
-  history, durations = [], []
+  history: list[RoundMetrics] = []
+  durations: list[float] = []
   restored = (None if checkpointer is None else
               checkpointer.restore(state, compiled.out_info[1], train.rounds))
   if restored is not None:

@@ -39,8 +39,8 @@ def weighted_mean(stacked, weights: jax.Array):
 
 def squared_distance(params, target) -> jax.Array:
   """||params - target||^2 over every leaf of two single models (a proximal term)."""
-  return sum(jnp.sum(jnp.square(a - b)) for a, b in
-             zip(jax.tree.leaves(params), jax.tree.leaves(target)))
+  return jnp.asarray(sum(jnp.sum(jnp.square(a - b)) for a, b in  # 0 for an empty tree
+                         zip(jax.tree.leaves(params), jax.tree.leaves(target))))
 
 
 def squared_distances(models, centers) -> jax.Array:
@@ -52,7 +52,7 @@ def squared_distances(models, centers) -> jax.Array:
   def leaf_distances(a, c):
     diff = a[:, None] - c[None]
     return jnp.sum(jnp.square(diff).reshape(diff.shape[0], diff.shape[1], -1), axis=-1)
-  return sum(jax.tree.leaves(jax.tree.map(leaf_distances, models, centers)))
+  return jnp.asarray(sum(jax.tree.leaves(jax.tree.map(leaf_distances, models, centers))))
 
 
 def pairwise_squared_distances(stacked) -> jax.Array:
@@ -68,7 +68,7 @@ def gram(stacked) -> jax.Array:
   def leaf_gram(leaf):
     flat = leaf.reshape(leaf.shape[0], -1)
     return flat @ flat.T
-  return sum(jax.tree.leaves(jax.tree.map(leaf_gram, stacked)))
+  return jnp.asarray(sum(jax.tree.leaves(jax.tree.map(leaf_gram, stacked))))
 
 
 def mix(weights: jax.Array, stacked):

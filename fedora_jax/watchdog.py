@@ -95,7 +95,8 @@ class Watchdog:
 
   def __exit__(self, *exc) -> None:
     self._stop.set()
-    self._thread.join()
+    if self._thread is not None:
+      self._thread.join()
     self._thread = None
 
   def stage(self, what: str, limit_seconds: float, note: str = "") -> None:

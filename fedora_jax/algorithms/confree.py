@@ -77,7 +77,7 @@ except the projection order, whose printed form is the option):
   * rescale=True: d* / (1 + c^2) (the code's rescale=1 divides by 1 + alpha^2).
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

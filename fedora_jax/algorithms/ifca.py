@@ -113,9 +113,9 @@ def first_choices(trainer: ClientTrainer, draws, data: FederatedData) -> jax.Arr
   num_draws = tree.leading_size(draws)
   choices = jnp.zeros((data.num_clients, num_draws), jnp.int32)
   for ids, bucket in zip(data.client_ids, data.buckets):  # a few size buckets
-    train = jax.tree.map(lambda a: a[:len(ids)], bucket.train)  # drop device padding
+    train = jax.tree.map(lambda a, n=len(ids): a[:n], bucket.train)  # drop device padding
     # lax.map over the draws keeps one draw's [clients, C] evaluations in memory.
-    chosen = jax.lax.map(lambda clusters: jax.vmap(
+    chosen = jax.lax.map(lambda clusters, train=train: jax.vmap(
         lambda d: choose_cluster(trainer, clusters, d)[0])(train), draws)  # [D, n]
     choices = choices.at[ids].set(chosen.T)
   return choices

@@ -163,6 +163,9 @@ def load_source(name: str, data_dir: str | None, data_source: str = "files") -> 
                        f" {', '.join(supported)}")
     tfds_dir = data_root.tfds_data_dir(spec.tfds_name, data_dir)
     return load_tfds_dataset(spec.tfds_name, tfds_dir, name=f"{spec.tfds_name} (TFDS)")
+  if spec.load_source is None:
+    raise ConfigError(f"{name}: its clients are given by the data (its groups); it has no"
+                      " centralised source")
   return spec.load_source(data_dir)
 
 
@@ -171,6 +174,7 @@ def default_num_clients(name: str, data_dir: str | None) -> int:
   spec = get_spec(name)
   if spec.num_clients is not None:
     return spec.num_clients
+  assert spec.load_groups is not None  # a dataset without a client count has groups
   return len(spec.load_groups(data_dir).groups)
 
 
@@ -184,6 +188,7 @@ def _build_grouped(spec: DatasetSpec, name: str, data_dir: str | None, num_clien
     raise FieldError("experiment", "setting",
                      f"{setting}: {name}'s clients are its years, with the sizes the data"
                      " gives them; use the default, balanced")
+  assert spec.load_groups is not None  # called for datasets of groups only
   source = spec.load_groups(data_dir)
   if source.task != spec.task:
     raise ConfigError(f"{name}: the loader gives a {source.task} task, the registry says"
@@ -234,7 +239,7 @@ def build_federated_dataset(name: str, data_dir: str | None, num_clients: int,
   else:
     source = load_source(name, data_dir, data_source)
     config = partition_config or PartitionConfig(
-        kind=None, classes_per_client=spec.classes_per_client,
+        kind=spec.partition, classes_per_client=spec.classes_per_client,
         train_per_client=train_per_client, val_per_client=val_per_client)
     kind = config.kind or spec.partition
     if kind != "rotation" and partition_config is None:

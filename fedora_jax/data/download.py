@@ -213,7 +213,8 @@ def download_file(name: str, file: RemoteFile, dest: str, todo=()) -> None:
   """Fetches `file` of dataset `name` to `dest`, verified; one-line errors, which name
   `todo` (default: `file`) as the files left to fetch."""
   candidates = urls(name, file)
-  last_url, last_error = candidates[0], None
+  last_url = candidates[0]
+  last_error: Exception | None = None
   for attempt in range(ATTEMPTS):
     if attempt:
       time.sleep(BACKOFF_S * 2 ** (attempt - 1))

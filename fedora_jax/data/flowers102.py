@@ -87,10 +87,10 @@ def _decode_all(folder: str, numbers: np.ndarray) -> dict[int, np.ndarray]:
   try:
     with tarfile.open(archive, "r:*") as tar:
       for member in tar:  # streaming: the gzip stream is read once, front to back
-        number = wanted.get(member.name.removeprefix("./"))
-        if number is not None and member.isfile():
-          images[number] = decode_jpeg(tar.extractfile(member).read(),
-                                       f"{archive}:{member.name}", IMAGE_SIZE)
+        found = wanted.get(member.name.removeprefix("./"))
+        file = tar.extractfile(member) if found is not None and member.isfile() else None
+        if found is not None and file is not None:  # a regular file: extractfile reads it
+          images[found] = decode_jpeg(file.read(), f"{archive}:{member.name}", IMAGE_SIZE)
   except (OSError, EOFError, zlib.error, tarfile.TarError) as e:
     raise DataError(f"{NAME}: cannot read {archive}: truncated or corrupt ({e})") from None
   missing = sorted(set(wanted.values()) - set(images))

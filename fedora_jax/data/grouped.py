@@ -5,7 +5,7 @@ Yearbook portraits and the leaf spectra come grouped by year; each group is one 
 validation and test samples.
 """
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -79,7 +79,7 @@ def standardize(clients: Sequence[Client]) -> tuple[list[Client], dict[str, np.n
   into the preprocessing. Returns the clients and the statistics used.
   """
   stats = {}
-  fields = {}
+  fields: dict[str, tuple[Any, Any]] = {}  # field: (mean, std)
   if np.issubdtype(clients[0].x_train.dtype, np.floating):
     x = np.concatenate([c.x_train for c in clients]).astype(np.float64)
     stats["x_mean"], stats["x_std"] = x.mean(axis=0), x.std(axis=0)

@@ -69,7 +69,7 @@ def _load_image(folder: str, row: dict[str, str]) -> np.ndarray:
       box = (int(row["Roi.X1"]), int(row["Roi.Y1"]), int(row["Roi.X2"]) + 1,
              int(row["Roi.Y2"]) + 1)
       sign = image.convert("RGB").crop(box).resize((IMAGE_SIZE, IMAGE_SIZE),
-                                                    Image.BILINEAR)
+                                                    Image.Resampling.BILINEAR)
       return np.asarray(sign, np.uint8)
   except (OSError, ValueError) as e:
     raise DataError(f"gtsrb: cannot read image {path} ({e})") from None

@@ -107,6 +107,7 @@ def load_leaf(data_dir: str | None) -> GroupedDataset:
     raise DataError(f"leaf: no complete row in {', '.join(paths)}")
   traits = np.concatenate([p[1] for p in parts])
   spectra = np.concatenate([p[2] for p in parts])
+  assert bands is not None  # set by the first of the (non-empty) paths
   if skipped:
     logger.info("leaf: skipped %d row(s) with missing or non-numeric values", skipped)
   logger.info("leaf: %d leaves, %d bands (%s-%s nm), years %s", len(years), len(bands),

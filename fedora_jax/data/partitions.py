@@ -235,7 +235,8 @@ def torch_randperm(n: int, seed: int) -> np.ndarray:
   the 32-bit outputs of MT19937 seeded with `seed` (swap r[i] with r[i + u_i mod (n-i)]).
   NumPy's legacy seeding gives the same MT19937 state."""
   generator = np.random.MT19937()
-  generator.state = np.random.RandomState(seed).get_state(legacy=False)
+  # numpy's stubs type get_state(legacy=False) as a plain dict; it is MT19937's state.
+  generator.state = np.random.RandomState(seed).get_state(legacy=False)  # type: ignore[assignment]
   draws = generator.random_raw(max(n - 1, 0))
   order = np.arange(n)
   for i in range(n - 1):
@@ -274,8 +275,8 @@ def authors_pathological_indices(y_train: np.ndarray, y_test: np.ndarray, num_cl
   per_split = {}
   for split in ("train", "val", "test"):
     by_class = [np.flatnonzero(labels[split] == c) for c in range(num_classes)]
-    for positions in by_class:
-      python_rng.shuffle(positions)
+    for positions in by_class:  # swapped in place, as a 1-D array allows
+      python_rng.shuffle(positions)  # type: ignore[arg-type]
     counts = np.bincount(labels[split], minlength=num_classes)
     taken = []
     for held, share in zip(classes, shares):
@@ -373,11 +374,10 @@ def make_partition(dataset: ImageDataset, num_clients: int, config: PartitionCon
 
   train_pools = _cut_indices(dataset.y_train, shares, rng)
   test_pools = _cut_indices(dataset.y_test, shares, rng)
-  fixed = config.train_per_client is not None
   clients = []
   for k, (pool, test_idx) in enumerate(zip(train_pools, test_pools)):
     idx = rng.permutation(pool)
-    if fixed and k != large:
+    if config.train_per_client is not None and k != large:
       n_val = _val_per_client(config)
       idx = idx[:config.train_per_client + n_val]
     else:
@@ -452,6 +452,8 @@ def _validate(dataset: ImageDataset, num_clients: int, config: PartitionConfig) 
 
 
 def _val_per_client(config: PartitionConfig) -> int:
+  """A fixed-size client's validation samples (config.train_per_client is set)."""
+  assert config.train_per_client is not None
   return config.val_per_client or max(config.train_per_client // 2, 1)
 
 
@@ -476,7 +478,7 @@ def _cut_counts(shares: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
 def _cut_indices(labels: np.ndarray, shares: np.ndarray,
                  rng: np.random.Generator) -> list[np.ndarray]:
   """Per client, the indices of its samples: each class shuffled, then cut by shares."""
-  pools = [[] for _ in range(shares.shape[0])]
+  pools: list[list[np.ndarray]] = [[] for _ in range(shares.shape[0])]
   for c in range(shares.shape[1]):
     members = rng.permutation(np.flatnonzero(labels == c))
     bounds = _bounds(shares[:, c], len(members))

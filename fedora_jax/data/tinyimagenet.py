@@ -111,10 +111,10 @@ def decode_jpeg(data: bytes, where: str, size: int) -> np.ndarray:
   from PIL import Image  # pylint: disable=g-import-not-at-top
   try:
     with Image.open(io.BytesIO(data)) as image:
-      image = image.convert("RGB")
-      if image.size != (size, size):
-        image = image.resize((size, size), Image.BILINEAR)
-      return np.asarray(image, np.uint8)
+      rgb = image.convert("RGB")
+      if rgb.size != (size, size):
+        rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+      return np.asarray(rgb, np.uint8)
   except (OSError, ValueError, SyntaxError) as e:
     raise DataError(f"{NAME}: cannot decode image {where} ({e})") from None
 

@@ -58,7 +58,7 @@ def _load_image(path: str) -> np.ndarray:
   try:
     with Image.open(path) as image:
       return np.asarray(image.convert("L").resize((IMAGE_SIZE, IMAGE_SIZE),
-                                                  Image.LANCZOS), np.uint8)
+                                                  Image.Resampling.LANCZOS), np.uint8)
   except (OSError, ValueError) as e:
     raise DataError(f"yearbook: cannot read image {path} ({e})") from None
 

@@ -28,7 +28,7 @@ def _is_identity(client_ids: Sequence[np.ndarray], num_clients: int) -> bool:
   return len(client_ids) == 1 and np.array_equal(client_ids[0], np.arange(num_clients))
 
 
-def gather(tree: Any, ids: np.ndarray) -> Any:
+def gather(tree: Any, ids: np.ndarray | jax.Array) -> Any:
   return jax.tree.map(lambda a: a[ids], tree)
 
 
@@ -136,7 +136,8 @@ def _gather_padded(buckets: tuple, sources: Sequence[int], lengths: Sequence[int
   for b in sources[:-1]:
     here = bucket_of == b
     result = jax.tree.map(
-        lambda new, old: jnp.where(here.reshape((-1,) + (1,) * (old.ndim - 1)), new, old),
+        lambda new, old, here=here: jnp.where(here.reshape((-1,) + (1,) * (old.ndim - 1)),
+                                              new, old),
         from_bucket(b), result)
   return result
 

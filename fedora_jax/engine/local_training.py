@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedora_jax.data.client_data import ClientData
@@ -87,8 +88,8 @@ def masked_cross_entropy(logits: jax.Array, y: jax.Array, weights: jax.Array) ->
   return _masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weights)
 
 
-def epoch_batches(key: jax.Array, mask: jax.Array, n: jax.Array, batch_size: int,
-                  num_batches: int) -> tuple[jax.Array, jax.Array]:
+def epoch_batches(key: jax.Array, mask: jax.Array | np.ndarray, n: jax.typing.ArrayLike,
+                  batch_size: int, num_batches: int) -> tuple[jax.Array, jax.Array]:
   """One shuffled epoch: sample indices [num_batches, B] and their weights (1 real, 0 pad)."""
   size = mask.shape[0]
   # Real samples get a random rank in [0, 1); padding ranks 2 and so sorts last.
@@ -231,7 +232,7 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     chunk = min(size, eval_batch_size)
     num_chunks = math.ceil(size / chunk)
     pad = num_chunks * chunk - size
-    x, y, mask = data.x, data.y, data.mask
+    x, y, mask = jnp.asarray(data.x), jnp.asarray(data.y), jnp.asarray(data.mask)
     if pad:
       x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
       y = jnp.concatenate([y, jnp.zeros((pad,), y.dtype)])
