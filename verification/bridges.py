@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 import numpy as np
 
+from fedora_jax.algorithms import ala
 from fedora_jax.data.client_data import Client, FederatedData
 from fedora_jax.engine.local_training import epoch_batches
 from fedora_jax.rounds import client_keys
@@ -117,6 +118,39 @@ class EpochLoader:
 
   def __len__(self) -> int:
     return len(self.epochs[0])
+
+
+# ---------------------------------------------------------------- ALA's sample
+
+def ala_slice_start(train_key: jax.Array, round_index: int, data: FederatedData,
+                    client: int, s: float) -> int:
+  """The first sample of the slice our ALA (sample="slice") learns client k's W on in
+  round `round_index` (0-based): from the client's key of the round, split as
+  ala.with_ala splits it (ALA's key first) and ala.learn_weights splits that (the
+  sample's key first)."""
+  key = client_keys(jax.random.fold_in(train_key, round_index), data.num_clients)[client]
+  n = int(data.split_sizes("train")[client])
+  sample_key = jax.random.split(jax.random.split(key)[0])[0]
+  return int(ala.slice_start(sample_key, n, ala.sample_size(s, n)))
+
+
+class SliceAt:
+  """Stands in for the training data the authors' ALA slices (`train_data[rand_idx:
+  rand_idx + rand_num]`, rand_idx from Python's random): its i-th slicing returns the
+  slice of the same length at start(i), our ALA's start in round i."""
+
+  def __init__(self, data: Sequence, start: Callable[[int], int], size: int):
+    self.data, self.start, self.size, self.count = data, start, size, 0
+
+  def __len__(self) -> int:
+    return len(self.data)
+
+  def __getitem__(self, index: slice) -> list:
+    m = index.stop - index.start
+    assert m == self.size, f"their sample holds {m}, ours {self.size}"
+    start = self.start(self.count)
+    self.count += 1
+    return self.data[start:start + m]
 
 
 # ---------------------------------------------------------------- split

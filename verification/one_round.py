@@ -13,15 +13,20 @@ the loss nor the gradient). Client SGD without momentum or weight decay, PFLlib'
 import argparse
 import contextlib
 import copy
+import dataclasses
+import functools
+import io
 import os
 import tempfile
 import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedora_jax import algorithms
+from fedora_jax.algorithms import ala, fedcp
 from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.data.sources import load_mnist
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
@@ -161,6 +166,14 @@ class Reference(NamedTuple):
   # The reference's own scoring, (client, its data) -> test accuracy, where its scored
   # model is not a classifier's forward (FedProto: the nearest global prototype).
   accuracy: Callable[[Any, Client], float] | None = None
+  # Our registry name where the row's differs (FedALA's other rows).
+  algorithm: str | None = None
+  # (the reference's server, the setting, the clients) -> None, once the server is
+  # built: what its clients draw beside the batches, fed ours (FedALA: ALA's slice).
+  prepare: Callable[[Any, Any, list[Client]], None] | None = None
+  # Whether `also`'s first function takes our state a round earlier too, (algorithm,
+  # state, earlier state) (FedALA's theta_hat, built from the last round's models).
+  also_previous: bool = False
   # Where the server trains its clients while it is built (FedDBE's initialization
   # period): (client k's key from our algorithm key, n, our epochs, batch size) -> the
   # epochs of each loader the client asks for then, in order (ours: algorithm.init's).
@@ -335,6 +348,167 @@ def _gpfl_server_model(server):
   return server.body
 
 
+# FedALA's ALA in the authors' form: s 80, their layer_idx 2 (the head's weight and bias:
+# our p 1), eta 1, threshold 0.1 over 10 losses, W learned on a contiguous slice in
+# stored order with the last batch's loss (ala.py: sample, epoch_loss), batches of the
+# setting's batch size (PFLlib's ALA takes its client's).
+ALA_CONFIG = {"s": 80.0, "p": 1, "eta": 1.0, "batch_size": 10, "sample": "slice",
+              "epoch_loss": "last"}
+ALA_ARGS = {"rand_percent": 80, "layer_idx": 2, "eta": 1.0}
+
+
+def _ala_keys(key: jax.Array) -> list[jax.Array]:
+  """ala.with_ala hands its host the second of its client key's two halves."""
+  return [jax.random.split(key)[1]]
+
+
+def _ala_prepare(server, setting: Setting, clients: list[Client], threshold: float = 0.1
+                 ) -> None:
+  """Each PFLlib client's ALA slices our slice each round (bridges.SliceAt), its print
+  of the epochs W trained kept in `ala_printed`, not shown; its threshold set (PFLlib's
+  client passes none: its ALA's default 0.1)."""
+  data = stack_clients(clients, num_classes=10)
+  train_key, s = root_keys(setting.seed)["train"], ALA_CONFIG["s"]
+  for client in server.clients:
+    size = int(ala.sample_size(s, len(client.ALA.train_data)))
+    client.ALA.train_data = bridges.SliceAt(
+        client.ALA.train_data,
+        lambda r, k=client.id: bridges.ala_slice_start(train_key, r, data, k, s), size)
+    client.ALA.threshold = threshold
+    client.ala_printed = []
+
+    def quiet(model, client=client, original=client.local_initialization):
+      with contextlib.redirect_stdout(io.StringIO()) as printed:
+        original(model)
+      client.ala_printed.append(printed.getvalue())
+    client.local_initialization = quiet
+
+
+def _ala_keep(client) -> None:
+  """theta_hat (the model ALA leaves the client) and W, kept before it trains."""
+  client.theta_hat = copy.deepcopy(client.model)
+  client.ala_weights = [w.clone() for w in client.ALA.weights or ()]
+
+
+def _ala_ours(algorithm, state, earlier):
+  """Each client's theta_hat as ala.with_ala builds it (from the last round's local and
+  global models and this round's W), then W as one more layer."""
+  del algorithm
+  theta_hat = jax.vmap(ala.aggregate_locally, in_axes=(0, None, 0))(
+      earlier.clients.local, earlier.server, state.clients.weights)
+  return {"params": {**theta_hat["params"],
+                     "Dense_2": state.clients.weights["params"]["Dense_1"]}}
+
+
+def _ala_theirs(client):
+  """theta_hat's layers, then W (over the head: layer_idx 2) as one more Linear."""
+  import torch  # pylint: disable=import-outside-toplevel
+  weights = torch.nn.Linear(HIDDEN, 10)
+  with torch.no_grad():
+    weights.weight.copy_(client.ala_weights[0])
+    weights.bias.copy_(client.ala_weights[1])
+  return torch.nn.ModuleList([client.theta_hat, weights])
+
+
+
+class _OurGumbel:
+  """Stands in for torch.nn.functional in PFLlib's servercp, whose ConditionalSelection
+  draws F.gumbel_softmax: within a client's training, step s's noise is ours
+  (`noise(client, round, s, shape)`); outside training, none (ours scores the policy
+  without noise). The softmax of (logits + noise) / tau is torch's gumbel_softmax."""
+
+  def __init__(self, functional, noise: Callable[[int, int, int, tuple], np.ndarray]):
+    self.functional, self.noise = functional, noise
+    self.source, self.step = None, 0
+
+  def __getattr__(self, name: str):
+    return getattr(self.functional, name)
+
+  def gumbel_softmax(self, logits, dim=-1, tau=1.0, hard=False):
+    import torch  # pylint: disable=import-outside-toplevel
+    assert not hard and dim == 1, (hard, dim)
+    noise = 0.0
+    if self.source is not None:
+      noise = torch.from_numpy(self.noise(*self.source, self.step, tuple(logits.shape)))
+      self.step += 1
+    return torch.softmax((logits + noise) / tau, dim)
+
+
+def _cp_keys(key: jax.Array) -> list[jax.Array]:
+  """fedcp's client_update splits its key into the noise's and the training's."""
+  return [jax.random.split(key)[1]]
+
+
+def _cp_prepare(server, setting: Setting, clients: list[Client]) -> None:
+  """PFLlib's FedCP drawing our Gumbel noise (_OurGumbel: fedcp.step_noise from the key
+  our client k gets in round r, split as fedcp's client_update splits it, the noise's
+  first), each client's train_cs_model marking whose steps run (its print not shown)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from flcore.servers import servercp  # pylint: disable=import-outside-toplevel
+  train_key = root_keys(setting.seed)["train"]
+
+  def noise(k: int, r: int, step: int, shape: tuple) -> np.ndarray:
+    key = client_keys(jax.random.fold_in(train_key, r), len(clients))[k]
+    return np.array(fedcp.step_noise(jax.random.split(key)[0], jnp.float32(step), shape))
+  gumbel = _OurGumbel(torch.nn.functional, noise)
+  servercp.F = gumbel
+  for client in server.clients:
+    client.rounds_trained = 0
+
+    def train(client=client, original=client.train_cs_model):
+      gumbel.source, gumbel.step = (client.id, client.rounds_trained), 0
+      with contextlib.redirect_stdout(io.StringIO()):
+        original()
+      gumbel.source = None
+      client.rounds_trained += 1
+    client.train_cs_model = train
+
+
+def _cp_load_initial(server, state) -> None:
+  """Our initial CPN (Linear and LayerNorm) and each client's context c_i into PFLlib's
+  clients (theirs: torch's init and torch.rand)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  policy = jax.tree.map(lambda a: torch.from_numpy(np.asarray(a).copy()), state.server.policy)
+  with torch.no_grad():
+    for client in server.clients:
+      linear, norm = client.model.gate.cs.fc[0], client.model.gate.cs.fc[1]
+      linear.weight.copy_(policy["kernel"].T)
+      linear.bias.copy_(policy["bias"])
+      norm.weight.copy_(policy["scale"])
+      norm.bias.copy_(policy["offset"])
+      client.context = torch.from_numpy(np.asarray(state.clients.context[client.id])[None].copy())
+
+
+def _cp_ours_more(algorithm, state):
+  """Each client's h_g, CPN Linear, LayerNorm (scale as a [1, 2d] kernel) and c_i (a
+  [1, d] kernel), as Dense layers in that order."""
+  del algorithm
+  clients = state.clients
+  head = list(clients.global_head["params"])[0]
+  policy = clients.policy
+  return {"params": {
+      "Dense_0": clients.global_head["params"][head],
+      "Dense_1": {"kernel": policy["kernel"], "bias": policy["bias"]},
+      "Dense_2": {"kernel": policy["scale"][:, None, :], "bias": policy["offset"]},
+      "Dense_3": {"kernel": clients.context[:, None, :],
+                  "bias": jnp.zeros_like(clients.context)}}}
+
+
+def _cp_theirs_more(client):
+  """The same of PFLlib's client: head_g, its cs's Linear, LayerNorm and context."""
+  import torch  # pylint: disable=import-outside-toplevel
+  norm = client.model.gate.cs.fc[1]
+  scale = torch.nn.Linear(1, norm.weight.shape[0])
+  context = torch.nn.Linear(1, client.context.shape[1])
+  with torch.no_grad():
+    scale.weight.copy_(norm.weight[:, None])
+    scale.bias.copy_(norm.bias)
+    context.weight.copy_(client.context.T)
+    context.bias.zero_()
+  return torch.nn.ModuleList([client.model.head_g, client.model.gate.cs.fc[0], scale,
+                              context])
+
+
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
 REFERENCES = {
     "local": Reference("serverlocal.Local", "clientavg.py", ("train",), _own_key,
@@ -473,6 +647,53 @@ REFERENCES = {
                         config={"kl_weight": 50.0, "mean_momentum": 0.1},
                         args={"kl_weight": 50.0, "momentum": 0.1}, split=True, rounds=2,
                         server_model=_dbe_server_model, built_loads=_dbe_built_loads),
+    # FedALA in the authors' form (ALA_CONFIG) beside PFLlib's, whose utils/ALA.py is the
+    # authors' (TsingZ0/FedALA system/utils/ALA.py, the same bytes): its ALA slices our
+    # slice (_ala_prepare). Three rounds: ALA rests in the first, trains W until the
+    # loss settles in the second, one epoch in the third; theta_hat and W of the last
+    # round compared too. Scored: the trained local model (ours: theta_i; PFLlib scores
+    # after its next round's ALA, which ours has not run).
+    "fedala": Reference("serverala.FedALA", "clientala.py", (_ala_keep, "train"), _ala_keys,
+                        aggregates=True, personal="model", config=ALA_CONFIG, args=ALA_ARGS,
+                        rounds=3, scored_after_send=False, prepare=_ala_prepare,
+                        also=(_ala_ours, _ala_theirs), also_previous=True),
+    "fedala_round2": Reference("serverala.FedALA", "clientala.py", (_ala_keep, "train"),
+                               _ala_keys, aggregates=True, personal="model",
+                               config=ALA_CONFIG, args=ALA_ARGS, rounds=2,
+                               scored_after_send=False, prepare=_ala_prepare,
+                               also=(_ala_ours, _ala_theirs), also_previous=True,
+                               algorithm="fedala"),
+    "fedala_round1": Reference("serverala.FedALA", "clientala.py", ("train",), _ala_keys,
+                               aggregates=True, personal="model", config=ALA_CONFIG,
+                               args=ALA_ARGS, scored_after_send=False,
+                               prepare=_ala_prepare, algorithm="fedala"),
+    # W trained until the loss settles for longer than the first 11 epochs the authors'
+    # threshold takes on this split: threshold 3e-5 (11 to 295 epochs, the same on both
+    # sides), the bound of our traced loop out of reach (theirs has none).
+    "fedala_converging": Reference(
+        "serverala.FedALA", "clientala.py", (_ala_keep, "train"), _ala_keys,
+        aggregates=True, personal="model",
+        config={**ALA_CONFIG, "threshold": 3e-5, "max_epochs": 1000}, args=ALA_ARGS,
+        rounds=2, scored_after_send=False,
+        prepare=functools.partial(_ala_prepare, threshold=3e-5),
+        also=(_ala_ours, _ala_theirs), also_previous=True, algorithm="fedala"),
+    # FedCP (lambda 5, tau 1) beside PFLlib's (clientcp.py, servercp.py: the authors'
+    # TsingZ0/FedCP files), our initial CPN and contexts loaded, its Gumbel noise ours
+    # (_cp_prepare); no send before a round (its server sends after aggregating). Two
+    # rounds: the contexts, h_g and CPN of the first act in the second. Compared: each
+    # client's f (the server's, sent) and h_p, h_g, CPN and c_i (its global_model is the
+    # initial one, unused); scored by PFLlib's test_metrics, noise-free.
+    "fedcp": Reference("servercp.FedCP", "clientcp.py",
+                       ("train_cs_model", "generate_upload_head"), _cp_keys,
+                       aggregates=True, personal=lambda client: client.model.model,
+                       config={"lam": 5.0, "temperature": 1.0}, args={"lamda": 5.0},
+                       split=True, compare_server=False, rounds=2, sends=False,
+                       server_steps=("aggregate_parameters", "send_models", "global_head",
+                                     "global_cs"),
+                       accuracy=_proto_accuracy,
+                       also=(_cp_ours_more, _cp_theirs_more), prepare=_cp_prepare,
+                       load_initial=_cp_load_initial,
+                       our_personal=lambda personal: personal.model),
     # The authors' lambda 0.01 and mu 0.1. Its server aggregates, then sends phi, the GCE
     # (each client rebuilding its conditional inputs first) and the CoV; two rounds, so
     # that the conditional inputs act. Compared: phi, each client's phi and head, the
@@ -526,6 +747,8 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     with (_working_directory(system), contextlib.redirect_stdout(open(os.devnull, "w")),
           _loaders_while_built(built, clients)):
       server = server_class(args, 0)
+  if reference.prepare is not None:
+    reference.prepare(server, setting, clients)
   if loaded is not None:
     reference.load_initial(server, loaded)
   server.selected_clients = list(server.clients)
@@ -624,6 +847,7 @@ def _scored_model(reference: Reference, client, server):
 
 def _our_round(name: str, setting: Setting, clients: list[Client], reference: Reference):
   """One round here: (the run's result, its initial model, the engine's batches)."""
+  name = reference.algorithm or name
   data = stack_clients(clients, num_classes=10)
   model = build_model("mlp", 10, (HIDDEN,))
   epochs = reference.our_epochs or setting.local_epochs
@@ -650,7 +874,12 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
   personal = built.personalized_params(state.server, state.clients)
   compared = _client_layers(reference.our_personal(personal))
   if reference.also is not None:
-    compared += _client_layers(reference.also[0](built, state))
+    earlier = ()
+    if reference.also_previous:  # the state a round earlier: a run one round shorter
+      shorter = dataclasses.replace(train, rounds=train.rounds - 1)
+      earlier = (run_algorithm(algorithms.make(name, config), model, data, shorter,
+                               progress=None).final_state.algorithm,)
+    compared += _client_layers(reference.also[0](built, state, *earlier))
   return result, initial, batches, compared
 
 

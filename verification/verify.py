@@ -24,6 +24,8 @@ CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
 COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg", "fedrep",
            "fedbabu", "moon", "pfedme", "fedrod", "perfedavg", "fedamp", "fedphp", "fedproto",
            "scaffold", "feddyn", "fedntd", "fedlc", "feddbe", "gpfl")
+# FedALA after one, two and three rounds, and with W trained longer (one_round.py); FedCP.
+COVERED += ("fedala_round1", "fedala_round2", "fedala", "fedala_converging", "fedcp")
 
 
 def missing() -> str | None:
@@ -106,6 +108,10 @@ def main(argv: list[str]) -> int:
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
+  document["setting"] += ("; FedALA in the authors' form (s 80, p 1, eta 1, their slice and"
+                          " last-batch loss) over one, two and three rounds, and with"
+                          " threshold 3e-5 over two; FedCP (lambda 5, tau 1, our initial"
+                          " CPN and contexts, our Gumbel noise, two rounds)")
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(document, f, indent=2)

@@ -13,7 +13,8 @@ authors' code), trains theta_hat with the run's local SGD, keeps the result as i
 
 Hyperparameters are ALA's and share the --ala_* flags with the --ala plug-in. Defaults
 are the authors': s = 80 (rand_percent), eta = 1.0, threshold 0.1 over 10 losses, and
-p = 1 layer (their layer_idx=2 counts the head's weight and bias tensors).
+p = 1 layer (their layer_idx=2 counts the head's weight and bias tensors); their sample
+and convergence loss are --ala_sample=slice --ala_epoch_loss=last (ala.py).
 
 Evaluation: each client's local model as it ends the round (trained from theta_hat).
 The authors evaluate after the next round's ALA, i.e. theta_hat of the next round before
