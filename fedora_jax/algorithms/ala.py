@@ -82,14 +82,13 @@ averages that pass computes are dropped with the temporary model. W has entries 
 running averages (the engine folds them into the parameters); they take no step.
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedora_jax import tree
-from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.plugin_fields import AlaHooks
+from fedora_jax.algorithms.base import Algorithm, AlgorithmState, InitContext
 from fedora_jax.algorithms.layers import layer_names, merge_layers, take_layers
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats

@@ -265,8 +265,11 @@ def apfl(config: ApflConfig, trainer: ClientTrainer) -> Algorithm:
 
   evaluate = None
   if config.mixing == "output":
-    evaluate = trainer.evaluate_with(lambda personal, x: mixed_outputs(trainer.apply,
-                                                                       personal, x))
+    evaluate_with = trainer.evaluate_with
+    if evaluate_with is None:
+      raise ConfigError("apfl with mixing=output needs the trainer's evaluate_with"
+                        " (make_client_trainer)")
+    evaluate = evaluate_with(lambda personal, x: mixed_outputs(trainer.apply, personal, x))
   return Algorithm(name="apfl", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=personalized_params, evaluate=evaluate,

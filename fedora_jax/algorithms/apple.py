@@ -117,7 +117,9 @@ class AppleServer(NamedTuple):
 
 
 class AppleClient(NamedTuple):
-  index: jax.Array    # [N] int32: the client's own index j (which core model is its own)
+  # [N] int32: the client's own index j (which core model is its own). The name shadows
+  # tuple.index, never called here; checkpoints store it, so it stays.
+  index: jax.Array  # type: ignore[assignment]
   p: jax.Array        # [N, N] p_i, the DR vectors
   personal: Params    # [N, ...] w_p^i as the client ended its last round
   copies: Params      # [N, N, ...] held copies of all core models when M > 0, else ()

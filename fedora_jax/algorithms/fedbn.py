@@ -60,7 +60,9 @@ FLAG_HELP = {
 
 
 class FedBnClient(NamedTuple):
-  index: jax.Array       # [K] int32, the client's index (keeps the K axis on BN-free models)
+  # [K] int32, the client's index (keeps the K axis on BN-free models). The name shadows
+  # tuple.index, never called here; checkpoints store it, so it stays.
+  index: jax.Array  # type: ignore[assignment]
   batch_norm: Params     # [K, ...] the client's BatchNorm leaves (empty without BatchNorm)
 
 

@@ -112,7 +112,7 @@ def validate(config: FedCpConfig, trainer: ClientTrainer) -> FedCpConfig:
     raise FieldError("fedcp", "temperature", f"must be > 0, got {config.temperature}")
   if trainer.task != "classification":
     raise ConfigError("fedcp needs a classification task")
-  if trainer.apply is None:
+  if trainer.apply is None or trainer.evaluate_with is None:
     raise ConfigError("fedcp needs the trainer's model forward (make_client_trainer)")
   return config
 
@@ -172,13 +172,15 @@ def step_noise(key: jax.Array, step: jax.Array, shape) -> jax.Array:
 
 def fedcp(config: FedCpConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config, trainer)
+  apply, evaluate_with = trainer.apply, trainer.evaluate_with
+  assert apply is not None and evaluate_with is not None  # validate() checked them
 
   def parts(params: Params) -> tuple[list[str], str]:
     head = head_layer(params, "fedcp")
     return split_body_head(params, 1, "fedcp")[0], head
 
   def features_of(params: Params, head: str, x: jax.Array) -> jax.Array:
-    return apply_with_representation(trainer.apply, params, x, head)[1]
+    return apply_with_representation(apply, params, x, head)[1]
 
   def init(context: InitContext) -> AlgorithmState:
     first = tree.first(context.params)
@@ -262,5 +264,5 @@ def fedcp(config: FedCpConfig, trainer: ClientTrainer) -> Algorithm:
   return Algorithm(name="fedcp", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=personalized_params,
-                   evaluate=trainer.evaluate_with(forward),
+                   evaluate=evaluate_with(forward),
                    shared_part=BODY)  # FedCpServer.body: the feature extractor f

@@ -96,8 +96,8 @@ def fedlc(config: FedLcConfig, trainer: ClientTrainer) -> Algorithm:
   def init(context: InitContext) -> AlgorithmState:
     state = base.init(context)
     num_classes = context.data.num_classes
-    counts = sum(class_counts(jnp.asarray(b.train.y), jnp.asarray(b.train.mask), num_classes)
-                 for b in context.data.buckets)
+    counts = jnp.asarray(sum(class_counts(jnp.asarray(b.train.y), jnp.asarray(b.train.mask),
+                                          num_classes) for b in context.data.buckets))
     return state._replace(server=ServerState(state.server, counts))
 
   def broadcast(server, clients):

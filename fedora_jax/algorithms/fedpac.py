@@ -92,7 +92,8 @@ class FedPacServer(NamedTuple):
   body: Params            # the global feature extractor {"params": {body layers}}
   protos: jax.Array       # [C, d] global class prototypes c_k
   has_proto: jax.Array    # [C] bool: some sampled client held class k last round
-  combination: jax.Array  # [K, K] the last round's alpha (rows of unsampled clients: 0)
+  # [K, K] the last round's alpha (rows of unsampled clients: 0); () in the broadcast
+  combination: jax.Array | tuple[()]
 
 
 class FeatureSums(NamedTuple):
@@ -213,7 +214,8 @@ def combination_weights(variance: jax.Array, bias: jax.Array, members: jax.Array
 
 def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config, trainer)
-  if trainer.apply is None:
+  apply = trainer.apply
+  if apply is None:
     raise ConfigError("fedpac needs the trainer's model forward (make_client_trainer)")
   batch_size = batch_size_of(trainer)
 
@@ -223,8 +225,9 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
 
   def training_sums(params: Params, head: str, data: ClientData, num_classes: int):
     """FeatureSums of the model's features over the client's whole training split."""
-    _, features = apply_with_representation(trainer.apply, params, data.x, head)
-    return feature_sums(features, data.y, data.mask.astype(jnp.float32), num_classes)
+    x, y, mask = jnp.asarray(data.x), jnp.asarray(data.y), jnp.asarray(data.mask)
+    _, features = apply_with_representation(apply, params, x, head)
+    return feature_sums(features, y, mask.astype(jnp.float32), num_classes)
 
   def init(context: InitContext) -> AlgorithmState:
     first = tree.first(context.params)
@@ -251,7 +254,7 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
     align = config.lam * jnp.any(server.has_proto)  # no global prototypes yet: no alignment
 
     def loss(p, x, y, weights):
-      logits, features = apply_with_representation(trainer.apply, p, x, head)
+      logits, features = apply_with_representation(apply, p, x, head)
       return (masked_cross_entropy(logits, y, weights)
               + align * alignment_loss(features, y, weights, targets))
 

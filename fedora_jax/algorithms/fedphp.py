@@ -128,7 +128,7 @@ def gaussian_kernels(a: jax.Array, b: jax.Array, bandwidth: jax.Array) -> jax.Ar
 def fixed_gaussian_kernels(a: jax.Array, b: jax.Array) -> jax.Array:
   """[Na, Nb]: PFLlib's sum over its bandwidths s of exp(-||a - b||^2 / (2 s))."""
   distances = jnp.sum(jnp.square(a[:, None] - b[None]), axis=-1)
-  return sum(jnp.exp(-0.5 * distances / s) for s in PFLLIB_BANDWIDTHS)
+  return jnp.asarray(sum(jnp.exp(-0.5 * distances / s) for s in PFLLIB_BANDWIDTHS))
 
 
 def mmd(source: jax.Array, target: jax.Array, weights: jax.Array,

@@ -196,6 +196,8 @@ def validate(config: FedProtoConfig, trainer: ClientTrainer) -> FedProtoConfig:
 
 def fedproto(config: FedProtoConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config, trainer)
+  apply = trainer.apply
+  assert apply is not None  # validate() checked it
 
   def init(context: InitContext) -> AlgorithmState:
     num_clients = tree.leading_size(context.params)
@@ -210,18 +212,18 @@ def fedproto(config: FedProtoConfig, trainer: ClientTrainer) -> Algorithm:
 
   def client_update(client: FedProtoClient, global_prototypes: Prototypes, data, key):
     head, _, num_classes = _head_shapes(client.params)
-    loss_fn = fedproto_loss(trainer.apply, head, global_prototypes, config)
+    loss_fn = fedproto_loss(apply, head, global_prototypes, config)
     if config.prototypes == "training":
       params, stats, (sums, seen) = trainer.train(
           client.params, data.train, key, loss_fn=loss_fn,
-          observe=step_representation_sums(trainer.apply, head, num_classes))
+          observe=step_representation_sums(apply, head, num_classes))
       # The split's class counts weigh the aggregation, whatever the local epochs.
       counts = jnp.sum(jax.nn.one_hot(data.train.y, num_classes)
                        * data.train.mask[:, None], axis=0)
       local = Prototypes(means=sums / jnp.maximum(seen, 1.0)[:, None], counts=counts)
     else:
       params, stats = trainer.train(client.params, data.train, key, loss_fn=loss_fn)
-      z = representations(trainer.apply, params, data.train.x, head)
+      z = representations(apply, params, data.train.x, head)
       local = class_prototypes(z, data.train.y, data.train.mask, num_classes)
     return ClientOutput(state=FedProtoClient(params=params, prototypes=local), upload=local,
                         train=stats)

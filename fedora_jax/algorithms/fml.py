@@ -118,9 +118,12 @@ def _clip_scale(grads: Params, clip_norm: float) -> jax.Array:
 
 
 def fml_loss(trainer: ClientTrainer, config: FmlConfig):
+  apply = trainer.apply
+  assert apply is not None  # validate() requires the model's forward
+
   def loss(params: FmlTrained, x, y, weights):
-    personal = trainer.apply(params.personal, x)
-    meme = trainer.apply(params.meme, x)
+    personal = apply(params.personal, x)
+    meme = apply(params.meme, x)
     peer_of_personal, peer_of_meme = meme, personal
     if config.detach_peer:
       peer_of_personal = jax.lax.stop_gradient(meme)

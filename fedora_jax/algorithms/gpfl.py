@@ -55,7 +55,7 @@ from fedora_jax.algorithms.layers import (affine_head, apply_with_representation
                                           merge_layers, split_body_head, take_layers)
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.engine.local_training import ClientTrainer, masked_cross_entropy
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import ConfigError, FieldError
 
 Params = Any
 LAYER_NORM_EPS = 1e-5   # PyTorch's nn.LayerNorm default
@@ -108,6 +108,8 @@ def validate(config: GpflConfig, trainer: ClientTrainer) -> GpflConfig:
   if config.mu < 0:
     raise FieldError("gpfl", "mu", f"must be >= 0, got {config.mu}")
   check_representation_trainer("gpfl", trainer)
+  if trainer.evaluate_with is None:
+    raise ConfigError("gpfl needs the trainer's evaluate_with (make_client_trainer)")
   return config
 
 
@@ -160,18 +162,20 @@ def conditional_inputs(embeddings: jax.Array, shares: jax.Array) -> tuple[jax.Ar
 
 
 def squared_norm(params: Params) -> jax.Array:
-  return sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(params))
+  return jnp.asarray(sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(params)))
 
 
 def gpfl(config: GpflConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config, trainer)
+  apply, evaluate_with = trainer.apply, trainer.evaluate_with
+  assert apply is not None and evaluate_with is not None  # validate() checked them
 
   def parts(params: Params) -> tuple[list[str], str]:
     head = head_layer(params, "gpfl")
     return split_body_head(params, 1, "gpfl")[0], head
 
   def features_of(params: Params, head: str, x: jax.Array) -> jax.Array:
-    return apply_with_representation(trainer.apply, params, x, head)[1]
+    return apply_with_representation(apply, params, x, head)[1]
 
   def init(context: InitContext) -> AlgorithmState:
     first = tree.first(context.params)
@@ -248,4 +252,4 @@ def gpfl(config: GpflConfig, trainer: ClientTrainer) -> Algorithm:
   return Algorithm(name="gpfl", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=personalized_params,
-                   evaluate=trainer.evaluate_with(forward))
+                   evaluate=evaluate_with(forward))

@@ -176,6 +176,7 @@ def partialfed(config: PartialFedConfig, trainer: ClientTrainer) -> Algorithm:
       params, stats = trainer.train(start, data.train, train_key)
       logits = client.logits
     else:
+      assert noise is not None  # drawn for the adaptive strategy
       start = StrategyTrained(params=load_layers(client.local, global_params, load),
                               logits=client.logits)
       trained, stats = trainer.train(start, data.train, train_key, loss_fn=strategy_loss(

@@ -6,19 +6,23 @@ others). Inside a bucket every split is padded to the bucket's largest client an
 marks the real samples. Images stay uint8 on the device; models normalise on the fly.
 """
 
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
 from fedora_jax.errors import DataError
 
+if TYPE_CHECKING:  # annotations only: the data modules do not import jax
+  import jax
+
 
 class ClientData(NamedTuple):
-  """One split of the clients of one bucket."""
-  x: np.ndarray     # [K_b, N, ...] uint8 (or float for non-image data)
-  y: np.ndarray     # [K_b, N] int32 class ids (float32 targets for regression)
-  mask: np.ndarray  # [K_b, N] bool: True for real samples
-  n: np.ndarray     # [K_b] int32: real samples per client
+  """One split of the clients of one bucket: numpy arrays as built, jax arrays on the
+  device and in jitted code."""
+  x: "np.ndarray | jax.Array"     # [K_b, N, ...] uint8 (or float for non-image data)
+  y: "np.ndarray | jax.Array"     # [K_b, N] int32 class ids (float32 for regression)
+  mask: "np.ndarray | jax.Array"  # [K_b, N] bool: True for real samples
+  n: "np.ndarray | jax.Array"     # [K_b] int32: real samples per client
 
 
 class ClientSplits(NamedTuple):

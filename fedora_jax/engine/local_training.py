@@ -64,7 +64,8 @@ class EvalStats(NamedTuple):
 class ClientTrainer(NamedTuple):
   """Pure per-client functions shared by all algorithms."""
   loss: Callable[[Params, jax.Array, jax.Array, jax.Array], jax.Array]
-  train: Callable[..., tuple[Params, TrainStats]]
+  # -> (params, TrainStats), then the observed sums with `observe`, the carry with `carry`.
+  train: Callable[..., tuple[Any, ...]]
   evaluate: Callable[[Params, ClientData], EvalStats]
   steps_per_epoch: Callable[[int], int]
   task: str = "classification"
