@@ -1,5 +1,5 @@
 # fedora_jax: `make run` installs everything and runs FEDORA on rotated MNIST;
-# `make test` installs everything and runs the test suite.
+# `make test` installs everything, lints and type-checks the library, and runs the tests.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ ARGS ?=
 
 VERIFY_STAMP := $(VENV)/.installed-verify
 
-.PHONY: install run test test-quick verify clean
+.PHONY: install run lint test test-quick verify clean
 
 install: $(STAMP)
 
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 run: install
 	$(PY) -m experiments.main --dataset=rmnist $(ARGS)
 
+# ruff and mypy over the library, as configured in pyproject.toml.
+lint: install
+	$(VENV)/bin/ruff check fedora_jax
+	$(VENV)/bin/mypy fedora_jax
+
 # Two workers: most of the suite's time is single-threaded XLA compilation.
-test: install
+test: install lint
 	$(PY) -m pytest -q -n 2 tests
 
 # The first check after a change: unit tests and one end-to-end run, a few minutes.
