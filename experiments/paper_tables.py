@@ -433,9 +433,14 @@ def _cell(mean, std=None, signed=False) -> str:
 
 def _rounds_note(table: dict, column: str, rounds: int) -> str:
   paper_rounds = cell_flags(table, column).get("rounds")
+  # The table's value, the paper's where it states one, else its authors' code's.
+  settings = table["settings"] + table["columns"][column]["settings"]
+  stated = [s for s in settings if s.get("flag") == "rounds"]
+  whose = "the paper's" if stated and stated[-1].get("paper") is not None else \
+      "the authors' code's"
   if paper_rounds is not None and rounds < paper_rounds:
-    return f"{rounds} rounds, FEWER than the paper's {paper_rounds}"
-  return f"{rounds} rounds (the paper's: {paper_rounds})"
+    return f"{rounds} rounds, FEWER than {whose} {paper_rounds}"
+  return f"{rounds} rounds ({whose}: {paper_rounds})"
 
 
 def column_heading(table: dict, column: str) -> str:
@@ -532,8 +537,9 @@ def table_title(table_name: str, table: dict, columns: list[str]) -> str:
   not_run = [table["columns"][c]["label"] for c in table["columns"] if c not in columns]
   title = f"{table['short']}, {table['table']} (--table={table_name}): {table['caption']}"
   if not_run:
-    title += f" Run here: {', '.join(table['columns'][c]['label'] for c in columns)};" \
-             f" the paper's numbers only: {', '.join(not_run)}."
+    ran = ", ".join(table["columns"][c]["label"] for c in columns)
+    title += (f" Columns this command ran: {ran}; the paper's numbers only here (run by"
+              f" another command, or not at all): {', '.join(not_run)}.")
   return title
 
 

@@ -316,7 +316,8 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   assert "--log_every" not in markdown.split("command: ")[0]  # changes nothing computed
   fedavg_line = [l for l in markdown.splitlines() if l.startswith("| fedavg |")][0]
   assert f"| {rows['fedavg']['acc']:.2f} | 64.78 ± 0.04 |" in fedavg_line
-  assert "Run here: MNIST alpha=0.3; the paper's numbers only: MNIST alpha=0.1" in markdown
+  assert ("Columns this command ran: MNIST alpha=0.3; the paper's numbers only here (run by"
+          " another command, or not at all): MNIST alpha=0.1") in markdown
   # The column's own table, which a later command over other columns leaves alone.
   column_markdown = (tmp_path / "mnist_0.3" / "coaching1.md").read_text()
   assert fedavg_line in column_markdown and "## MNIST alpha=0.3" in column_markdown
@@ -506,3 +507,13 @@ def test_rows_this_build_cannot_run_say_why():
                                         "flag": "model", "value": "no_such_model"}]
   assert paper_tables.column_problem(table, "c") == (
       "needs --model=no_such_model, which this build does not register")
+
+
+def test_a_table_s_rounds_are_named_for_whose_they_are():
+  # Coaching's paper states its rounds; FedALA's and ConFREE's come from their code.
+  assert paper_tables._rounds_note(TABLES["coaching1"], "mnist_0.1", 2) == (
+      "2 rounds, FEWER than the paper's 50")
+  assert paper_tables._rounds_note(TABLES["fedala1"], "mnist_pat", 10) == (
+      "10 rounds, FEWER than the authors' code's 1000")
+  assert paper_tables._rounds_note(TABLES["confree2"], "cifar10_c20_p30", 2000) == (
+      "2000 rounds (the authors' code's: 2000)")
