@@ -1,6 +1,6 @@
 """Runs one pFL algorithm on one federated dataset and reports the paper's metrics.
 
-  python -m experiments.main --dataset=rmnist             # FEDORA as the paper reports it
+  python -m experiments.main --dataset=rmnist             # FEDORA, the authors' code's form
   python -m experiments.main --dataset=rmnist --fedora_variant=paper  # equations as printed
 
 A thin command over `fedora_jax.train.train_and_evaluate`: the flags become an
