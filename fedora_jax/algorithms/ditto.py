@@ -48,7 +48,7 @@ momentum SGD, lambda = 1 drags the personal model a large part of the way to a g
 model that is still poor early on, so fixed learns slowly (it reaches LOCAL's level,
 0.755, by round 500). per_client picks the grid's smallest lambda almost always (0.1 on
 34-36 of the 36 clients in every round), and both selections track LOCAL; neither is
-above LOCAL at 100 rounds. At the paper's 500 rounds (docs/results.md, "Table 1 with the
+above LOCAL at 100 rounds. At the authors' code's 500 rounds (docs/results.md, "Table 1 with the
 fixed baselines", seeds 0-2 on an H100) per_client gives 0.7703 +- 0.0047, R-Acc +0.019,
 PTR 0.69 (per_step 0.7707, +0.020, 0.70) against fixed's 0.7546, -0.001, 0.46 and the
 FEDORA paper's Ditto row 0.7806 / +0.0220 / 0.7222. So "per_client", the rule the Ditto
