@@ -14,7 +14,7 @@ one by declaring what it needs (plugin_fields.py; `ala_hosts`, `confree_hosts`).
 """
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 from fedora_jax.algorithms import (apfl, ditto, fedamp, fedavg, fedavg_ft, fedfomo, fedora,
                                    fedper, fedprox, fedprox_ft, fedu, fesem, ifca,
@@ -169,14 +169,14 @@ def default_config(name: str, train: Any = None, preset: str | None = None, **ov
   if preset is not None and preset not in registered.presets:
     raise ConfigError(f"unknown {name} variant {preset!r}; known:"
                       f" {', '.join(registered.presets)}")
-  values = dict(registered.presets.get(preset, {}))
+  values = dict(registered.presets[preset]) if preset is not None else {}
   if train is not None:
     values.update({field: getattr(train, field) for field in registered.train_fields})
   values.update(overrides)
   return registered.config_class(**values)
 
 
-def variant_label(name: str, fields: dict[str, Any]) -> str | None:
+def variant_label(name: str, fields: Mapping[str, Any]) -> str | None:
   """The preset of `name` nearest a run's recorded config `fields`, with the fields the
   run changed on top of it ("paper; alpha=0.5"); None where `name` has no presets."""
   registered = get(name)
