@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedora_jax.algorithms import fedfomo
+from fedora_jax.algorithms.base import InitContext
+from fedora_jax.data.client_data import ClientData
 from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
 
@@ -89,3 +91,77 @@ def test_broadcast_sends_m_models_and_aggregate_accumulates_affinity():
                                                      [3.0, 0.0, 1.0],
                                                      [1.0, 5.0, 0.0]])
   assert int(state.server.round) == 5
+
+
+def test_pfllib_weights_signed_with_distance_eps_by_hand():
+  # (1 - 0.5) / (2 + 0.5) = 0.2, (1 - 1.5) / (1 + 0.5) = -1/3; the normalised keep 0.2 alone.
+  raw = fedfomo.signed_weights(jnp.float32(1.0), jnp.array([0.5, 1.5]), jnp.array([2.0, 1.0]),
+                               distance_eps=0.5)
+  np.testing.assert_allclose(raw, [0.2, -1.0 / 3.0], rtol=1e-6)
+  np.testing.assert_allclose(fedfomo.normalized_weights(raw), [1.0, 0.0])
+
+
+def test_candidates_self_starts_from_identity_and_ranks_self():
+  trainer = tiny_trainer(tiny_model())
+  config = fedfomo.FedFomoConfig(num_models=2, epsilon=0.0, candidates="self")
+  algorithm = fedfomo.fedfomo(config, trainer)
+  server = fedfomo.FedFomoServer(affinity=jnp.eye(3) + jnp.array([[0.0, 0.0, 0.5],
+                                                                  [2.0, 0.0, 0.0],
+                                                                  [0.0, 0.0, 0.0]]),
+                                 round=jnp.int32(0), key=fedfomo.raw_key(jax.random.key(0)))
+  ids = np.asarray(algorithm.broadcast(server, {"w": jnp.zeros((3, 1))}).ids)
+  np.testing.assert_array_equal(ids[:2], [[0, 2], [0, 1]])  # row 1: 2.0 beats its own 1.0
+  assert ids[2, 0] == 2
+  data, _ = tiny_data([6, 6, 6])
+  state = algorithm.init(InitContext(params={"w": jnp.zeros((3, 1))}, data=data,
+                                     trainer=trainer, key=jax.random.key(0)))
+  np.testing.assert_array_equal(state.server.affinity, np.eye(3))
+
+
+def test_train_tail_validates_on_the_last_fifth():
+  data = ClientData(x=jnp.zeros((12, 1)), y=jnp.zeros(12, jnp.int32),
+                    mask=jnp.arange(12) < 11, n=jnp.int32(11))
+  train, val = fedfomo.train_tail(data)  # int(0.2 * 11) = 2 held out: samples 9 and 10
+  np.testing.assert_array_equal(train.mask, np.arange(12) < 9)
+  np.testing.assert_array_equal(val.mask, (np.arange(12) >= 9) & (np.arange(12) < 11))
+  assert int(train.n) == 9 and int(val.n) == 2
+
+
+def test_pfllib_form_client_update_by_hand():
+  """baseline=previous, validation=train_tail, affinity_update=raw, distance_eps: the
+  losses and distances from the model the last training started from, the validation
+  the training data's last fifth, the raw weights uploaded, the mixture trained on the
+  rest."""
+  data, clients = tiny_data([10, 10, 10])
+  model = tiny_model()
+  lr = 0.1
+  trainer = tiny_trainer(model, lr=lr, batch_size=8)  # one full-batch SGD step on 8
+  config = fedfomo.FedFomoConfig(num_models=2, candidates="self", baseline="previous",
+                                 validation="train_tail", affinity_update="raw",
+                                 distance_eps=1e-3)
+  algorithm = fedfomo.fedfomo(config, trainer)
+  own, previous, other = (init_params(model, seed=s) for s in (0, 1, 2))
+  client = clients[0]
+  x_val, y_val = client.x_train[8:], client.y_train[8:]
+
+  def distance(a, b):
+    return float(np.sqrt(sum(np.sum((x - y) ** 2) for x, y in
+                             zip(jax.tree.leaves(a), jax.tree.leaves(b)))))
+  base_loss = float(mean_ce(model, previous, x_val, y_val))
+  raw = np.array([(base_loss - float(mean_ce(model, m, x_val, y_val)))
+                  / (distance(m, previous) + 1e-3) for m in (own, other)])
+  assert (raw > 0).any(), "the case must have a model that helps"
+  positive = np.maximum(raw, 0.0)
+  weights = positive / positive.sum()
+
+  message = fedfomo.FomoMessage(models=_stack([own, other]), ids=jnp.array([0, 2], jnp.int32))
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  out = algorithm.client_update(fedfomo.FomoClient(params=own, previous=previous), message,
+                                splits, jax.random.key(0))
+  np.testing.assert_allclose(out.upload.weights, raw, rtol=1e-4, atol=1e-7)
+  mixed = jax.tree.map(lambda a, b: weights[0] * a + weights[1] * b, own, other)
+  chex.assert_trees_all_close(out.state.previous, mixed, atol=1e-5)
+  grads = jax.grad(lambda p: mean_ce(model, p, client.x_train[:8], client.y_train[:8]))(mixed)
+  chex.assert_trees_all_close(out.state.params,
+                              jax.tree.map(lambda p, g: p - lr * g, mixed, grads), atol=1e-5)
+  assert algorithm.personalized_params(None, out.state) is out.state.params

@@ -92,6 +92,17 @@ def shuffle(key: jax.Array, n: int, batch_size: int) -> np.ndarray:
   return np.asarray(epoch_batches(key, np.ones(n, bool), n, batch_size, n // batch_size)[0])
 
 
+def leading_epochs(key: jax.Array, n: int, kept: int, epochs: int, batch_size: int
+                   ) -> list[np.ndarray]:
+  """The epochs of one trainer.train call from `key` on the first `kept` of n samples
+  (the others masked off, as fedfomo.train_tail masks them): each a shuffle of those,
+  cut into [kept // batch_size, batch_size] indices (local_training.epoch_batches)."""
+  assert kept % batch_size == 0, f"{kept} samples, batch {batch_size}"
+  mask = np.arange(n) < kept
+  return [np.asarray(epoch_batches(k, mask, kept, batch_size, -(-n // batch_size))[0])
+          [:kept // batch_size] for k in jax.random.split(key, epochs)]
+
+
 def client_loads(train_key: jax.Array, round_index: int, data: FederatedData,
                  loads: Callable[[jax.Array, int], list[list[np.ndarray]]]
                  ) -> list[list[list[np.ndarray]]]:

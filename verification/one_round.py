@@ -509,6 +509,27 @@ def _cp_theirs_more(client):
                               context])
 
 
+def _fomo_loads(key: jax.Array, n: int, epochs: int, batch_size: int
+                ) -> list[list[np.ndarray]]:
+  """FedFomo's training loader in PFLlib's form (--fedfomo_validation=train_tail): our
+  trainer's epochs over the first n - n // 5 samples (fedfomo.train_tail's mask; n is
+  the padded size here, every client holding the same count)."""
+  return [bridges.leading_epochs(key, n, n - n // 5, epochs, batch_size)]
+
+
+def _fomo_train(client) -> None:
+  """clientFomo.train with the harness's training loader and, as its validation loader,
+  the last 20 % of the client's training data in order (clientfomo.load_train_data)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  train = client.load_train_data()
+  held = len(train.y) - int(client.val_ratio * len(train.y))
+  val = [(torch.from_numpy(train.x[i:i + client.batch_size]),
+          torch.from_numpy(train.y[i:i + client.batch_size]))
+         for i in range(held, len(train.y), client.batch_size)]
+  client.load_train_data = lambda batch_size=None: (train, val)
+  client.train()
+
+
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
 REFERENCES = {
     "local": Reference("serverlocal.Local", "clientavg.py", ("train",), _own_key,
@@ -706,6 +727,18 @@ REFERENCES = {
                       server_model=_gpfl_server_model, accuracy=_proto_accuracy,
                       also=(_gpfl_ours_valve, _gpfl_valve), load_initial=_gpfl_load_initial,
                       our_personal=lambda personal: personal.model),
+    # FedFomo in PFLlib's form: P from the identity and the client a candidate of its
+    # own, weights against the model its last training started from (old_model), its
+    # validation the training data's last 20 %, P adding the raw weights, 1e-5 on the
+    # distance; no exploration, M 5 >= K (every client's model received: no ties in
+    # top-M). Two rounds: the first receives nothing there, identical models here.
+    "fedfomo": Reference("serverfomo.FedFomo", "clientfomo.py", (_fomo_train,), _own_key,
+                         aggregates=True, personal="model",
+                         config={"num_models": 5, "epsilon": 0.0, "candidates": "self",
+                                 "baseline": "previous", "validation": "train_tail",
+                                 "affinity_update": "raw", "distance_eps": 1e-5},
+                         args={"M": 5}, compare_server=False, rounds=2,
+                         server_steps=(), loads=_fomo_loads),
 }
 
 

@@ -26,6 +26,7 @@ COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg",
            "scaffold", "feddyn", "fedntd", "fedlc", "feddbe", "gpfl")
 # FedALA after one, two and three rounds, and with W trained longer (one_round.py); FedCP.
 COVERED += ("fedala_round1", "fedala_round2", "fedala", "fedala_converging", "fedcp")
+COVERED += ("fedfomo",)  # in PFLlib's form (one_round.py)
 
 
 def missing() -> str | None:

@@ -77,7 +77,16 @@ REGISTRY: dict[str, Registered] = {
         "num_models": "Models M each client downloads per round",
         "epsilon": "Initial probability of downloading M random models instead of the"
                    " top-M by affinity",
-        "epsilon_decay": "Subtracted from epsilon after every round"}),
+        "epsilon_decay": "Subtracted from epsilon after every round",
+        "candidates": "others: the paper's candidates; self: P starts as the identity and"
+                      " the client's own model is a candidate (PFLlib)",
+        "baseline": "current: weights measured against the client's model; previous:"
+                    " against the model its last training started from (PFLlib)",
+        "validation": "split: the client's validation split; train_tail: the last fifth of"
+                      " its training data, trained on the rest (PFLlib)",
+        "affinity_update": "normalized: P adds the normalised weights; raw: the signed,"
+                           " unnormalised ones (PFLlib)",
+        "distance_eps": "Added to ||theta_n - theta_i|| in the weights (PFLlib: 1e-5)"}),
     "fedu": Registered(fedu.FedUConfig, fedu.fedu, {
         "lam": "Laplacian regularisation strength lambda",
         "eta": "Step size of the Laplacian step after local training"}),
