@@ -65,6 +65,7 @@ from experiments import flags as run_flags
 from experiments import main as main_lib
 from experiments import paper_tables
 from fedora_jax import checkpoint as checkpoint_lib
+from fedora_jax.algorithms import REFERENCE
 from fedora_jax import metrics
 from fedora_jax import plots
 from fedora_jax import results as results_lib
@@ -157,9 +158,9 @@ flags.DEFINE_list("columns", [], "coaching1, coaching2, fedala1, fedala_ala, con
 def table_rows(table: str) -> list[str]:
   """Every row the table prints, in the paper's order: LOCAL first (run as the reference
   even where the paper prints no LOCAL row), our extra rows after the row they sit by."""
-  rows = ["local"]
+  rows = [REFERENCE]
   for row in load_paper_tables()[table]["rows"]:
-    if row != "local":
+    if row != REFERENCE:
       rows.append(row)
     rows += [extra for extra, beside in EXTRA_ROWS.items() if beside == row]
   return rows
@@ -180,7 +181,7 @@ def load_paper_rows(table: str, dataset: str) -> dict:
           for row, values in column["values"].items()}
   if "local_from" in column:  # the table prints no LOCAL row; one of the same setting
     other = tables[column["local_from"]["table"]]
-    rows["local"] = {**other["datasets"][dataset]["values"]["local"], "label": "LOCAL",
+    rows[REFERENCE] = {**other["datasets"][dataset]["values"][REFERENCE], "label": "LOCAL",
                      "source": f"Table {other['table']}, LOCAL row, {column['column']}",
                      "note": f"Table {paper['table']} prints no LOCAL row; this is Table"
                              f" {other['table']}'s: {column['local_from']['why']}"}
@@ -209,7 +210,7 @@ def check_rows(rows: list[str], table: str) -> list[str]:
                       f" {', '.join(known)}")
   wanted = set(rows) or set(known)
   # LOCAL is every other row's reference, so it always runs first.
-  return ["local"] + [r for r in known if r in wanted and r != "local"]
+  return [REFERENCE] + [r for r in known if r in wanted and r != REFERENCE]
 
 
 def _use_row(row: str, seed: int, workdir: str, reference: str | None) -> None:
@@ -308,8 +309,8 @@ def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1,
            " s/round | wall s | machine | paper's row |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    r_acc = None if r["algorithm"] == "local" else r["r_acc"]
-    ptr = None if r["algorithm"] == "local" else r["ptr"]
+    r_acc = None if r["algorithm"] == REFERENCE else r["r_acc"]
+    ptr = None if r["algorithm"] == REFERENCE else r["ptr"]
     timing = results_lib.cost_cells(r)
     paper_row = r.get("paper_row") or "—"
     if r["algorithm"] in EXTRA_ROWS:
@@ -371,7 +372,7 @@ def format_distance_section(rows: list[dict]) -> str:
                                           for g in metrics.ROTATION_DISTANCE_GROUPS) + " |",
            "|---|" + "---|" * len(metrics.ROTATION_DISTANCE_GROUPS)]
   for r in rows:
-    if r["algorithm"] != "local":
+    if r["algorithm"] != REFERENCE:
       lines.append(f"| {r['algorithm']} | " + " | ".join(
           _cell(r["r_acc_by_distance"][g][1], signed=True)
           for g in metrics.ROTATION_DISTANCE_GROUPS) + " |")
@@ -444,12 +445,12 @@ def reproduce() -> dict:
     # --reference is not part of a run's identity: a row read without its LOCAL is it.
     # A seed whose LOCAL did not finish (failed, or --finished_only) has none: its rows
     # train their own.
-    reference = local_of_seed.get(seed) if row != "local" else None
+    reference = local_of_seed.get(seed) if row != REFERENCE else None
     label = row_label(row, seed, number, len(plan))
     run, why = run_row(row, seed, workdir, reference, label, FLAGS.finished_only)
     if run is not None:
       runs[row].append(run)
-      if row == "local":
+      if row == REFERENCE:
         local_of_seed[seed] = run["results"]
     else:
       unfinished[row].append(paper_tables.seed_unfinished(seed, why))
