@@ -29,7 +29,9 @@ from fedora_jax import algorithms
 from fedora_jax.algorithms import ala, fedcp
 from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.data.sources import load_mnist
-from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
+from fedora_jax.algorithms import fedas
+from fedora_jax.engine.local_training import (epoch_batches, make_client_trainer,
+                                              make_optimizer)
 from fedora_jax.models import build_model
 from fedora_jax.rounds import client_keys
 from fedora_jax.simulation import (TrainConfig, initial_model, jitted_init, root_keys,
@@ -346,6 +348,105 @@ def _gpfl_valve(client):
 
 def _gpfl_server_model(server):
   return server.body
+
+
+def _cac_server_step(server) -> None:
+  """FedCAC's server after its clients train: its round counter (train() sets it), the
+  FedAvg, then send_models, which builds the customised models from round 1 on."""
+  server.epoch += 1
+  server.aggregate_parameters()
+  server.send_models()
+
+
+def _cac_server_model(server):
+  return server.model
+
+
+def _as_loads(key: jax.Array, n: int, epochs: int, batch_size: int
+              ) -> list[list[np.ndarray]]:
+  """FedAS's loaders: set_parameters' (its prototypes from one batch of every sample,
+  then the alignment's epoch of 16s, the last partial as ours), train's, the Fisher
+  trace's epoch (fedas.client_update's keys)."""
+  align_key, train_key, fisher_key = jax.random.split(key, 3)
+  align_batch = fedas.FedAsConfig().align_batch_size
+  indices, weights = epoch_batches(jax.random.split(align_key, 1)[0], np.ones(n, bool), n,
+                                   align_batch, -(-n // align_batch))
+  align = [i[w > 0] for i, w in zip(np.asarray(indices), np.asarray(weights))]
+  return [[[np.arange(n)], align], bridges.shuffled_epochs(train_key, n, epochs, batch_size),
+          [bridges.shuffle(fisher_key, n, batch_size)]]
+
+
+def _as_attach_server(server, state) -> None:
+  """Each PFLlib client reaches its server's global model (our steps receive it)."""
+  del state
+  for client in server.clients:
+    client.fedas_server = server
+
+
+def _as_receive(client) -> None:
+  """FedAS's send_selected_models for one client: the global model aligned, its base
+  taken."""
+  client.set_parameters(copy.deepcopy(client.fedas_server.global_model), 0.0)
+
+
+def _as_train(client) -> None:
+  client.train(True)
+
+
+def _gh_loads(key: jax.Array, n: int, epochs: int, batch_size: int
+              ) -> list[list[np.ndarray]]:
+  """FedGH's loaders: train's, then collect_protos' (any batches: class means)."""
+  return [bridges.shuffled_epochs(key, n, epochs, batch_size),
+          [np.arange(n).reshape(-1, batch_size)]]
+
+
+def _da_loads(key: jax.Array, n: int, epochs: int, batch_size: int
+              ) -> list[list[np.ndarray]]:
+  """PFL-DA's one loader: the head phase's epochs, then the extractor phase's
+  (pflda.client_update's two keys)."""
+  head_key, body_key = jax.random.split(key)
+  return [bridges.shuffled_epochs(head_key, n, epochs, batch_size)
+          + bridges.shuffled_epochs(body_key, n, epochs, batch_size)]
+
+
+def _fd_server_step(server) -> None:
+  """FD's server after its clients train: receive, average and send the logits."""
+  import flcore.servers.serverfd as serverfd  # pylint: disable=import-outside-toplevel
+  server.receive_logits()
+  server.global_logits = serverfd.proto_aggregation(server.uploaded_logits)
+  server.send_logits()
+
+
+def _gh_attach_key(server, state) -> None:
+  """Our server's shuffle key, for the batches of its header training."""
+  server.gh_key = np.asarray(state.server.key)
+
+
+def _gh_server_step(server) -> None:
+  """FedGH's receive_protos, then train_head's epoch of SGD on the (prototype, class)
+  pairs in our batches: slot i C + c for client i's class c, shuffled as
+  fedgh.aggregate shuffles them (its server key folded with the round)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  server.receive_protos()
+  round_index = getattr(server, "gh_round", 0)
+  server.gh_round = round_index + 1
+  num_classes = server.num_classes
+  slots = {client.id * num_classes + label: (proto, label)
+           for client in server.selected_clients for label, proto in client.protos.items()}
+  mask = np.zeros(len(server.clients) * num_classes, bool)
+  mask[list(slots)] = True
+  key = jax.random.fold_in(jax.random.wrap_key_data(server.gh_key), round_index)
+  indices, weights = epoch_batches(jax.random.split(key, 1)[0], mask, int(mask.sum()),
+                                   server.batch_size, -(-mask.size // server.batch_size))
+  for batch, real in zip(np.asarray(indices), np.asarray(weights) > 0):
+    if not real.any():
+      continue
+    protos = torch.stack([slots[int(i)][0] for i in batch[real]])
+    labels = torch.tensor([slots[int(i)][1] for i in batch[real]], dtype=torch.int64)
+    loss = server.CEloss(server.head(protos), labels)
+    server.opt_h.zero_grad()
+    loss.backward()
+    server.opt_h.step()
 
 
 # FedALA's ALA in the authors' form: s 80, their layer_idx 2 (the head's weight and bias:
@@ -727,6 +828,55 @@ REFERENCES = {
                       server_model=_gpfl_server_model, accuracy=_proto_accuracy,
                       also=(_gpfl_ours_valve, _gpfl_valve), load_initial=_gpfl_load_initial,
                       our_personal=lambda personal: personal.model),
+    # The authors' tau 0.5 and beta 100, PFLlib's first round (no customised models in
+    # round 0: --fedcac_first_round=initial). Two rounds: the second builds them. Its
+    # server sends at the end of a round (at the start only in round 0, to clients that
+    # already hold the initial model).
+    "fedcac": Reference("servercac.FedCAC", "clientcac.py", ("train",), _own_key,
+                        aggregates=True, personal="model",
+                        config={"tau": 0.5, "beta": 100.0, "first_round": "initial"},
+                        args={"tau": 0.5, "beta": 100}, rounds=2, sends=False,
+                        server_steps=(_cac_server_step,), server_model=_cac_server_model),
+    # PFLlib's alignment constants (our defaults); two rounds, the second from a
+    # Fisher-weighted global model. Its prototypes read from one batch of every sample
+    # (ours average them all; its loader of 16 drops 8 of 200).
+    "fedas": Reference("serveras.FedAS", "clientas.py", (_as_receive, _as_train), _own_key,
+                       aggregates=True, personal="model", config={}, args={}, split=True,
+                       rounds=2, sends=False, server_steps=("aggregate_wrt_fisher",),
+                       loads=_as_loads, load_initial=_as_attach_server),
+    # PFLlib's server lr 1 and its server header, client 0's own module
+    # (--fedgh_server_head_start=first_client). Two rounds; the header the server
+    # trains on the prototypes is compared in each client's model.
+    "fedgh": Reference("servergh.FedGH", "clientgh.py", ("train", "collect_protos"),
+                       _own_key, aggregates=True, personal="model",
+                       config={"server_lr": 1.0, "server_head_start": "first_client"},
+                       args={"server_learning_rate": 1.0}, split=True,
+                       compare_server=False, rounds=2, server_steps=(_gh_server_step,),
+                       loads=_gh_loads, load_initial=_gh_attach_key),
+    # PFLlib's form: both losses into both models, its KLDivLoss's mean over the classes
+    # too, each model's gradient clipped at 10, the memes' uniform mean; alpha = beta =
+    # 0.5. Two rounds. Compared: the meme (PFLlib's global model) and each client's
+    # personal model, which both score.
+    "fml": Reference("serverfml.FML", "clientfml.py", ("train",), _own_key, aggregates=True,
+                     personal="model",
+                     config={"alpha": 0.5, "beta": 0.5, "detach_peer": False,
+                             "kl_reduction": "mean", "clip_norm": 10.0,
+                             "server_mean": "uniform"},
+                     args={"alpha": 0.5, "beta": 0.5}, rounds=2),
+    # PFLlib's form (target=raw), lambda 1, on the MLP twin (raw logits: PFLlib's DNN
+    # would record its log_softmax). Two rounds: the first has no global logits.
+    "feddistill": Reference("serverfd.FD", "clientfd.py", ("train",), _own_key,
+                            aggregates=True, personal="model",
+                            config={"lam": 1.0, "target": "raw"}, args={"lamda": 1.0},
+                            split=True, compare_server=False, rounds=2, sends=False,
+                            server_steps=(_fd_server_step,)),
+    # PFLlib's detached penalty (--pflda_penalty_gradient=false: its heads train like
+    # lambda 0); one loader for both phases, head epochs then extractor epochs. Two
+    # rounds; the global head (its server's model) and each client's model compared.
+    "pflda": Reference("serverda.PFL_DA", "clientda.py", ("train",), _own_key,
+                       aggregates=True, personal="model",
+                       config={"lam": 1.0, "penalty_gradient": False}, args={"lamda": 1.0},
+                       split=True, rounds=2, loads=_da_loads),
     # FedFomo in PFLlib's form: P from the identity and the client a candidate of its
     # own, weights against the model its last training started from (old_model), its
     # validation the training data's last 20 %, P adding the raw weights, 1e-5 on the

@@ -23,7 +23,8 @@ ACCURACY_TOLERANCE = 1e-6  # test accuracies: the same images classified alike
 CONTROL_MINIMUM = 1e-3    # the control row must differ by at least this
 COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg", "fedrep",
            "fedbabu", "moon", "pfedme", "fedrod", "perfedavg", "fedamp", "fedphp", "fedproto",
-           "scaffold", "feddyn", "fedntd", "fedlc", "feddbe", "gpfl")
+           "scaffold", "feddyn", "fedntd", "fedlc", "feddbe", "gpfl", "fedcac", "fedas",
+           "fedgh", "fml", "feddistill", "pflda")
 # FedALA after one, two and three rounds, and with W trained longer (one_round.py); FedCP.
 COVERED += ("fedala_round1", "fedala_round2", "fedala", "fedala_converging", "fedcp")
 COVERED += ("fedfomo",)  # in PFLlib's form (one_round.py)
@@ -105,7 +106,9 @@ def main(argv: list[str]) -> int:
                   " FedLC (tau 1, PFLlib's federation counts and cross-entropy);"
                   " FedDBE (kl_weight 50, momentum 0.1, its initialization period from our"
                   " batches, two rounds); GPFL (lambda 0.01, mu 0.1, our initial GCE and"
-                  " CoV, two rounds)"),
+                  " CoV, two rounds); FedCAC (tau 0.5, beta 100, PFLlib's first round);"
+                  " FedAS (PFLlib's alignment); FedGH (server lr 1, PFLlib's server header);"
+                  " FML, FedDistill and PFL-DA in PFLlib's forms; each over two rounds"),
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
