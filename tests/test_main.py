@@ -129,7 +129,9 @@ BAD_INPUT = [
     (["--setting=lopsided"], "--setting"),
     (["--reference=/nonexistent/results.json"], "--reference"),
     (["--num_clients=4", "--new_clients=4"], "leaves no client to train"),
-    (["--algorithm=local", "--new_clients=1"], "--new_clients serves clients held out of training, which local does not; use it with fedora"),
+    (["--algorithm=local", "--new_clients=1"],
+     "--new_clients serves clients held out of training, which local does not; use it with"
+     " fedora"),
     (["--batch_size=0"], "--batch_size"),
     (["--momentum=1.5"], "--momentum"),
     (["--fedora_p=0"], "fedora_p must be >= 1"),
