@@ -175,6 +175,7 @@ def test_fedala_is_fedavg_with_ala_and_evaluates_local_models():
   assert weights.min() >= 0.0 and weights.max() <= 1.0 and weights.min() < 1.0
 
 
+@pytest.mark.slow  # the command in a subprocess
 @pytest.mark.parametrize("args, message", [
     (["--algorithm=local", "--ala"], "--ala needs an algorithm that sends a global model"),
     (["--algorithm=fedora", "--aggregation=confree"], "--aggregation=confree needs"),

@@ -208,6 +208,7 @@ def test_rfmnist_follows_appendix_b_on_the_real_files():
   assert federated.source.name == "fashion-mnist"
 
 
+@pytest.mark.slow  # the command end to end
 def test_main_runs_a_dirichlet_partition_and_records_class_counts(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.main", "--dataset=mnist", "--partition=dirichlet",
