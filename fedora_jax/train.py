@@ -98,8 +98,8 @@ def check_config(config: ExperimentConfig) -> None:
   # Built once around a stand-in model, so every algorithm's own checks of its
   # hyperparameters (and its plug-ins') run now.
   train = config.train
-  stand_in = make_client_trainer(lambda params, x: x, make_optimizer(
-      train.lr, train.momentum, train.weight_decay), train.local_epochs, train.batch_size)
+  stand_in = algorithms.stand_in_trainer(train.lr, train.momentum, train.weight_decay,
+                                         train.local_epochs, train.batch_size)
   algorithms.build(config.algorithm, algorithm_config, stand_in)
   if config.new_clients:
     check_new_clients = algorithms.get(config.algorithm).new_clients

@@ -210,16 +210,18 @@ class Plugged(NamedTuple):
   aggregation: confree.ConfreeConfig | None = None
 
 
-def _stand_in_trainer():
+def stand_in_trainer(lr: float = 5e-3, momentum: float = 0.9, weight_decay: float = 5e-5,
+                     epochs: int = 5, batch_size: int = 64):
   """A trainer that builds an algorithm without a model (its factory only closes over
-  it), with the default run's epochs and batch size (simulation.TrainConfig)."""
-  return make_client_trainer(lambda params, x: x, make_optimizer(5e-3, 0.9, 5e-5), 5, 64)
+  it), so its config checks run; defaults: the default run's (simulation.TrainConfig)."""
+  return make_client_trainer(lambda params, x: x,
+                             make_optimizer(lr, momentum, weight_decay), epochs, batch_size)
 
 
 @functools.cache
 def _declares(name: str) -> tuple[bool, bool]:
   """Whether `name`, at its defaults, declares what ALA and what ConFREE need."""
-  host = get(name).factory(default_config(name), _stand_in_trainer())
+  host = get(name).factory(default_config(name), stand_in_trainer())
   return host.ala_hooks is not None, host.shared_part is not None
 
 
@@ -274,4 +276,4 @@ def make(name: str, config: Any = None, ala: Any = None,
 
 __all__ = ["Algorithm", "AlgorithmState", "ClientOutput", "InitContext", "Plugged", "REFERENCE",
            "REGISTRY", "ala_hosts", "build", "check_plugins", "confree_hosts",
-           "default_config", "get", "make", "variant_label"]
+           "default_config", "get", "make", "stand_in_trainer", "variant_label"]
