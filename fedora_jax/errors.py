@@ -1,5 +1,7 @@
 """User-facing errors: each one is printed as a single line by the CLI."""
 
+import jax
+
 
 class FedoraError(Exception):
   """Base class of the errors a user can cause (bad flags, bad data files)."""
@@ -24,6 +26,13 @@ def check_one_of(owner: str, config, field: str, allowed) -> None:
   value = getattr(config, field)
   if value not in allowed:
     raise FieldError(owner, field, f"must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def traced(value) -> bool:
+  """Whether `value` is traced, a hyperparameter differing between the runs of one
+  program (fedora_jax/batch.py): a config's checks skip it, batch.py having checked
+  every run's own value before tracing."""
+  return isinstance(value, jax.core.Tracer)
 
 
 class DataError(FedoraError):

@@ -30,7 +30,7 @@ from fedora_jax.algorithms import fedavg
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax import tree
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import FieldError, check_one_of
+from fedora_jax.errors import FieldError, check_one_of, traced
 
 EVALUATIONS = ("global", "local")
 
@@ -48,7 +48,7 @@ FLAG_HELP = {
 
 
 def validate(config: FedProxConfig) -> FedProxConfig:
-  if config.mu < 0:
+  if not traced(config.mu) and config.mu < 0:
     raise FieldError("fedprox", "mu", f"must be >= 0, got {config.mu}")
   check_one_of("fedprox", config, "evaluate", EVALUATIONS)
   return config
