@@ -8,6 +8,7 @@
   python -m experiments.benchmark --participations=1.0,0.1          # full vs sampled rounds
   python -m experiments.benchmark --eval_everys=1,10   # rounds scoring test vs validation only
   python -m experiments.benchmark --dataset=cifar10 --cnn_convs=im2col,banded   # CNN convs
+  python -m experiments.benchmark --runs_per_program=1,3,8   # S seeds as one program
 
 Takes every flag of experiments.main (same flags, same flagfiles) plus the ones below.
 Reports seconds per round (median over --repeats after --warmup rounds), client updates
@@ -31,6 +32,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from typing import Any, Callable, NamedTuple
 
 from absl import app, flags
@@ -42,9 +44,9 @@ import numpy as np
 from experiments import flags as run_flags
 from experiments.cli import run_command
 from benchmarks import measure
-from fedora_jax import algorithms
+from fedora_jax import algorithms, batch
 from fedora_jax.data import datasets
-from fedora_jax.simulation import prepare_run
+from fedora_jax.simulation import prepare_run, to_host
 from fedora_jax.errors import ConfigError, FedoraError
 from fedora_jax.models import build_model, check_inputs
 from fedora_jax.models.cnn import CONVS
@@ -99,6 +101,10 @@ _EVAL_EVERYS = flags.DEFINE_list(
     " and time them in turn in one process: 1 is a round that scores validation and test,"
     " any other value one that scores validation only (a run under --eval_every adds the"
     " test scoring in the rounds it is due).")
+_RUNS = flags.DEFINE_list(
+    "runs_per_program", [], "Sweep: S runs (seeds --seed.. --seed+S-1, the same data) as one"
+    " compiled program (fedora_jax/batch.py) for each S listed, timed in turn; reports"
+    " seconds a round per run against S = the first value.")
 _CNN_CONVS = flags.DEFINE_list(
     "cnn_convs", [], "Sweep: compile the round once per convolution of the CNN"
     " (models/cnn.py: im2col, banded, xla) and time them in turn in one process.")
@@ -297,9 +303,10 @@ def imbalance_sweep() -> dict:
           "predicted_round_seconds": predicted, "imbalanced_ratio": ratio}
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, flag: str = "--client_chunks") -> int:
   if not text.isdigit() or int(text) < 1:
-    raise ConfigError(f"--client_chunks takes 'vmap', 0 or positive integers, got {text!r}")
+    what = "'vmap', 0 or positive integers" if flag == "--client_chunks" else "positive integers"
+    raise ConfigError(f"{flag} takes {what}, got {text!r}")
   return int(text)
 
 
@@ -368,8 +375,51 @@ def eval_every_sweep(values: list[str]) -> dict:
   return _interleaved_sweep("eval_every", {v: {"eval_every": int(v)} for v in values})
 
 
+def runs_sweep(values: list[str]) -> dict:
+  """Seconds a round per run with S runs in one program (batch.prepare_batch), each S
+  compiled once and timed in turn so that all see the same load."""
+  sizes = [_positive_int(v, "--runs_per_program") for v in values]
+  setup = _setup()
+
+  def build(values, trainer):
+    del values  # the runs differ in seed only
+    return algorithms.build(FLAGS.algorithm, setup.config, trainer)
+  prepared = {}
+  for size in sizes:
+    seeds = [FLAGS.seed + s for s in range(size)]
+    prepared[size] = batch.prepare_batch(build, setup.model, setup.data, setup.train, seeds)
+    log(f"S={size}: compiled in {prepared[size].compile_seconds:.2f} s")
+  states = {size: p.state for size, p in prepared.items()}
+  durations: dict[int, list[float]] = {size: [] for size in sizes}
+  for r in range(_WARMUP.value + _REPEATS.value):
+    for size, p in prepared.items():
+      tic = time.perf_counter()
+      states[size], metrics = p.compiled(states[size], p.buckets, p.train_keys, p.values)
+      to_host(metrics)
+      if r >= _WARMUP.value:
+        durations[size].append(time.perf_counter() - tic)
+  per_run = {size: float(np.median(d)) / size for size, d in durations.items()}
+  first = sizes[0]
+  for size in sizes:
+    log(f"S={size:>3}: {per_run[size] * size * 1e3:9.1f} ms a round, {per_run[size] * 1e3:8.2f}"
+        f" ms per run ({per_run[size] / per_run[first]:.3f}x S={first}'s per run)")
+  return {"sweep": "runs_per_program", "algorithm": FLAGS.algorithm,
+          "dataset": FLAGS.dataset, "num_clients": setup.data.num_clients,
+          "platform": jax.default_backend(), "num_devices": jax.device_count(),
+          "device_kind": jax.devices()[0].device_kind,
+          "round_seconds": {s: float(np.median(d)) for s, d in durations.items()},
+          "round_seconds_per_run": per_run,
+          "per_run_ratio_to_first": {s: v / per_run[first] for s, v in per_run.items()},
+          "compile_seconds": {s: p.compile_seconds for s, p in prepared.items()},
+          "xla_memory": {s: measure.xla_memory(p.compiled) for s, p in prepared.items()},
+          "peak_memory_bytes": measure.peak_rss_bytes(),
+          "device_peak_bytes": measure.device_peak_bytes()}
+
+
 def run() -> dict:
-  if _SCALE.value:
+  if _RUNS.value:
+    report = runs_sweep(_RUNS.value)
+  elif _SCALE.value:
     try:
       clients = [int(k) for k in _SCALE.value]
     except ValueError:
