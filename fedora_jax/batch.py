@@ -202,7 +202,8 @@ def prepare_batch(build: BuildFn, model, data: FederatedData | Sequence[Federate
                                   out_shardings=everywhere).lower(
                                       state, buckets, run_values).compile()
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-          jax.errors.TracerIntegerConversionError) as e:
+          jax.errors.TracerIntegerConversionError,
+          jax.errors.TracerArrayConversionError) as e:
     raise _traced_build(algorithm.name, e) from e
   return PreparedBatch(algorithm=algorithm, buckets=buckets, state=state,
                        train_keys=keys["train"], values=run_values, compiled=compiled,
