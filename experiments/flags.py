@@ -15,7 +15,7 @@ from absl import flags
 
 import jax
 
-from fedora_jax import algorithms
+from fedora_jax import algorithms, availability
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import confree as confree_lib
@@ -159,6 +159,26 @@ flags.DEFINE_enum("client_weights", None, list(CLIENT_WEIGHTS), "Each client's w
                   " the server's averages (FedAvg's and every algorithm's aggregate):"
                   " samples, its training samples n_k (McMahan et al.; the default), or"
                   " uniform, 1 for every client the round trained (docs/runs.md).")
+# Clients as they really are (fedora_jax/availability.py; docs/communication.md). Checked
+# by train.check_config, so a bad value is one line naming its flag.
+flags.DEFINE_float("client_dropout", 0.0, "Probability that a sampled client drops before"
+                   " uploading, drawn per round per client from the round key: to the"
+                   " server it is a client that was not sampled, and its state stays."
+                   " In [0, 1).")
+flags.DEFINE_string("availability_trace", None, "A [rounds x K] table of 0/1 (a .npy array,"
+                    " or text: one row a round, K entries separated by spaces or commas):"
+                    " a sampled client marked 0 in the round's row is offline and drops;"
+                    " round r reads row r mod the rows.")
+flags.DEFINE_float("stragglers", 0.0, "Probability that a client straggles in a round:"
+                   " it completes only --straggler_speed of its local steps (or, with"
+                   " --round_deadline, drops if too slow). In [0, 1].")
+flags.DEFINE_string("straggler_speed", availability.DEFAULT_SPEED, "A straggler's speed, the"
+                    " share of its local steps it completes: uniform:LO,HI (drawn per"
+                    " round) or a fixed fraction S.")
+flags.DEFINE_float("round_deadline", 0.0, "How long the server waits, in units of a full"
+                   " client's local-training time: it takes finished work only, so a"
+                   " straggler of speed s with s * deadline < 1 drops and the others train"
+                   " all their steps. 0: no deadline (stragglers send partial work).")
 flags.DEFINE_integer("eval_batch_size", None, "Samples a client's evaluation forwards at"
                      " once (default on CPUs: 64 for the CNNs, else 1024; see"
                      " models.default_eval_batch_size).", lower_bound=1)
@@ -323,7 +343,11 @@ def train_config() -> TrainConfig:
                      eval_batch_size=eval_batch_size(), log_every=FLAGS.log_every,
                      client_chunk=client_chunk(), participation=FLAGS.participation,
                      eval_every=FLAGS.eval_every,
-                     client_weights=FLAGS.client_weights or "samples")
+                     client_weights=FLAGS.client_weights or "samples",
+                     client_dropout=FLAGS.client_dropout,
+                     availability_trace=FLAGS.availability_trace,
+                     stragglers=FLAGS.stragglers, straggler_speed=FLAGS.straggler_speed,
+                     round_deadline=FLAGS.round_deadline)
 
 
 def partition_config(dataset: str) -> partitions.PartitionConfig:
@@ -371,7 +395,9 @@ _HELP_GROUPS = {
         "max_pad_ratio"),
     "3. model and client training": (
         "model", "hidden", "local_epochs", "batch_size", "lr", "momentum", "weight_decay",
-        "participation", "client_weights", "eval_batch_size", "client_chunk"),
+        "participation", "client_weights", "eval_batch_size", "client_chunk",
+        "client_dropout", "availability_trace", "stragglers", "straggler_speed",
+        "round_deadline"),
     "4. output: workdir, progress, checkpoints, watchdog": (
         "workdir", "reference", "per_client", "log_every", "eval_every", "checkpoint_every",
         "keep_checkpoints", "stall_timeout", "compile_timeout", "verbose", "help_algorithm"),

@@ -131,14 +131,27 @@ class Checkpointer(NamedTuple):
       return None
     check_not_past(self.directory, done, total_rounds)
     state_target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_template)
+    template = history_template(round_metrics, done)
     with self._manager() as manager:
       restored = manager.restore(done, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(state_target),
-          history=ocp.args.StandardRestore(history_template(round_metrics, done))))
+          history=ocp.args.StandardRestore(template)))
     if int(restored.state.round) != done:
       raise DataError(f"checkpoint {self.directory}/{done} holds round "
                         f"{int(restored.state.round)}, not {done}; it is corrupt")
-    return Checkpoint(state=restored.state, history=restored.history)
+    return Checkpoint(state=restored.state, history=_unknown_where_missing(
+        restored.history, template))
+
+
+def _unknown_where_missing(history: RoundMetrics, template: RoundMetrics) -> RoundMetrics:
+  """A restored history with the metric fields its checkpoint was written without (None;
+  bytes_up and bytes_down before 2026-12-04) marked unknown: -1 counts, NaN values."""
+  def unknown(shaped):
+    value = np.nan if np.issubdtype(shaped.dtype, np.inexact) else -1
+    return np.full(shaped.shape, value, shaped.dtype)
+  return history._replace(**{
+      name: unknown(getattr(template, name)) for name in history._fields
+      if getattr(history, name) is None and getattr(template, name) is not None})
 
 
 def check_not_past(directory: str, done: int, total_rounds: int) -> None:

@@ -18,6 +18,8 @@ from fedora_jax.rounds import RoundMetrics
 # RoundMetrics field -> TensorBoard tag; each is logged as its mean over clients.
 MEAN_TAGS = {"train_loss": "train/loss", "val_loss": "val/loss", "val_score": "val/accuracy",
              "test_loss": "test/loss", "test_score": "test/accuracy"}
+# RoundMetrics field -> tag, logged as its sum over clients (what the round sent).
+SUM_TAGS = {"bytes_up": "communication/bytes_up", "bytes_down": "communication/bytes_down"}
 # A regression's val_score / test_score hold the mean absolute error.
 _REGRESSION_TAGS = {"val/accuracy": "val/mae", "test/accuracy": "test/mae"}
 
@@ -34,6 +36,8 @@ def round_scalars(metrics: RoundMetrics, algorithm: str,
              if not np.isnan(getattr(metrics, field)).all()}
   if task == "regression":
     scalars = {_REGRESSION_TAGS.get(tag, tag): value for tag, value in scalars.items()}
+  scalars.update({tag: float(np.sum(getattr(metrics, field), dtype=np.int64))
+                  for field, tag in SUM_TAGS.items() if getattr(metrics, field) is not None})
   scalars.update({f"{algorithm}/{name}": float(np.nanmean(values))  # NaN: sat out
                   for name, values in metrics.extra.items()})
   return scalars

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from fedora_jax import metrics
+from fedora_jax import communication, metrics
 from fedora_jax.algorithms import REFERENCE
 from fedora_jax.errors import ConfigError
 from fedora_jax.simulation import RunResult
@@ -129,7 +129,7 @@ def build_results(run_info: dict[str, Any], result: RunResult, ours: ClientScore
                   local: ClientScores, client_info: dict[str, np.ndarray]) -> dict:
   """The results.json document. Headline numbers are the final round's."""
   if task_of(run_info) == "regression":
-    return _build_regression_results(run_info, ours, local, client_info)
+    return _build_regression_results(run_info, result, ours, local, client_info)
   final, best, r_final, r_best = _summaries(ours.final, local.final, ours.best_val,
                                             local.best_val)
   clients = []
@@ -149,8 +149,17 @@ def build_results(run_info: dict[str, Any], result: RunResult, ours: ClientScore
       "best_val": {"round": ours.best_round, "local_round": local.best_round,
                    "acc": _rounded(best.acc), "r_acc": _rounded(best.r_acc),
                    "ptr": _rounded(best.ptr), "local_acc": _rounded(local.best_val.mean())},
+      **communication_totals(result),
       "clients": clients,
   }
+
+
+def communication_totals(result: RunResult) -> dict:
+  """results.json's `bytes_up` and `bytes_down`: what every client sent and received over
+  the run (communication.py; null where a resumed checkpoint's rounds were not counted)."""
+  history = result.history
+  return {"bytes_up": communication.run_total(history.bytes_up),
+          "bytes_down": communication.run_total(history.bytes_down)}
 
 
 def resummarize(report: dict) -> dict:
@@ -171,8 +180,8 @@ def resummarize(report: dict) -> dict:
                       for k, c in enumerate(clients)]}
 
 
-def _build_regression_results(run_info: dict[str, Any], ours: ClientScores,
-                               local: ClientScores,
+def _build_regression_results(run_info: dict[str, Any], result: RunResult,
+                               ours: ClientScores, local: ClientScores,
                                client_info: dict[str, np.ndarray]) -> dict:
   """build_results for a regression: MAE, R-MAE and PTR (MAE_k <= LOCAL's) in the
   places of Acc, R-Acc and PTR."""
@@ -197,6 +206,7 @@ def _build_regression_results(run_info: dict[str, Any], ours: ClientScores,
       "best_val": {"round": ours.best_round, "local_round": local.best_round,
                    "mae": _rounded(best.mae), "r_mae": _rounded(best.r_mae),
                    "ptr": _rounded(best.ptr), "local_mae": _rounded(local.best_val.mean())},
+      **communication_totals(result),
       "clients": clients,
   }
 
@@ -318,16 +328,30 @@ def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
   history = result.history
   score = "mae" if task_of(results) == "regression" else "acc"  # the files' column names
   per_round = {name.replace("_score", f"_{score}"): getattr(history, name)
-               for name in history._fields if name != "extra"}
+               for name in history._fields
+               if name != "extra" and getattr(history, name) is not None}
   per_round.update(history.extra)
   np.savez_compressed(os.path.join(workdir, "history.npz"), **per_round)
   with open(os.path.join(workdir, "rounds.csv"), "w", newline="") as f:
     writer = csv.writer(f)
-    writer.writerow(["round"] + [f"mean_{name}" for name in per_round])
+    # Means over the clients, but the bytes: the round's totals over them.
+    writer.writerow(["round"] + [name if name in SUMMED else f"mean_{name}"
+                                 for name in per_round])
     for r in range(history.test_score.shape[0]):
-      writer.writerow([r + 1] + [_mean_text(v[r]) for v in per_round.values()])
+      writer.writerow([r + 1] + [_sum_text(v[r]) if name in SUMMED else _mean_text(v[r])
+                                 for name, v in per_round.items()])
   for name, array in result.artifacts.items():
     np.save(os.path.join(workdir, f"{name}.npy"), array)
+
+
+# The history's per-client fields that rounds.csv sums over the clients.
+SUMMED = ("bytes_up", "bytes_down")
+
+
+def _sum_text(values: np.ndarray) -> str:
+  """rounds.csv's cell of a summed field: the round's total ("" if not counted: -1)."""
+  values = np.asarray(values, np.int64)
+  return "" if (values < 0).any() else str(int(values.sum()))
 
 
 def _mean_text(values: np.ndarray) -> str:

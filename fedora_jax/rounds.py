@@ -5,7 +5,9 @@ server's broadcast, every client's update (vmapped per size bucket), the server'
 aggregation and a per-client evaluation of the personalized models on the validation
 and test splits. The runner jits it once per run. Built with `evaluate_test=False`, the
 round scores validation only, and `build_test_evaluation` scores test on demand (the
-runner's `--eval_every`).
+runner's `--eval_every`). With `conditions` (fedora_jax/availability.py) sampled clients
+may drop out or straggle; each round also counts the bytes each client received and sent
+(fedora_jax/communication.py).
 """
 
 from typing import Any, NamedTuple
@@ -13,10 +15,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedora_jax import availability, communication
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput
 from fedora_jax.data.client_data import ClientSplits, FederatedData
 from fedora_jax.engine.buckets import map_over_buckets, map_over_sampled, scatter_to_clients
-from fedora_jax.engine.local_training import ClientTrainer
+from fedora_jax.engine.local_training import ClientTrainer, step_budget
 from fedora_jax.errors import ConfigError
 
 
@@ -34,6 +37,10 @@ class RoundMetrics(NamedTuple):
   test_loss: jax.Array
   test_score: jax.Array
   extra: dict[str, jax.Array]
+  # Bytes each client sent and received this round, int32 (communication.py); None only
+  # in metrics built by hand.
+  bytes_up: jax.Array | None = None
+  bytes_down: jax.Array | None = None
 
 
 def client_keys(round_key: jax.Array, num_clients: int) -> jax.Array:
@@ -134,7 +141,8 @@ CLIENT_WEIGHTS = ("samples", "uniform")
 
 def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: FederatedData,
                       client_chunk: int | None = None, participation: float = 1.0,
-                      evaluate_test: bool = True, client_weights: str = "samples"):
+                      evaluate_test: bool = True, client_weights: str = "samples",
+                      conditions: availability.ClientConditions | None = None):
   """The round function for this algorithm and client layout (bucket membership is static).
 
   `layout` supplies the static bucket structure; the arrays themselves are passed to
@@ -154,6 +162,11 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
   scores test with `build_test_evaluation` in the rounds it needs).
   client_weights: each client's weight in `aggregate`, "samples" (its n_k training
   samples) or "uniform" (1 for every client; 0 for those not sampled either way).
+  conditions: dropout, availability and stragglers (availability.py). A sampled client
+  that drops (or is offline, or late for the deadline) still fills its slot, but its
+  output is thrown away as a filler's: to `aggregate` it is a client that was not
+  sampled (state kept, zero upload, weight 0; 0 steps, NaN train loss). A round nobody
+  arrives at changes no state. A straggler's local training stops at its step budget.
   """
   if client_weights not in CLIENT_WEIGHTS:
     raise ValueError(f"client_weights must be one of {CLIENT_WEIGHTS}, got {client_weights!r}")
@@ -167,22 +180,42 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
     round_key = jax.random.fold_in(key, state.round)
     server, clients = state.algorithm
     messages = algorithm.broadcast(server, clients)
-    per_client = (clients, messages, client_keys(round_key, num_clients))
+    per_client: tuple = (clients, messages, client_keys(round_key, num_clients))
+    fate = (None if conditions is None else
+            availability.draw(conditions, round_key, state.round, num_clients))
+    budgeted = fate is not None and conditions is not None and conditions.partial_work
+    if fate is not None and budgeted:
+      per_client += (fate.speed,)
+    step = _client_step(algorithm, budgeted)
     weights = train_weights
+    active = jnp.ones(num_clients, bool)
+    slot_clients = None
     if num_sampled < num_clients:
       active = sampled_clients(round_key, num_clients, num_sampled)
       out, slot_clients = map_over_sampled(
-          _client_step(algorithm), per_client, data, layout.client_ids, num_clients,
-          active, num_sampled, client_chunk)
+          step, per_client, data, layout.client_ids, num_clients, active, num_sampled,
+          client_chunk)
+    else:
+      out = map_over_buckets(step, per_client, data, layout.client_ids, num_clients,
+                             client_chunk)
+    uploaded = _upload_bytes(algorithm, out, clients)
+    received = arrived = active
+    if fate is not None:
+      received, arrived = active & fate.online, active & fate.arrives
+      # A client that did not arrive is thrown away as a filler slot (client K) is.
+      slots = jnp.arange(num_clients) if slot_clients is None else slot_clients
+      slot_clients = jnp.where(jnp.append(arrived, False)[slots], slots, num_clients)
+    if slot_clients is not None:
       out = _sampled_outputs(out, slot_clients, clients, num_clients,
                              upload_slots=algorithm.uploads_unordered)
-      weights = jnp.where(active, train_weights, 0.0)
+      weights = jnp.where(arrived, train_weights, 0.0)
       if algorithm.uploads_unordered:  # the slots' own weights; fillers (client K) weigh 0
         weights = jnp.append(weights, 0.0)[slot_clients]
-    else:
-      out = map_over_buckets(_client_step(algorithm), per_client, data, layout.client_ids,
-                             num_clients, client_chunk)
     new_state = algorithm.aggregate(server, out.state, out.upload, weights)
+    if fate is not None:  # nobody arrived: the server waits, nothing changes
+      anyone = jnp.any(arrived)
+      new_state = jax.tree.map(lambda new, old: jnp.where(anyone, new, old), new_state,
+                               state.algorithm)
     if evaluate_test:
       val, test = evaluate_personalized(algorithm, trainer, new_state, layout, data,
                                         client_chunk, ("val", "test"))
@@ -193,14 +226,30 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
     metrics = RoundMetrics(
         train_loss=out.train.loss, local_steps=out.train.steps,
         val_loss=val.loss, val_score=val.score, test_loss=test.loss,
-        test_score=test.score, extra=out.metrics)
+        test_score=test.score, extra=out.metrics,
+        bytes_up=jnp.where(arrived, uploaded, 0).astype(jnp.int32),
+        bytes_down=jnp.where(received, communication.per_client_bytes(messages),
+                             0).astype(jnp.int32))
     return RoundState(round=state.round + 1, algorithm=new_state), metrics
 
   return train_round
 
 
-def _client_step(algorithm: Algorithm):
-  """Adapts `client_update` to map_over_buckets' argument order (data last)."""
+def _upload_bytes(algorithm: Algorithm, out: ClientOutput, clients: Any) -> int:
+  """One client's upload in bytes (static): its ClientOutput's `upload`, [K or S, ...]
+  here, and the part of its state the server reads (`state_upload`)."""
+  read = () if algorithm.state_upload is None else jax.eval_shape(
+      jax.vmap(algorithm.state_upload), clients)
+  return communication.per_client_bytes((out.upload, read))
+
+
+def _client_step(algorithm: Algorithm, budgeted: bool = False):
+  """Adapts `client_update` to map_over_buckets' argument order (data last); budgeted:
+  with a per-client step budget (a straggler's speed) before the data."""
   def step(client_state, message, key, splits: ClientSplits):
     return algorithm.client_update(client_state, message, splits, key)
-  return step
+
+  def budgeted_step(client_state, message, key, speed, splits: ClientSplits):
+    with step_budget(speed):
+      return algorithm.client_update(client_state, message, splits, key)
+  return budgeted_step if budgeted else step

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedora_jax import tree
+from fedora_jax import availability, tree
 from fedora_jax.algorithms.base import Algorithm, InitContext
 from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
@@ -47,6 +47,16 @@ class TrainConfig:
   # Each client's weight in the server's averages (rounds.py): "samples", its training
   # samples n_k (McMahan et al.), or "uniform", 1 for every client the round trained.
   client_weights: str = "samples"
+  # Clients as they really are (fedora_jax/availability.py), drawn per round per client:
+  # the probability a sampled client drops before uploading; a [rounds x K] 0/1 file of
+  # who is online; the probability a client straggles and its speed ("uniform:LO,HI" or
+  # a fraction: the share of its local steps it completes); a round deadline in units
+  # of a full client's local-training time (0: none), past which stragglers drop.
+  client_dropout: float = 0.0
+  availability_trace: str | None = None
+  stragglers: float = 0.0
+  straggler_speed: str = availability.DEFAULT_SPEED
+  round_deadline: float = 0.0
 
 
 # What the runner takes: an Algorithm, or a function building one around the run's client
@@ -141,6 +151,15 @@ def client_trainer(model, data: FederatedData, train: TrainConfig) -> ClientTrai
       train.local_epochs, train.batch_size, train.eval_batch_size, task=data.task)
 
 
+def client_conditions(train: TrainConfig,
+                      num_clients: int) -> availability.ClientConditions | None:
+  """The run's dropout, availability and stragglers, checked (its trace read); None when
+  every one is off."""
+  return availability.build_conditions(train.client_dropout, train.availability_trace,
+                                       train.stragglers, train.straggler_speed,
+                                       train.round_deadline, num_clients)
+
+
 def build_algorithm(algorithm: AlgorithmSource, trainer: ClientTrainer) -> Algorithm:
   """`algorithm` itself, or what it builds around `trainer`."""
   if isinstance(algorithm, Algorithm):
@@ -165,6 +184,7 @@ def prepare_run(algorithm: AlgorithmSource, model, data: FederatedData,
 def _prepare(algorithm: Algorithm, trainer: ClientTrainer, model, data: FederatedData,
              train: TrainConfig, mesh) -> PreparedRun:
   keys = root_keys(train.seed)
+  conditions = client_conditions(train, data.num_clients)  # before any work: a bad trace
   if mesh is None:
     mesh = sharding.default_mesh([len(ids) for ids in data.client_ids])
   buckets = sharding.place_buckets(data.buckets, mesh)
@@ -181,7 +201,8 @@ def _prepare(algorithm: Algorithm, trainer: ClientTrainer, model, data: Federate
     every_round = train.eval_every == 1
     train_round = jax.jit(build_train_round(algorithm, trainer, data, train.client_chunk,
                                             train.participation, evaluate_test=every_round,
-                                            client_weights=train.client_weights),
+                                            client_weights=train.client_weights,
+                                            conditions=conditions),
                           donate_argnums=0,
                           out_shardings=everywhere)
     compiled = train_round.lower(state, buckets, keys["train"]).compile()

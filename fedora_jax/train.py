@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import jax
 
-from fedora_jax import algorithms
+from fedora_jax import algorithms, availability
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import metric_writer, new_clients, plots
 from fedora_jax import results as results_lib
@@ -79,6 +79,9 @@ def check_config(config: ExperimentConfig) -> None:
                      f"must be in (0, 1], got {config.train.participation}")
   if config.train.eval_every < 1:
     raise FieldError("train", "eval_every", f"must be >= 1, got {config.train.eval_every}")
+  availability.check_settings(config.train.client_dropout, config.train.stragglers,
+                              config.train.straggler_speed, config.train.round_deadline,
+                              config.train.availability_trace)
   if config.train.client_weights not in CLIENT_WEIGHTS:
     raise FieldError("train", "client_weights", f"must be one of {', '.join(CLIENT_WEIGHTS)},"
                      f" got {config.train.client_weights!r}")
@@ -164,15 +167,21 @@ def _run_info(config: ExperimentConfig, num_clients: int, model_name: str,
   return info
 
 
+# TrainConfig fields results.json leaves out at their defaults, so that the files of runs
+# from before they existed stay as they were.
+_OMITTED_AT_DEFAULT = ("eval_every", "client_weights", "client_dropout",
+                       "availability_trace", "stragglers", "straggler_speed",
+                       "round_deadline")
+
+
 def _train_info(train: TrainConfig) -> dict:
-  """results.json's `train`: every TrainConfig field, eval_every only when it is not 1
-  and client_weights only when it is not "samples" (the files of runs from before they
-  existed stay as they were)."""
+  """results.json's `train`: every TrainConfig field, those of _OMITTED_AT_DEFAULT only
+  when they are not at their defaults."""
   info = dataclasses.asdict(train)
-  if info["eval_every"] == 1:
-    del info["eval_every"]
-  if info["client_weights"] == "samples":
-    del info["client_weights"]
+  defaults = TrainConfig()
+  for name in _OMITTED_AT_DEFAULT:
+    if info[name] == getattr(defaults, name):
+      del info[name]
   return info
 
 

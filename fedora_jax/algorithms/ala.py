@@ -270,6 +270,11 @@ def learn_weights(loss_fn, config: AlaConfig, local: Params, global_params: Para
   return weights, count, jnp.where(count > 0, last, 0.0)  # 0: W did not train this round
 
 
+def _host_state_upload(read):
+  """The host's `state_upload` of the host's state inside ALA's client state."""
+  return None if read is None else (lambda client: read(client.host))
+
+
 def with_ala(host: Algorithm, config: AlaConfig, trainer: ClientTrainer,
              name: str | None = None) -> Algorithm:
   """The host algorithm with ALA's local initialization in front of its client update,
@@ -336,4 +341,5 @@ def with_ala(host: Algorithm, config: AlaConfig, trainer: ClientTrainer,
                    # mixture), unless ALA evaluates theta_i, a model of the run.
                    evaluate=None if hooks.personal_is_local else host.evaluate,
                    # The server's state and uploads are the host's: its ConFREE part too.
-                   shared_part=host.shared_part)
+                   shared_part=host.shared_part,
+                   state_upload=_host_state_upload(host.state_upload))

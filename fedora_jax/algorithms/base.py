@@ -79,6 +79,10 @@ class Algorithm(NamedTuple):
   # Where ConFREE (--aggregation=confree) finds the server's shared part; None: not a
   # ConFREE host.
   shared_part: SharedPart | None = None
+  # Where the server reads a client's state instead of (or besides) its upload (FEDORA's
+  # and FedFomo's models, kept in the stacked client state): the part of ONE client's new
+  # state it reads, counted as uploaded in the round's bytes (communication.py).
+  state_upload: Callable[[PyTree], PyTree] | None = None
 
 
 def no_broadcast(server, clients):

@@ -364,4 +364,6 @@ def coaching(config: CoachingConfig, trainer: ClientTrainer) -> Algorithm:
   return Algorithm(name="coaching", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=lambda server, clients: clients,
+                   # The server's R steps and coaching models read the uploaded models.
+                   state_upload=lambda params: params,
                    artifacts=lambda server: {"relation_cube": server.relation})

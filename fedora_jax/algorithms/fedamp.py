@@ -171,6 +171,8 @@ def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
   return Algorithm(name="fedamp", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=lambda server, clients: clients,
+                   # Attention and cloud models are computed from the uploaded models.
+                   state_upload=lambda params: params,
                    artifacts=lambda server: {"attention": server.attention},
                    # Client i's "global model" is its cloud model u_i (the prox anchor):
                    # ALA replaces it, and training starts from theta_hat too.

@@ -226,4 +226,6 @@ def fedfomo(config: FedFomoConfig, trainer: ClientTrainer) -> Algorithm:
   return Algorithm(name="fedfomo", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=lambda server, clients: models_of(clients),
-                   artifacts=lambda server: {"affinity": server.affinity})
+                   artifacts=lambda server: {"affinity": server.affinity},
+                   # The models the server sends others are the clients' own, uploaded.
+                   state_upload=models_of)

@@ -385,4 +385,5 @@ def fedora(config: FedoraConfig, trainer: ClientTrainer) -> Algorithm:
       name="fedora", init=init, broadcast=broadcast, client_update=client_update,
       aggregate=aggregate if config.similarity in ("parameters", "gradients") else keep_states,
       personalized_params=lambda server, clients: clients,
-      artifacts=lambda server: {"similarity": server.similarity, "graph": server.graph})
+      artifacts=lambda server: {"similarity": server.similarity, "graph": server.graph},
+      state_upload=lambda params: params)  # the propagation reads the trained models

@@ -62,5 +62,5 @@ def fedu(config: FedUConfig, trainer: ClientTrainer) -> Algorithm:
 
   # Clients train their own models exactly as in LOCAL; only the server's Laplacian
   # step after local training differs.
-  return local.local(local.LocalConfig(), trainer)._replace(name="fedu",
-                                                            aggregate=aggregate)
+  return local.local(local.LocalConfig(), trainer)._replace(
+      name="fedu", aggregate=aggregate, state_upload=lambda params: params)

@@ -169,4 +169,6 @@ def fesem(config: FesemConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="fesem", init=init, broadcast=own_or_center,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=own_or_center)
+                   personalized_params=own_or_center,
+                   # The E/M steps read the uploaded models.
+                   state_upload=lambda clients: clients.params)

@@ -60,7 +60,8 @@ from fedora_jax.algorithms.plugin_fields import model_message
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats
-from fedora_jax.engine.local_training import ClientTrainer, TrainStats, epoch_batches
+from fedora_jax.engine.local_training import (ClientTrainer, TrainStats, epoch_batches,
+                                               within_budget)
 from fedora_jax.errors import FieldError, check_one_of
 
 Params = Any
@@ -142,6 +143,9 @@ def meta_train(loss_fn, config: PerFedAvgConfig, params: Params, data: ClientDat
   idx, weights = jax.vmap(epoch)(jax.random.split(key, epochs))
   idx = idx.reshape((epochs * num_chunks, per_step, batch_size))
   weights = weights.reshape((epochs * num_chunks, per_step, batch_size))
+  # A straggler's budget (availability.py) counts the steps that run: D and D' both real.
+  weights = within_budget(weights, (jnp.sum(weights[:, 0], axis=1) > 0)
+                          & (jnp.sum(weights[:, 1], axis=1) > 0))
 
   def step(w, batch):
     batch_idx, batch_weights = batch

@@ -55,7 +55,8 @@ from fedora_jax.algorithms.plugin_fields import model_message
 from fedora_jax.algorithms.fedrep import batch_size_of
 from fedora_jax.data.client_data import ClientData
 from fedora_jax.engine import batch_stats
-from fedora_jax.engine.local_training import ClientTrainer, TrainStats, epoch_batches
+from fedora_jax.engine.local_training import (ClientTrainer, TrainStats, epoch_batches,
+                                               within_budget)
 from fedora_jax.errors import FieldError, check_one_of
 
 Params = Any
@@ -137,7 +138,7 @@ def local_train(loss_fn, config: PfedmeConfig, global_params: Params, data: Clie
       lambda k: epoch_batches(k, data.mask, data.n, batch_size, num_batches))(
           jax.random.split(key, epochs))
   idx = idx.reshape(epochs * num_batches, batch_size)
-  weights = weights.reshape(epochs * num_batches, batch_size)
+  weights = within_budget(weights.reshape(epochs * num_batches, batch_size))  # stragglers
 
   def iteration(carry, batch):
     theta, local = carry

@@ -5,7 +5,10 @@ samples (padding goes last) and cuts them into batches; the last batch may be pa
 with a PyTorch DataLoader without drop_last. Padded batch slots carry zero weight, and
 steps beyond a client's own count (a smaller client in a bucket of larger ones) leave
 its parameters and optimizer state unchanged: a `lax.cond` skips them when clients run
-one at a time (`--client_chunk=1`), and selects the unchanged state under `vmap`.
+one at a time (`--client_chunk=1`), and selects the unchanged state under `vmap`. A
+straggler (fedora_jax/availability.py) skips its steps past its budget the same way:
+the round sets `step_budget` around its update, and every local-training loop reads it
+through `within_budget`.
 
 The task decides the loss and the score: classification trains on softmax cross-entropy
 and scores accuracy (higher is better); regression (one model output, float targets)
@@ -16,6 +19,7 @@ runs them in train mode and sets the new averages, everything else in inference 
 (fedora_jax/engine/batch_stats.py).
 """
 
+import contextlib
 import functools
 import math
 from typing import Any, Callable, NamedTuple
@@ -103,6 +107,35 @@ def epoch_batches(key: jax.Array, mask: jax.Array | np.ndarray, n: jax.typing.Ar
           weights.reshape(num_batches, batch_size))
 
 
+# The fraction of its real local steps the client being traced completes this round
+# (a straggler's speed), set by the round around one client's update; empty: all steps.
+_STEP_BUDGET: list[jax.Array] = []
+
+
+@contextlib.contextmanager
+def step_budget(fraction: jax.Array):
+  """Local training traced inside completes only `fraction` ([] float) of its steps."""
+  _STEP_BUDGET.append(fraction)
+  try:
+    yield
+  finally:
+    _STEP_BUDGET.pop()
+
+
+def within_budget(weights: jax.Array, real: jax.Array | None = None) -> jax.Array:
+  """A local training's batch weights [steps, ...] with the steps past the current
+  `step_budget` zeroed: of its T real steps (`real` [steps] bool; default: a step with
+  any weight) the client completes the first max(1, floor(fraction T))."""
+  if not _STEP_BUDGET:
+    return weights
+  if real is None:
+    real = jnp.any(weights.reshape(weights.shape[0], -1) > 0, axis=1)
+  # The small slack keeps a float32 fraction such as 0.7 of 10 steps at 7, not 6.
+  allowed = jnp.maximum(1, jnp.floor(_STEP_BUDGET[-1] * jnp.sum(real) + 1e-3))
+  kept = real & (jnp.cumsum(real) <= allowed)
+  return jnp.where(kept.reshape((-1,) + (1,) * (weights.ndim - 1)), weights, 0)
+
+
 def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
                         optimizer: optax.GradientTransformation, epochs: int,
                         batch_size: int, eval_batch_size: int = 1024,
@@ -157,7 +190,7 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     indices, weights = jax.vmap(
         lambda k: epoch_batches(k, data.mask, data.n, batch_size, num_batches))(epoch_keys)
     indices = indices.reshape(epochs * num_batches, batch_size)
-    weights = weights.reshape(epochs * num_batches, batch_size)
+    weights = within_budget(weights.reshape(epochs * num_batches, batch_size))
 
     # BatchNorm: train mode in the loss, no gradient of the running averages from a
     # regulariser, none into the optimizer, their carried update set after it.
