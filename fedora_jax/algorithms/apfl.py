@@ -80,7 +80,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER, model_message
 from fedora_jax.engine.local_training import ClientTrainer, masked_cross_entropy
-from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.errors import ConfigError, FieldError, traced
 
 Params = Any
 
@@ -134,7 +134,7 @@ class ApflTrained(NamedTuple):
 
 
 def validate(config: ApflConfig) -> ApflConfig:
-  if not 0.0 <= config.alpha <= 1.0:
+  if not traced(config.alpha) and not 0.0 <= config.alpha <= 1.0:
     raise FieldError("apfl", "alpha", f"must be in [0, 1], got {config.alpha}")
   if config.alpha_update not in ("round", "step"):
     raise FieldError("apfl", "alpha_update",

@@ -66,7 +66,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.plugin_fields import model_message
 from fedora_jax.algorithms.fedprox import proximal_term
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import FieldError, check_one_of
+from fedora_jax.errors import FieldError, check_one_of, traced
 
 SELECTIONS = ("fixed", "per_client", "per_step")
 # Appendix C: a device with "very few validation samples (less than 4)" keeps a fixed lambda.
@@ -102,7 +102,7 @@ def candidate_lambdas(config: DittoConfig) -> tuple[float, ...]:
 
 
 def validate(config: DittoConfig) -> DittoConfig:
-  if config.lam < 0:
+  if not traced(config.lam) and config.lam < 0:
     raise FieldError("ditto", "lam", f"must be >= 0, got {config.lam}")
   check_one_of("ditto", config, "lambda_selection", SELECTIONS)
   candidate_lambdas(config)

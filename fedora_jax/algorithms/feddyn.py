@@ -33,7 +33,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.scaffold import linear_term
 from fedora_jax.engine import server_optimizer
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import FieldError, check_one_of
+from fedora_jax.errors import FieldError, check_one_of, traced
 
 Params = Any
 PENALTIES = ("squared", "norm")
@@ -55,7 +55,7 @@ FLAG_HELP = {
 
 
 def validate(config: FedDynConfig) -> FedDynConfig:
-  if config.alpha <= 0:
+  if not traced(config.alpha) and config.alpha <= 0:
     raise FieldError("feddyn", "alpha", f"must be > 0, got {config.alpha}")
   check_one_of("feddyn", config, "penalty", PENALTIES)
   check_one_of("feddyn", config, "server_mean", server_optimizer.SERVER_MEANS)

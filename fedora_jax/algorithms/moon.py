@@ -50,7 +50,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.layers import (apply_with_representation,
                                           check_representation_trainer, head_layer)
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import FieldError, check_one_of
+from fedora_jax.errors import FieldError, check_one_of, traced
 
 Params = Any
 
@@ -107,9 +107,9 @@ def moon_loss(apply_fn, head: str, global_params: Params, previous: Params,
 
 
 def validate(config: MoonConfig, trainer: ClientTrainer) -> MoonConfig:
-  if config.mu < 0:
+  if not traced(config.mu) and config.mu < 0:
     raise FieldError("moon", "mu", f"must be >= 0, got {config.mu}")
-  if not config.tau > 0:
+  if not traced(config.tau) and not config.tau > 0:
     raise FieldError("moon", "tau", f"must be > 0, got {config.tau}")
   check_one_of("moon", config, "evaluate", EVALUATIONS)
   check_representation_trainer("moon", trainer)
