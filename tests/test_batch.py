@@ -110,3 +110,16 @@ def test_bad_batches_stop_with_one_line():
   with pytest.raises(batch.BatchError, match="laid out unlike"):
     batch.run_batch(registered("fedavg"), tiny_model(), [data, other], TRAIN, (0, 1),
                     progress=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,field,values,fixed", [
+    ("apfl", "alpha", (0.25, 0.75), {}), ("moon", "mu", (0.5, 2.0), {}),
+    ("feddyn", "alpha", (0.01, 0.1), {}), ("ditto", "lam", (0.1, 1.0),
+                                              {"lambda_selection": "fixed"})])
+def test_each_algorithm_hyperparameter_the_run_axis_takes(name, field, values, fixed):
+  data, _ = tiny_data(SIZES)
+  results = batch.run_batch(registered(name, **fixed), tiny_model(), data, TRAIN, (0, 0),
+                            values={field: values}, progress=None)
+  for value, result in zip(values, results):
+    assert_same_run(result, alone(name, data, TRAIN, **fixed, **{field: value}))
