@@ -26,7 +26,7 @@ from fedora_jax.algorithms import (apple, coaching, confree, fedala, fedavg_c, f
 from fedora_jax.algorithms import (fedavgm, feddyn, fedlc, fednova, fedntd, fedopt,
                                    scaffold)
 from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml, gpfl, pflda
-from fedora_jax.algorithms import fedkd
+from fedora_jax.algorithms import fedkd, fedmtl
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError
@@ -151,6 +151,7 @@ REGISTRY: dict[str, Registered] = {
     "pflda": Registered(pflda.PflDaConfig, pflda.pflda, pflda.FLAG_HELP),
     "fedkd": Registered(fedkd.FedKdConfig, fedkd.fedkd, fedkd.FLAG_HELP,
                         train_fields=("rounds",)),
+    "fedmtl": Registered(fedmtl.FedMtlConfig, fedmtl.fedmtl, fedmtl.FLAG_HELP),
 }
 
 
