@@ -19,7 +19,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # pylint: disable=wrong-import-position
 from fedora_jax import algorithms
-from fedora_jax.algorithms import ala, confree
+from fedora_jax.algorithms import ala, byzantine, confree, robust
 from fedora_jax.engine import sharding
 from fedora_jax.simulation import TrainConfig, run_algorithm
 import tiny
@@ -61,6 +61,20 @@ OPTION_ROWS = (("fedprox", "evaluate=local"), ("apfl", "mixing=pfllib"),
                ("pfedme", "model=resnet"), ("fedavg", "ala,model=resnet"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
+# Byzantine clients and the robust aggregators (issue 50): every rule and every attack on
+# FedAvg, paired so each row has both, and one pairing on each other host of a shared
+# part (FedCP's and FedPAC's is a part of their server). "attack=X:sampled" draws the
+# attackers anew each round; one client in six attacks.
+ATTACKERS = 1 / 6
+BYZANTINE_ROWS = (
+    ("fedavg", "aggregation=median,attack=sign_flip"),
+    ("fedavg", "aggregation=trimmed_mean,attack=gaussian:sampled"),
+    ("fedavg", "aggregation=krum,attack=alie"),
+    ("fedavg", "aggregation=multi_krum,attack=ipm:sampled"),
+    ("fedavg", "aggregation=centered_clip,attack=label_flip"),
+    ("fedavg", "aggregation=norm_bound,attack=alie:sampled"),
+    *((host, "aggregation=centered_clip,attack=alie") for host in
+      ("apfl", "fedala", "fedcp", "fedpac", "fedper", "fedrep", "fedrod", "lg_fedavg")))
 
 
 def pairings() -> list[tuple[str, str]]:
@@ -69,7 +83,16 @@ def pairings() -> list[tuple[str, str]]:
   pairs = [(name, "") for name in sorted(algorithms.REGISTRY)]
   pairs += [(host, "ala") for host in algorithms.ala_hosts()]
   pairs += [(host, "confree") for host in algorithms.confree_hosts()]
-  return pairs + list(OPTION_ROWS)
+  return pairs + list(OPTION_ROWS) + list(BYZANTINE_ROWS)
+
+
+def byzantine_plugins(plugin: str) -> dict:
+  """The robust aggregation and the attack a BYZANTINE_ROWS entry names."""
+  given = dict(option.split("=") for option in plugin.split(","))
+  attack, _, sampled = given["attack"].partition(":")
+  return {"aggregation": robust.RobustConfig(rule=given["aggregation"]),
+          "attack": byzantine.AttackConfig(attack=attack, fraction=ATTACKERS,
+                                           sampled=sampled == "sampled")}
 
 
 def config_of(name: str, plugin: str):
@@ -77,6 +100,8 @@ def config_of(name: str, plugin: str):
   plugin = ",".join(p for p in plugin.split(",") if p not in MODEL_ROWS)
   if not plugin:
     return config
+  if "attack=" in plugin:
+    return algorithms.Plugged(config, **byzantine_plugins(plugin))
   if "=" in plugin:
     return config._replace(**dict(option.split("=") for option in plugin.split(",")))
   if plugin == "ala":

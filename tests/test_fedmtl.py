@@ -33,7 +33,7 @@ def test_the_server_sends_the_mean_spread_and_squares_of_w():
   np.testing.assert_allclose(_flat(message.mean), w.mean(0), atol=1e-6)
   np.testing.assert_allclose(message.spread, np.sum((w - w.mean(0)) ** 2), rtol=1e-5)
   np.testing.assert_allclose(message.squares, np.sum(w ** 2), rtol=1e-5)
-  assert float(message.count) == 3.0
+  assert float(message.clients) == 3.0
 
 
 def test_pfllibs_scale_is_ten_to_minus_the_digits_plus_one():

@@ -9,8 +9,10 @@ training (`train_fields`: FEDORA's lr) and tie a field to another's value (`only
 
 Plug-ins wrap a registered host (`build`, `Plugged`): ALA (ala.py, --ala) in front of the
 client update of a host that sends a global model, ConFREE (confree.py,
---aggregation=confree) in place of the server mean of a host's shared part; a host takes
-one by declaring what it needs (plugin_fields.py; `ala_hosts`, `confree_hosts`).
+--aggregation=confree) or a robust aggregator (robust.py, --aggregation=median, krum, ...)
+in place of the server mean of a host's shared part, and Byzantine attackers (byzantine.py,
+--attack) poisoning the uploads of that shared part; a host takes one by declaring what
+it needs (plugin_fields.py; `ala_hosts`, `confree_hosts`).
 """
 
 import functools
@@ -26,6 +28,7 @@ from fedora_jax.algorithms import (apple, coaching, confree, fedala, fedavg_c, f
 from fedora_jax.algorithms import (fedavgm, feddyn, fedlc, fednova, fedntd, fedopt,
                                    scaffold)
 from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml, gpfl, pflda
+from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import fedkd, fedmtl
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
@@ -208,10 +211,12 @@ def variant_label(name: str, fields: Mapping[str, Any]) -> str | None:
 
 class Plugged(NamedTuple):
   """An algorithm's config with the plug-ins applied around it (issue 7): ALA in front of
-  its client update (--ala), ConFREE as its server aggregation (--aggregation=confree)."""
+  its client update (--ala), ConFREE or a robust rule as its server aggregation
+  (--aggregation), attackers among its clients (--attack; issue 50)."""
   config: Any
   ala: ala_lib.AlaConfig | None = None
-  aggregation: confree.ConfreeConfig | None = None
+  aggregation: confree.ConfreeConfig | robust.RobustConfig | None = None
+  attack: byzantine.AttackConfig | None = None
 
 
 def stand_in_trainer(lr: float = 5e-3, momentum: float = 0.9, weight_decay: float = 5e-5,
@@ -239,7 +244,8 @@ def confree_hosts() -> list[str]:
   return [name for name in sorted(REGISTRY) if _declares(name)[1]]
 
 
-def check_plugins(name: str, ala: Any = None, aggregation: Any = None) -> None:
+def check_plugins(name: str, ala: Any = None, aggregation: Any = None,
+                  attack: Any = None) -> None:
   """One-line ConfigError for a plug-in its host cannot take (call before any work)."""
   name = canonical_name(name)
   takes_ala, takes_confree = _declares(name)
@@ -247,35 +253,49 @@ def check_plugins(name: str, ala: Any = None, aggregation: Any = None) -> None:
     raise ConfigError(f"--ala needs an algorithm that sends a global model; {name} does not"
                       f" (supported: {', '.join(ala_hosts())}; fedala has ALA built in)")
   if aggregation is not None and not takes_confree:
-    raise ConfigError(f"--aggregation=confree needs an algorithm whose server averages a"
+    rule = getattr(aggregation, "rule", "confree")
+    raise ConfigError(f"--aggregation={rule} needs an algorithm whose server averages a"
                       f" shared part; not {name} (supported: {', '.join(confree_hosts())})")
+  if attack is not None and not takes_confree:
+    raise ConfigError(f"--attack needs an algorithm whose server averages a shared part its"
+                      f" clients upload; not {name} (supported: {', '.join(confree_hosts())})")
 
 
 def build(name: str, config: Any, trainer: Any, ala: Any = None,
-          aggregation: Any = None) -> Algorithm:
-  """The registered algorithm `name`, wrapped by the plug-ins (also taken from a Plugged)."""
+          aggregation: Any = None, attack: Any = None) -> Algorithm:
+  """The registered algorithm `name`, wrapped by the plug-ins (also taken from a Plugged):
+  ALA innermost, then the aggregation, then the attackers, whose poisoned uploads the
+  aggregation sees."""
   if isinstance(config, Plugged):
-    config, ala, aggregation = config.config, config.ala, config.aggregation
-  check_plugins(name, ala, aggregation)
+    config, ala, aggregation, attack = (config.config, config.ala, config.aggregation,
+                                        config.attack)
+  check_plugins(name, ala, aggregation, attack)
   algorithm = get(name).factory(config, trainer)
   if ala is not None:
     algorithm = ala_lib.with_ala(algorithm, ala, trainer)
-  if aggregation is not None:
+  if isinstance(aggregation, robust.RobustConfig):
+    algorithm = robust.with_robust(algorithm, aggregation,
+                                   attack.fraction if attack is not None else 0.0)
+  elif aggregation is not None:
     algorithm = confree.with_confree(algorithm, aggregation)
+  if attack is not None:
+    algorithm = byzantine.with_attackers(algorithm, attack)
   return algorithm
 
 
 def make(name: str, config: Any = None, ala: Any = None,
-         aggregation: Any = None) -> Callable[[Any], Algorithm]:
+         aggregation: Any = None, attack: Any = None) -> Callable[[Any], Algorithm]:
   """The registered algorithm `name` as the runner takes it: trainer -> Algorithm
   (simulation.run_algorithm). `config`: its config or a Plugged (default: its defaults);
   a plug-in its host cannot take fails here, before any work."""
   name = canonical_name(name)
   if config is None:
     config = default_config(name)
-  plugins = (config.ala, config.aggregation) if isinstance(config, Plugged) else (ala, aggregation)
+  plugins = ((config.ala, config.aggregation, config.attack) if isinstance(config, Plugged)
+             else (ala, aggregation, attack))
   check_plugins(name, *plugins)
-  return functools.partial(build, name, config, ala=ala, aggregation=aggregation)
+  return functools.partial(build, name, config, ala=ala, aggregation=aggregation,
+                           attack=attack)
 
 
 __all__ = ["Algorithm", "AlgorithmState", "ClientOutput", "InitContext", "Plugged", "REFERENCE",

@@ -82,7 +82,7 @@ class MtlMessage(NamedTuple):
   mean: Params            # w_bar_0, the models' mean
   spread: jax.Array       # [] sum_s ||w_s - w_bar_0||^2
   squares: jax.Array      # [] sum_s ||w_s||^2
-  count: jax.Array        # [] m, the clients (the columns of W)
+  clients: jax.Array      # [] m, the clients (the columns of W)
 
 
 def validate(config: FedMtlConfig, trainer: ClientTrainer) -> FedMtlConfig:
@@ -117,7 +117,7 @@ def regulariser(params: Params, start: Params, message: MtlMessage, config: FedM
     ||W||_F^2 = squares + 2 <delta, start> + ||delta||^2
   (differences, not ||a||^2 - ||b||^2, where models are close)."""
   delta = jax.tree.map(jnp.subtract, params, start)
-  m = message.count
+  m = message.clients
   moved = _dot(delta, delta)
   norm = message.squares + 2.0 * _dot(delta, start) + moved
   if config.omega == "mean":
@@ -144,7 +144,7 @@ def fedmtl(config: FedMtlConfig, trainer: ClientTrainer) -> Algorithm:
     spread = jnp.sum(tree.squared_distances(clients, tree.broadcast_to_clients(mean, 1)))
     squares = jnp.asarray(sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(clients)))
     message = MtlMessage(mean=mean, spread=spread, squares=squares,
-                         count=jnp.asarray(count, jnp.float32))
+                         clients=jnp.asarray(count, jnp.float32))
     return tree.broadcast_to_clients(message, count)
 
   def client_update(start, message: MtlMessage, data, key):

@@ -42,16 +42,21 @@ def model_message(personal_is_local: bool) -> AlaHooks:
 
 
 class SharedPart(NamedTuple):
-  """Where a host keeps theta_g, the part ConFREE aggregates."""
+  """Where a host keeps theta_g, the part ConFREE and the robust aggregators aggregate
+  (and the attackers of byzantine.py poison)."""
   of_server: Callable[[PyTree], PyTree]          # server state -> theta_g
   of_uploads: Callable[[PyTree], PyTree]         # uploads -> the clients' theta_i [K, ...]
   replace: Callable[[PyTree, PyTree], PyTree]    # (server state, new theta_g) -> state
+  # (uploads, new theta_i [K, ...]) -> uploads; None: the uploads cannot be rewritten.
+  replace_uploads: Callable[[PyTree, PyTree], PyTree] | None = None
 
 
 WHOLE_SERVER = SharedPart(of_server=lambda server: server,
                           of_uploads=lambda uploads: uploads,
-                          replace=lambda server, shared: shared)
+                          replace=lambda server, shared: shared,
+                          replace_uploads=lambda uploads, shared: shared)
 # A server state with a `body` field, the feature extractor its clients upload.
 BODY = SharedPart(of_server=lambda server: server.body,
                   of_uploads=lambda uploads: uploads.body,
-                  replace=lambda server, shared: server._replace(body=shared))
+                  replace=lambda server, shared: server._replace(body=shared),
+                  replace_uploads=lambda uploads, shared: uploads._replace(body=shared))
