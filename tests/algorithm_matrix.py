@@ -61,6 +61,21 @@ OPTION_ROWS = (("fedprox", "evaluate=local"), ("apfl", "mixing=pfllib"),
                ("pfedme", "model=resnet"), ("fedavg", "ala,model=resnet"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
+# Clients as they really are (issue 51; fedora_jax/availability.py): 30 % dropout and
+# half the clients straggling (partial work), or a deadline that drops the slow ones, as
+# rows of their own on both paths above and at full participation (FULL: the masks on
+# every client rather than on sampled slots). They cover each way a server reads its
+# clients: the fast paths (FedAvg: shared_model, uploads_unordered; with ALA), weights
+# > 0 as "took part" (SCAFFOLD, FedCAC), zero uploads (pFedHN), client state read as an
+# upload (FEDORA, FedFomo), and local-training loops of their own (Per-FedAvg, pFedMe).
+CONDITIONS = {
+    "dropout": dict(client_dropout=0.3, stragglers=0.5, straggler_speed="uniform:0.2,1"),
+    "deadline": dict(client_dropout=0.3, stragglers=0.5, straggler_speed="uniform:0.2,1",
+                     round_deadline=2.0)}
+CONDITION_ROWS = tuple((name, "dropout") for name in (
+    "fedavg", "ditto", "fedrep", "fedala", "fedora", "pfedhn", "fedfomo", "scaffold",
+    "fedcac", "perfedavg", "pfedme")) + (("fedavg", "ala,dropout"), ("ditto", "deadline"))
+FULL = Path(1, None, 1.0)
 # Byzantine clients and the robust aggregators (issue 50): every rule and every attack on
 # FedAvg, paired so each row has both, and one pairing on each other host of a shared
 # part (FedCP's and FedPAC's is a part of their server). "attack=X:sampled" draws the
@@ -83,7 +98,7 @@ def pairings() -> list[tuple[str, str]]:
   pairs = [(name, "") for name in sorted(algorithms.REGISTRY)]
   pairs += [(host, "ala") for host in algorithms.ala_hosts()]
   pairs += [(host, "confree") for host in algorithms.confree_hosts()]
-  return pairs + list(OPTION_ROWS) + list(BYZANTINE_ROWS)
+  return pairs + list(OPTION_ROWS) + list(BYZANTINE_ROWS) + list(CONDITION_ROWS)
 
 
 def byzantine_plugins(plugin: str) -> dict:
@@ -95,9 +110,19 @@ def byzantine_plugins(plugin: str) -> dict:
                                            sampled=sampled == "sampled")}
 
 
+def conditions_of(plugin: str) -> dict:
+  """The TrainConfig fields of a CONDITION_ROWS row ({} for the others)."""
+  return next((CONDITIONS[p] for p in plugin.split(",") if p in CONDITIONS), {})
+
+
+def paths_of(plugin: str) -> tuple[Path, ...]:
+  return PATHS + ((FULL,) if conditions_of(plugin) else ())
+
+
 def config_of(name: str, plugin: str):
   config = tiny.default_config(name)
-  plugin = ",".join(p for p in plugin.split(",") if p not in MODEL_ROWS)
+  plugin = ",".join(p for p in plugin.split(",")
+                    if p not in MODEL_ROWS and p not in CONDITIONS)
   if not plugin:
     return config
   if "attack=" in plugin:
@@ -123,14 +148,15 @@ def run_path(name: str, plugin: str, path: Path, num_clients: int = len(SIZES)) 
   model = make_model()
   train = TrainConfig(rounds=2, local_epochs=2, batch_size=4, lr=0.1, momentum=0.9,
                       log_every=0, client_chunk=path.client_chunk,
-                      participation=path.participation)
+                      participation=path.participation, **conditions_of(plugin))
   mesh = sharding.client_mesh(jax.devices()[:path.devices])
   result = run_algorithm(algorithms.make(name, config_of(name, plugin)), model, data, train,
                          mesh=mesh)
   history = result.history
   return {"val_loss": history.val_loss.tolist(), "test_acc": history.test_score.tolist(),
           "train_loss": history.train_loss.tolist(),
-          "local_steps": history.local_steps.tolist()}
+          "local_steps": history.local_steps.tolist(),
+          "bytes_up": history.bytes_up.tolist(), "bytes_down": history.bytes_down.tolist()}
 
 
 def main(shard: int, num_shards: int, num_clients: int = len(SIZES)) -> None:
@@ -138,7 +164,8 @@ def main(shard: int, num_shards: int, num_clients: int = len(SIZES)) -> None:
   rows = {}
   for name, plugin in pairings()[shard::num_shards]:
     try:
-      rows[f"{name}+{plugin}"] = [run_path(name, plugin, p, num_clients) for p in PATHS]
+      rows[f"{name}+{plugin}"] = [run_path(name, plugin, p, num_clients)
+                                  for p in paths_of(plugin)]
     except Exception as e:  # pylint: disable=broad-except
       rows[f"{name}+{plugin}"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
   print(json.dumps(rows))
