@@ -19,7 +19,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # pylint: disable=wrong-import-position
 from fedora_jax import algorithms
-from fedora_jax.algorithms import ala, byzantine, confree, robust
+from fedora_jax.algorithms import ala, byzantine, confree, dp, robust
 from fedora_jax.engine import sharding
 from fedora_jax.simulation import TrainConfig, run_algorithm
 import tiny
@@ -90,6 +90,12 @@ BYZANTINE_ROWS = (
     ("fedavg", "aggregation=norm_bound,attack=alie:sampled"),
     *((host, "aggregation=centered_clip,attack=alie") for host in
       ("apfl", "fedala", "fedcp", "fedpac", "fedper", "fedrep", "fedrod", "lg_fedavg")))
+# User-level DP (issue 50) on every host that declares what it needs (the "dp" rows of
+# pairings), with adaptive clipping so the server's clip norm moves too, and on FedAvg
+# with dropouts (a dropped client lowers the noised sum, not its denominator).
+DP_CONFIG = dp.DpConfig(clip_norm=1.0, noise_multiplier=0.5, delta=1e-5,
+                        adaptive_clip_quantile=0.5, clipped_count_stddev=1.0)
+DP_ROWS = (("fedavg", "dp,dropout"),)
 
 
 def pairings() -> list[tuple[str, str]]:
@@ -98,7 +104,9 @@ def pairings() -> list[tuple[str, str]]:
   pairs = [(name, "") for name in sorted(algorithms.REGISTRY)]
   pairs += [(host, "ala") for host in algorithms.ala_hosts()]
   pairs += [(host, "confree") for host in algorithms.confree_hosts()]
-  return pairs + list(OPTION_ROWS) + list(BYZANTINE_ROWS) + list(CONDITION_ROWS)
+  pairs += [(host, "dp") for host in algorithms.dp_hosts()]
+  return (pairs + list(OPTION_ROWS) + list(BYZANTINE_ROWS) + list(CONDITION_ROWS)
+          + list(DP_ROWS))
 
 
 def byzantine_plugins(plugin: str) -> dict:
@@ -133,6 +141,8 @@ def config_of(name: str, plugin: str):
     return algorithms.Plugged(config, ala=ala.AlaConfig())
   if plugin == "confree":
     return algorithms.Plugged(config, aggregation=confree.ConfreeConfig())
+  if plugin == "dp":
+    return algorithms.Plugged(config, dp=DP_CONFIG)
   return config
 
 

@@ -29,6 +29,7 @@ from fedora_jax.algorithms import (fedavgm, feddyn, fedlc, fednova, fedntd, fedo
                                    scaffold)
 from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml, gpfl, pflda
 from fedora_jax.algorithms import byzantine, robust
+from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms import fedkd, fedmtl
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
@@ -217,6 +218,7 @@ class Plugged(NamedTuple):
   ala: ala_lib.AlaConfig | None = None
   aggregation: confree.ConfreeConfig | robust.RobustConfig | None = None
   attack: byzantine.AttackConfig | None = None
+  dp: dp_lib.DpConfig | None = None  # user-level DP around the server mean (--dp_*)
 
 
 def stand_in_trainer(lr: float = 5e-3, momentum: float = 0.9, weight_decay: float = 5e-5,
@@ -228,10 +230,10 @@ def stand_in_trainer(lr: float = 5e-3, momentum: float = 0.9, weight_decay: floa
 
 
 @functools.cache
-def _declares(name: str) -> tuple[bool, bool]:
-  """Whether `name`, at its defaults, declares what ALA and what ConFREE need."""
+def _declares(name: str) -> tuple[bool, bool, bool]:
+  """Whether `name`, at its defaults, declares what ALA, ConFREE and DP need."""
   host = get(name).factory(default_config(name), stand_in_trainer())
-  return host.ala_hooks is not None, host.shared_part is not None
+  return host.ala_hooks is not None, host.shared_part is not None, host.upload_mean is not None
 
 
 def ala_hosts() -> list[str]:
@@ -244,11 +246,16 @@ def confree_hosts() -> list[str]:
   return [name for name in sorted(REGISTRY) if _declares(name)[1]]
 
 
+def dp_hosts() -> list[str]:
+  """The registered algorithms DP can wrap (they declare Algorithm.upload_mean)."""
+  return [name for name in sorted(REGISTRY) if _declares(name)[2]]
+
+
 def check_plugins(name: str, ala: Any = None, aggregation: Any = None,
-                  attack: Any = None) -> None:
+                  attack: Any = None, dp: Any = None) -> None:
   """One-line ConfigError for a plug-in its host cannot take (call before any work)."""
   name = canonical_name(name)
-  takes_ala, takes_confree = _declares(name)
+  takes_ala, takes_confree, takes_dp = _declares(name)
   if ala is not None and not takes_ala:
     raise ConfigError(f"--ala needs an algorithm that sends a global model; {name} does not"
                       f" (supported: {', '.join(ala_hosts())}; fedala has ALA built in)")
@@ -259,17 +266,26 @@ def check_plugins(name: str, ala: Any = None, aggregation: Any = None,
   if attack is not None and not takes_confree:
     raise ConfigError(f"--attack needs an algorithm whose server averages a shared part its"
                       f" clients upload; not {name} (supported: {', '.join(confree_hosts())})")
+  if dp is not None:
+    if not takes_dp:
+      raise ConfigError(f"DP (--dp_clip_norm) needs an algorithm whose server averages what"
+                        f" its clients upload; {name} does not (supported:"
+                        f" {', '.join(dp_hosts())})")
+    if aggregation is not None or attack is not None:
+      # The aggregators read each client's update; DP's server sees only their noised sum.
+      raise ConfigError("DP (--dp_clip_norm) takes the server mean's place: it does not"
+                        f" combine with --{'aggregation' if aggregation else 'attack'}")
 
 
 def build(name: str, config: Any, trainer: Any, ala: Any = None,
-          aggregation: Any = None, attack: Any = None) -> Algorithm:
+          aggregation: Any = None, attack: Any = None, dp: Any = None) -> Algorithm:
   """The registered algorithm `name`, wrapped by the plug-ins (also taken from a Plugged):
   ALA innermost, then the aggregation, then the attackers, whose poisoned uploads the
-  aggregation sees."""
+  aggregation sees; DP (alone of the server's plug-ins) outermost."""
   if isinstance(config, Plugged):
-    config, ala, aggregation, attack = (config.config, config.ala, config.aggregation,
-                                        config.attack)
-  check_plugins(name, ala, aggregation, attack)
+    config, ala, aggregation, attack, dp = (config.config, config.ala, config.aggregation,
+                                            config.attack, config.dp)
+  check_plugins(name, ala, aggregation, attack, dp)
   algorithm = get(name).factory(config, trainer)
   if ala is not None:
     algorithm = ala_lib.with_ala(algorithm, ala, trainer)
@@ -280,24 +296,27 @@ def build(name: str, config: Any, trainer: Any, ala: Any = None,
     algorithm = confree.with_confree(algorithm, aggregation)
   if attack is not None:
     algorithm = byzantine.with_attackers(algorithm, attack)
+  if dp is not None:
+    algorithm = dp_lib.with_dp(algorithm, dp)
   return algorithm
 
 
 def make(name: str, config: Any = None, ala: Any = None,
-         aggregation: Any = None, attack: Any = None) -> Callable[[Any], Algorithm]:
+         aggregation: Any = None, attack: Any = None,
+         dp: Any = None) -> Callable[[Any], Algorithm]:
   """The registered algorithm `name` as the runner takes it: trainer -> Algorithm
   (simulation.run_algorithm). `config`: its config or a Plugged (default: its defaults);
   a plug-in its host cannot take fails here, before any work."""
   name = canonical_name(name)
   if config is None:
     config = default_config(name)
-  plugins = ((config.ala, config.aggregation, config.attack) if isinstance(config, Plugged)
-             else (ala, aggregation, attack))
+  plugins = ((config.ala, config.aggregation, config.attack, config.dp)
+             if isinstance(config, Plugged) else (ala, aggregation, attack, dp))
   check_plugins(name, *plugins)
   return functools.partial(build, name, config, ala=ala, aggregation=aggregation,
-                           attack=attack)
+                           attack=attack, dp=dp)
 
 
 __all__ = ["Algorithm", "AlgorithmState", "ClientOutput", "InitContext", "Plugged", "REFERENCE",
-           "REGISTRY", "ala_hosts", "build", "check_plugins", "confree_hosts",
+           "REGISTRY", "ala_hosts", "build", "check_plugins", "confree_hosts", "dp_hosts",
            "default_config", "get", "make", "stand_in_trainer", "variant_label"]

@@ -340,6 +340,7 @@ def with_ala(host: Algorithm, config: AlaConfig, trainer: ClientTrainer,
                    # The host's own evaluation of its personalized model (APFL's output
                    # mixture), unless ALA evaluates theta_i, a model of the run.
                    evaluate=None if hooks.personal_is_local else host.evaluate,
-                   # The server's state and uploads are the host's: its ConFREE part too.
-                   shared_part=host.shared_part,
+                   # The server's state and uploads are the host's: its ConFREE and DP
+                   # parts too.
+                   shared_part=host.shared_part, upload_mean=host.upload_mean,
                    state_upload=_host_state_upload(host.state_upload))

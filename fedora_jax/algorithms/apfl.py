@@ -78,7 +78,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER, model_message
+from fedora_jax.algorithms.plugin_fields import SERVER_MODEL, WHOLE_SERVER, model_message
 from fedora_jax.engine.local_training import ClientTrainer, masked_cross_entropy
 from fedora_jax.errors import ConfigError, FieldError, traced
 
@@ -274,4 +274,4 @@ def apfl(config: ApflConfig, trainer: ClientTrainer) -> Algorithm:
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=personalized_params, evaluate=evaluate,
                    ala_hooks=model_message(personal_is_local=False),
-                   shared_part=WHOLE_SERVER)
+                   shared_part=WHOLE_SERVER, upload_mean=SERVER_MODEL)

@@ -12,8 +12,8 @@ carry a leading client axis [K, ...]. A round is
 
 `shared_model` and `uploads_unordered` (optional) let the engine skip [K, ...] copies that
 FedAvg-like algorithms never need; results are the same up to summation order.
-`ala_hooks` and `shared_part` (optional) declare what the plug-ins need to wrap the
-algorithm (plugin_fields.py).
+`ala_hooks`, `shared_part` and `upload_mean` (optional) declare what the plug-ins need to
+wrap the algorithm (plugin_fields.py).
 
 Algorithm files never loop over clients and never call `jit`; the engine does both
 (vmapping `client_update` over each size bucket, jitting the whole round once).
@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
-from fedora_jax.algorithms.plugin_fields import AlaHooks, SharedPart
+from fedora_jax.algorithms.plugin_fields import AlaHooks, SharedPart, UploadMean
 from fedora_jax.data.client_data import ClientData, ClientSplits, FederatedData
 from fedora_jax.engine.local_training import ClientTrainer, EvalStats, TrainStats
 
@@ -79,6 +79,9 @@ class Algorithm(NamedTuple):
   # Where ConFREE (--aggregation=confree) finds the server's shared part; None: not a
   # ConFREE host.
   shared_part: SharedPart | None = None
+  # Where DP (--dp_*) finds the model the clients receive, in a host whose server reads
+  # their uploads only through their mean; None: not a DP host.
+  upload_mean: UploadMean | None = None
   # Where the server reads a client's state instead of (or besides) its upload (FEDORA's
   # and FedFomo's models, kept in the stacked client state): the part of ONE client's new
   # state it reads, counted as uploaded in the round's bytes (communication.py).

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.plugin_fields import model_message
+from fedora_jax.algorithms.plugin_fields import SERVER_MODEL, model_message
 from fedora_jax.algorithms.fedprox import proximal_term
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError, check_one_of, traced
@@ -192,4 +192,6 @@ def ditto(config: DittoConfig, trainer: ClientTrainer) -> Algorithm:
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=lambda server, personal_params: personal_params,
                    # theta_hat takes the received global model's place; v_i is Ditto's own.
-                   ala_hooks=model_message(personal_is_local=False))
+                   ala_hooks=model_message(personal_is_local=False),
+                   # the server averages the uploaded global updates; v_k stays local
+                   upload_mean=SERVER_MODEL)

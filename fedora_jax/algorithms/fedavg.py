@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER, model_message
+from fedora_jax.algorithms.plugin_fields import SERVER_MODEL, WHOLE_SERVER, model_message
 from fedora_jax.engine.local_training import ClientTrainer
 
 
@@ -48,4 +48,4 @@ def fedavg(config: FedAvgConfig, trainer: ClientTrainer) -> Algorithm:
                    shared_model=lambda global_params: global_params, uploads_unordered=True,
                    # ALA takes the place of the client's copy of the global model.
                    ala_hooks=model_message(personal_is_local=True),
-                   shared_part=WHOLE_SERVER)
+                   shared_part=WHOLE_SERVER, upload_mean=SERVER_MODEL)

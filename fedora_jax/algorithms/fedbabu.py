@@ -34,6 +34,7 @@ import jax
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
+from fedora_jax.algorithms.plugin_fields import UploadMean
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError, check_one_of
 
@@ -111,4 +112,7 @@ def fedbabu(config: FedBabuConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="fedbabu", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params)
+                   personalized_params=personalized_params,
+                   # the server's model is sent; its body is what clients upload
+                   upload_mean=UploadMean(received=lambda global_params: take_layers(
+                       global_params, split(global_params)[0])))

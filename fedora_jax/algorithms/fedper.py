@@ -20,7 +20,7 @@ the default here. On FEDORA's 3-layer MLP it may be 1 or 2.
 from typing import NamedTuple
 
 from fedora_jax.algorithms.base import Algorithm
-from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER
+from fedora_jax.algorithms.plugin_fields import SERVER_MODEL, WHOLE_SERVER
 from fedora_jax.algorithms.layers import all_but_top_layers, partial_sharing
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError
@@ -40,4 +40,4 @@ def fedper(config: FedPerConfig, trainer: ClientTrainer) -> Algorithm:
   return partial_sharing("fedper", trainer,
                          all_but_top_layers(config.personal_layers,
                                             "fedper_personal_layers"))._replace(
-                             shared_part=WHOLE_SERVER)
+                             shared_part=WHOLE_SERVER, upload_mean=SERVER_MODEL)

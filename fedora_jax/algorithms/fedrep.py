@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER, model_message
+from fedora_jax.algorithms.plugin_fields import SERVER_MODEL, WHOLE_SERVER, model_message
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError, FieldError
@@ -155,4 +155,4 @@ def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
                    personalized_params=personalized_params,
                    ala_hooks=model_message(personal_is_local=True)._replace(
                        trained=lambda out: out.state),
-                   shared_part=WHOLE_SERVER)
+                   shared_part=WHOLE_SERVER, upload_mean=SERVER_MODEL)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
-from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER
+from fedora_jax.algorithms.plugin_fields import SERVER_MODEL, WHOLE_SERVER
 from fedora_jax.algorithms.layers import merge_layers, split_body_head, take_layers
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError, FieldError
@@ -122,4 +122,5 @@ def fedrod(config: FedRodConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="fedrod", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params, shared_part=WHOLE_SERVER)
+                   personalized_params=personalized_params, shared_part=WHOLE_SERVER,
+                   upload_mean=SERVER_MODEL)

@@ -37,7 +37,7 @@ layers.
 from typing import NamedTuple
 
 from fedora_jax.algorithms.base import Algorithm
-from fedora_jax.algorithms.plugin_fields import WHOLE_SERVER
+from fedora_jax.algorithms.plugin_fields import SERVER_MODEL, WHOLE_SERVER
 from fedora_jax.algorithms.layers import (all_but_bottom_layers, all_but_top_layers,
                                            partial_sharing)
 from fedora_jax.engine.local_training import ClientTrainer
@@ -69,4 +69,4 @@ def lg_fedavg(config: LgFedAvgConfig, trainer: ClientTrainer) -> Algorithm:
   shared = all_but_bottom_layers if config.local_side == "input" else all_but_top_layers
   return partial_sharing("lg_fedavg", trainer,
                          shared(config.local_layers, "lg_fedavg_local_layers"))._replace(
-                             shared_part=WHOLE_SERVER)
+                             shared_part=WHOLE_SERVER, upload_mean=SERVER_MODEL)

@@ -49,6 +49,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import (apply_with_representation,
                                           check_representation_trainer, head_layer)
+from fedora_jax.algorithms.plugin_fields import SERVER_MODEL
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError, check_one_of, traced
 
@@ -147,4 +148,4 @@ def moon(config: MoonConfig, trainer: ClientTrainer) -> Algorithm:
 
   return Algorithm(name="moon", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
-                   personalized_params=personalized_params)
+                   personalized_params=personalized_params, upload_mean=SERVER_MODEL)

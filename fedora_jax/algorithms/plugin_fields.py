@@ -2,7 +2,9 @@
 
 A plug-in never looks at its host's name: ALA (ala.py) reads `Algorithm.ala_hooks`, where
 the host keeps the global model it sends and what its client trains; ConFREE (confree.py)
-reads `Algorithm.shared_part`, where the host's server keeps the part its clients upload.
+reads `Algorithm.shared_part`, where the host's server keeps the part its clients upload;
+DP (dp.py) reads `Algorithm.upload_mean`, where the host's server keeps the model its
+clients receive, from a host that reads their uploads only through their mean.
 A host takes a plug-in by declaring the field (None: it does not).
 """
 
@@ -60,3 +62,16 @@ BODY = SharedPart(of_server=lambda server: server.body,
                   of_uploads=lambda uploads: uploads.body,
                   replace=lambda server, shared: server._replace(body=shared),
                   replace_uploads=lambda uploads, shared: uploads._replace(body=shared))
+
+
+class UploadMean(NamedTuple):
+  """A host whose server reads its clients' uploads only through their weighted mean and
+  keeps nothing else of theirs (FedAvg-like): a plug-in may hand it another estimate of
+  that mean, as identical uploads (DP, dp.py: the noised mean of clipped updates). Every
+  upload is shaped as `received(server)`, the model the clients were sent, so a client's
+  update is its upload minus that."""
+  received: Callable[[PyTree], PyTree]           # server state -> the model sent
+
+
+# A host whose server state is the model it sends and its clients upload.
+SERVER_MODEL = UploadMean(received=lambda server: server)
