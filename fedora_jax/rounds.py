@@ -179,7 +179,11 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
   def train_round(state: RoundState, data: tuple[ClientSplits, ...], key: jax.Array):
     round_key = jax.random.fold_in(key, state.round)
     server, clients = state.algorithm
-    messages = algorithm.broadcast(server, clients)
+    active = jnp.ones(num_clients, bool)
+    if num_sampled < num_clients:
+      active = sampled_clients(round_key, num_clients, num_sampled)
+    messages = (algorithm.broadcast(server, clients) if algorithm.sampled_broadcast is None
+                else algorithm.sampled_broadcast(server, clients, active))
     per_client: tuple = (clients, messages, client_keys(round_key, num_clients))
     fate = (None if conditions is None else
             availability.draw(conditions, round_key, state.round, num_clients))
@@ -188,10 +192,8 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
       per_client += (fate.speed,)
     step = _client_step(algorithm, budgeted)
     weights = train_weights
-    active = jnp.ones(num_clients, bool)
     slot_clients = None
     if num_sampled < num_clients:
-      active = sampled_clients(round_key, num_clients, num_sampled)
       out, slot_clients = map_over_sampled(
           step, per_client, data, layout.client_ids, num_clients, active, num_sampled,
           client_chunk)

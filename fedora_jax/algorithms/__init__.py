@@ -28,6 +28,7 @@ from fedora_jax.algorithms import (apple, coaching, confree, fedala, fedavg_c, f
 from fedora_jax.algorithms import (fedavgm, feddyn, fedlc, fednova, fedntd, fedopt,
                                    scaffold)
 from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml, gpfl, pflda
+from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms import fedkd, fedmtl
@@ -156,6 +157,9 @@ REGISTRY: dict[str, Registered] = {
     "fedkd": Registered(fedkd.FedKdConfig, fedkd.fedkd, fedkd.FLAG_HELP,
                         train_fields=("rounds",)),
     "fedmtl": Registered(fedmtl.FedMtlConfig, fedmtl.fedmtl, fedmtl.FLAG_HELP),
+    "fedgen": Registered(fedgen.FedGenConfig, fedgen.fedgen, fedgen.FLAG_HELP),
+    "fedcross": Registered(fedcross.FedCrossConfig, fedcross.fedcross, fedcross.FLAG_HELP),
+    "fedgc": Registered(fedgc.FedGcConfig, fedgc.fedgc, fedgc.FLAG_HELP, train_fields=("lr",)),
 }
 
 

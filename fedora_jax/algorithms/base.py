@@ -86,6 +86,11 @@ class Algorithm(NamedTuple):
   # and FedFomo's models, kept in the stacked client state): the part of ONE client's new
   # state it reads, counted as uploaded in the round's bytes (communication.py).
   state_upload: Callable[[PyTree], PyTree] | None = None
+  # Where what a client receives depends on which clients the round samples (FedCross
+  # deals its middleware models out among them): broadcast(server, clients, sampled),
+  # sampled [K] bool, in place of `broadcast` in the round (`broadcast` is this with
+  # every client sampled).
+  sampled_broadcast: Callable[[PyTree, PyTree, jax.Array], PyTree] | None = None
 
 
 def no_broadcast(server, clients):
