@@ -29,7 +29,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from fedora_jax.algorithms import REFERENCE, variant_label
 from fedora_jax.errors import ConfigError
-from fedora_jax.results import run_label, split_label
+from fedora_jax.results import plugin_labels, run_label, split_label
 
 NEGATIVE_COLOR = "tab:red"    # R-Acc_k < 0: negative transfer
 POSITIVE_COLOR = "tab:blue"   # R-Acc_k >= 0: at least as good as LOCAL (counts in PTR)
@@ -486,12 +486,7 @@ def saved_run_label(results: Mapping) -> str:
   variant = variant_label(label, fields) if isinstance(fields, Mapping) else None
   if variant is not None:
     label += f" ({variant})"
-  plugins = results.get("plugins") or {}
-  if plugins.get("ala"):
-    label += " + ala"
-  if plugins.get("aggregation"):
-    label += " + confree"
-  return label
+  return " + ".join([label, *plugin_labels(results.get("plugins") or {})])
 
 
 def _unique_labels(runs: list[SavedRun]) -> list[str]:

@@ -392,14 +392,23 @@ def split_label(results: dict) -> str:
   return f"{kind}, {setting}" if setting else kind
 
 
+def plugin_labels(plugins: dict) -> list[str]:
+  """results.json's plug-ins that are on, in words: "ala", "confree" or a robust rule
+  ("krum"), and an attack with its fraction ("alie 0.2")."""
+  def label(plugin: str, value: dict) -> str:
+    if plugin == "aggregation":  # ConFREE's config has no rule
+      return value.get("rule", "confree")
+    if plugin == "attack":
+      return f"{value['attack']} {value['fraction']:g}"
+    return plugin
+  return [label(plugin, value) for plugin, value in plugins.items() if value]
+
+
 def run_label(results: dict) -> str:
   """"fedavg+ala on rmnist (balanced, 36 clients, seed 0, participation 0.5)": the
   algorithm with its plug-ins, the data, and a participation below 1."""
-  plugins = results.get("plugins") or {}
-  # "aggregation" is ConFREE's, the one aggregation plug-in.
   name = results["algorithm"] + "".join(
-      f"+{'confree' if plugin == 'aggregation' else plugin}"
-      for plugin, value in plugins.items() if value)
+      f"+{label}" for label in plugin_labels(results.get("plugins") or {}))
   participation = (results.get("train") or {}).get("participation", 1.0)
   extra = f", participation {participation:g}" if participation != 1.0 else ""
   return (f"{name} on {results['dataset']} ({split_label(results)},"
