@@ -31,7 +31,7 @@ from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml,
 from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
-from fedora_jax.algorithms import fedkd, fedmtl
+from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError
@@ -157,6 +157,7 @@ REGISTRY: dict[str, Registered] = {
     "fedkd": Registered(fedkd.FedKdConfig, fedkd.fedkd, fedkd.FLAG_HELP,
                         train_fields=("rounds",)),
     "fedmtl": Registered(fedmtl.FedMtlConfig, fedmtl.fedmtl, fedmtl.FLAG_HELP),
+    "fedpcl": Registered(fedpcl.FedPclConfig, fedpcl.fedpcl, fedpcl.FLAG_HELP),
     "fedgen": Registered(fedgen.FedGenConfig, fedgen.fedgen, fedgen.FLAG_HELP),
     "fedcross": Registered(fedcross.FedCrossConfig, fedcross.fedcross, fedcross.FLAG_HELP),
     "fedgc": Registered(fedgc.FedGcConfig, fedgc.fedgc, fedgc.FLAG_HELP, train_fields=("lr",)),
