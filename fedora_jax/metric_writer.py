@@ -51,15 +51,21 @@ class RoundWriter:
   events are flushed even when training stops with an error.
   """
 
-  def __init__(self, workdir: str, algorithm: str, task: str = "classification"):
+  def __init__(self, workdir: str, algorithm: str, task: str = "classification",
+               series: dict[str, np.ndarray] | None = None):
     self.algorithm = algorithm
     self.task = task
+    # Tag -> a value per round [rounds] known outside the round (DP's epsilon).
+    self.series = series or {}
     self.logdir = tensorboard_dir(workdir, algorithm)
     self._writer = SummaryWriter(self.logdir)
 
   def __call__(self, round_number: int, metrics: RoundMetrics) -> None:
     for tag, value in round_scalars(metrics, self.algorithm, self.task).items():
       self._writer.add_scalar(tag, value, round_number)
+    for tag, values in self.series.items():
+      if np.isfinite(values[round_number - 1]):
+        self._writer.add_scalar(tag, float(values[round_number - 1]), round_number)
     histogram = "test/client_mae" if self.task == "regression" else "test/client_accuracy"
     if not np.isnan(metrics.test_score).all():
       self._writer.add_histogram(histogram, np.asarray(metrics.test_score), round_number)

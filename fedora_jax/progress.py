@@ -9,15 +9,17 @@ it has compiled, after every round and when it stops (finished or not):
   Silent       nothing.
 `default_progress` picks the bar where a person watches (a terminal, a notebook) and the
 lines elsewhere: the library's default; passing `progress=None` silences a run.
+`noting` adds a run's own words to each round's report (DP's epsilon so far).
 
 LineHandler writes log records through tqdm, so a line logged while a bar is open lands
 above it instead of tearing it.
 """
 
+import contextlib
 import logging
 import os
 import sys
-from typing import Any, Protocol, TextIO
+from typing import Any, Callable, Iterator, Protocol, TextIO
 
 import jax
 import numpy as np
@@ -46,6 +48,29 @@ class Progress(Protocol):
 
 def score_name(task: str) -> str:
   return "mae" if task == "regression" else "acc"
+
+
+# A run's own words after a round's scores: round number (1-based) -> text.
+Note = Callable[[int], str]
+
+
+@contextlib.contextmanager
+def noting(progress: Progress, note: Note) -> Iterator[None]:
+  """Within the block, `progress` ends each round's report with note(round) (a Progress
+  without a `note` attribute reports as it would)."""
+  if not hasattr(progress, "note"):
+    yield
+    return
+  before = progress.note
+  progress.note = note
+  try:
+    yield
+  finally:
+    progress.note = before
+
+
+def _noted(note: Note | None, round_number: int) -> str:
+  return "" if note is None else f", {note(round_number)}"
 
 
 def format_mean(values: np.ndarray | jax.Array) -> str:
@@ -115,6 +140,7 @@ class LogProgress:
                log: logging.Logger | _StderrLog = logger):
     self.log_every, self.label, self._log = log_every, label, log
     self._run, self._rounds, self._task = "", 0, "classification"
+    self.note: Note | None = None  # set by `noting`
 
   def start(self, run: str, rounds: int, task: str) -> None:
     self._run, self._rounds, self._task = self.label or run, rounds, task
@@ -127,10 +153,11 @@ class LogProgress:
     if not self.log_every or (round_number % self.log_every and round_number != self._rounds):
       return
     score = score_name(self._task)
-    self._log.info("%s round %d/%d: %.3f s/round, val %s %s, test %s %s, ETA %.0f s",
+    self._log.info("%s round %d/%d: %.3f s/round, val %s %s, test %s %s, ETA %.0f s%s",
                    self._run, round_number, self._rounds, seconds_per_round, score,
                    format_mean(metrics.val_score), score, format_mean(metrics.test_score),
-                   seconds_per_round * (self._rounds - round_number))
+                   seconds_per_round * (self._rounds - round_number),
+                   _noted(self.note, round_number))
 
   def close(self) -> None:
     pass
@@ -151,6 +178,7 @@ class ProgressBar:
     self._notebook = notebook
     self._bar: Any = None  # a tqdm bar (untyped) from start to close
     self._rounds, self._task = 0, "classification"
+    self.note: Note | None = None  # set by `noting`
 
   def start(self, run: str, rounds: int, task: str) -> None:
     import tqdm  # pylint: disable=g-import-not-at-top
@@ -180,8 +208,8 @@ class ProgressBar:
     eta = format_seconds(seconds_per_round * (self._rounds - round_number))
     self._bar.set_postfix_str(
         f"{seconds_per_round:.3f} s/round, ETA {eta}, val {score}"
-        f" {format_mean(metrics.val_score)}, test {score} {format_mean(metrics.test_score)}",
-        refresh=False)
+        f" {format_mean(metrics.val_score)}, test {score} {format_mean(metrics.test_score)}"
+        f"{_noted(self.note, round_number)}", refresh=False)
     self._bar.update(round_number - self._bar.n)
 
   def close(self) -> None:

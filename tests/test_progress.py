@@ -171,3 +171,22 @@ def test_the_library_default_is_lines_off_a_terminal_and_none_is_silent(capsys):
   assert capsys.readouterr().err.startswith("fedavg round 2/2: 0.500 s/round")
   assert isinstance(simulation.resolve_progress(None, 1), progress.Silent)
   assert simulation.resolve_progress(lines, 1) is lines
+
+
+def test_a_note_ends_each_round_report_while_noting(lines):
+  """DP's epsilon so far on the progress line (train.py notes it during a DP run)."""
+  log, seen = lines
+  reporter = progress.LogProgress(log_every=1, log=log)
+  bar = progress.ProgressBar(file=io.StringIO())
+  postfixes = []
+  for each in (reporter, bar):
+    each.start("fedavg+dp", 2, "classification")
+    with progress.noting(each, lambda r: f"epsilon {r * 1.5:.3g}"):
+      each.round_done(1, metrics(0.5, 0.25), 0.5)
+      postfixes.append(getattr(getattr(each, "_bar", None), "postfix", None))
+    each.round_done(2, metrics(0.5, 0.25), 0.5)
+  assert seen[0].endswith(", epsilon 1.5") and "epsilon" not in seen[1]
+  assert postfixes[1].endswith(", epsilon 1.5") and "epsilon" not in bar._bar.postfix  # pylint: disable=protected-access
+  bar.close()
+  with progress.noting(progress.Silent(), lambda r: "unused"):  # no `note`: as it was
+    pass
