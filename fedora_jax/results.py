@@ -314,9 +314,11 @@ def cost_cells(cost: dict) -> str:
           f" | {cost['machine']}")
 
 
-def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
+def write_run_files(workdir: str, results: dict, result: RunResult,
+                    series: dict[str, np.ndarray] | None = None) -> None:
   """results.json, timing.json, clients.csv, per-round history (rounds.csv, history.npz),
-  artifacts."""
+  artifacts. `series`: name -> a value per round known outside the round (DP's
+  dp_epsilon), a column of its own in rounds.csv and an array in history.npz."""
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
@@ -331,15 +333,17 @@ def write_run_files(workdir: str, results: dict, result: RunResult) -> None:
                for name in history._fields
                if name != "extra" and getattr(history, name) is not None}
   per_round.update(history.extra)
-  np.savez_compressed(os.path.join(workdir, "history.npz"), **per_round)
+  series = series or {}
+  np.savez_compressed(os.path.join(workdir, "history.npz"), **{**per_round, **series})
   with open(os.path.join(workdir, "rounds.csv"), "w", newline="") as f:
     writer = csv.writer(f)
     # Means over the clients, but the bytes: the round's totals over them.
     writer.writerow(["round"] + [name if name in SUMMED else f"mean_{name}"
-                                 for name in per_round])
+                                 for name in per_round] + list(series))
     for r in range(history.test_score.shape[0]):
       writer.writerow([r + 1] + [_sum_text(v[r]) if name in SUMMED else _mean_text(v[r])
-                                 for name, v in per_round.items()])
+                                 for name, v in per_round.items()]
+                      + [_mean_text(v[r]) for v in series.values()])
   for name, array in result.artifacts.items():
     np.save(os.path.join(workdir, f"{name}.npy"), array)
 
@@ -437,7 +441,24 @@ def format_clients(results: dict) -> str:
 
 def format_summary(results: dict) -> str:
   """The run's label, and its mean scores, R-Acc and PTR against LOCAL at the final and
-  the best-validation round."""
+  the best-validation round; a DP run's privacy after them."""
+  scores = _format_scores(results)
+  return scores if not results.get("dp") else f"{scores}\n  {format_privacy(results)}"
+
+
+def format_privacy(results: dict) -> str:
+  """A DP run's guarantee in one line (results.json's `dp` block)."""
+  dp = results["dp"]
+  epsilon = "inf (no noise)" if dp["epsilon"] is None else f"{dp['epsilon']:.4g}"
+  cohort = (f"{dp['expected_clients']:g} of {results['num_clients']} clients a round"
+            if dp["sampling"] == "fixed" else
+            f"each of {results['num_clients']} clients with probability {dp['sampling_rate']:g}")
+  return (f"user-level DP: epsilon {epsilon} at delta {dp['delta']:g} after"
+          f" {results['rounds']} rounds ({dp['accountant']}; {cohort}; noise multiplier"
+          f" {dp['noise_multiplier']:.4g}, clip norm {dp['clip_norm']:g})")
+
+
+def _format_scores(results: dict) -> str:
   best = results["best_val"]
   if task_of(results) == "regression":
     nan = float("nan")
