@@ -164,3 +164,20 @@ def test_bad_input_is_one_line():
     with pytest.raises(ConfigError, match=f"--attack needs an algorithm whose server averages"
                                           f" a shared part its clients upload; not {name}"):
       algorithms.check_plugins(name, attack=byzantine.AttackConfig())
+
+
+def test_the_wrappers_hand_the_host_its_own_server_and_client_state():
+  trainer = tiny_trainer(tiny_model())
+  host = algorithms.build("fedavg", default_config("fedavg"), trainer)._replace(
+      sampled_broadcast=lambda server, clients, sampled: (server, clients, sampled),
+      state_upload=lambda client: ("read", client))
+  attacked = byzantine.with_attackers(host, byzantine.AttackConfig())
+  server = Extended("server", byzantine.AttackServer(key=None, round=None))
+  clients = byzantine.AttackClient(host="clients", attacker=None, num_classes=None)
+  assert attacked.sampled_broadcast(server, clients, "m") == ("server", "clients", "m")
+  assert attacked.state_upload(clients) == ("read", "clients")
+  assert attacked.shared_part.of_server(server) == "server"
+  clipped = robust.with_robust(host, robust.RobustConfig(rule="centered_clip"))
+  assert clipped.sampled_broadcast(Extended("server", None), "clients", "m") == (
+      "server", "clients", "m")
+  assert clipped.shared_model(Extended("server", None)) == "server"

@@ -230,8 +230,12 @@ def with_attackers(host: Algorithm, config: AttackConfig, name: str | None = Non
         clients=clients._replace(host=state.clients, attacker=attackers))
 
   shared_model, state_upload = host.shared_model, host.state_upload
+  sampled_broadcast = host.sampled_broadcast
   return host._replace(
       name=name or f"{host.name}+{config.attack}", init=init,
+      sampled_broadcast=(None if sampled_broadcast is None else
+                         lambda server, clients, sampled: sampled_broadcast(
+                             server.host, clients.host, sampled)),
       state_upload=(None if state_upload is None else
                     lambda client: state_upload(client.host)),
       broadcast=lambda server, clients: host.broadcast(server.host, clients.host),

@@ -45,10 +45,13 @@ def extend_server(host: Algorithm, init_extra: Callable[[InitContext, AlgorithmS
     state = host.aggregate(server.host, clients, uploads, weights)
     return state._replace(server=server._replace(host=state.server))
 
-  shared_model = host.shared_model
+  shared_model, sampled_broadcast = host.shared_model, host.sampled_broadcast
   return host._replace(
       name=name, init=init, aggregate=aggregate,
       broadcast=lambda server, clients: host.broadcast(server.host, clients),
+      sampled_broadcast=(None if sampled_broadcast is None else
+                         lambda server, clients, sampled: sampled_broadcast(
+                             server.host, clients, sampled)),
       personalized_params=lambda server, clients: host.personalized_params(server.host,
                                                                            clients),
       artifacts=lambda server: host.artifacts(server.host),
