@@ -37,7 +37,8 @@ from fedora_jax.errors import ConfigError, RunInterrupted, TrainingDivergedError
 from fedora_jax.progress import Progress
 from fedora_jax.rounds import RoundMetrics, RoundState, build_test_evaluation, build_train_round
 from fedora_jax.simulation import (RunResult, TrainConfig, _best_mean, _StageReporter,
-                                   check_finite, client_trainer, due_for_test,
+                                   check_finite, client_conditions, client_trainer,
+                                   due_for_test,
                                    initial_model, resolve_progress, root_keys, to_host)
 from fedora_jax.watchdog import Watchdog
 from fedora_jax import tree
@@ -175,12 +176,15 @@ def prepare_batch(build: BuildFn, model, data: FederatedData | Sequence[Federate
     return RoundState(round=jnp.zeros((), jnp.int32), algorithm=state)
 
   every_round = train.eval_every == 1
+  # Dropout and stragglers (availability.py): drawn from each run's own round keys.
+  conditions = client_conditions(train, layout.num_clients)
 
   def round_one(state, buckets_k, key, values_k):
     trainer = trainer_for(values_k)
     return build_train_round(algorithm_for(values_k), trainer, layout, train.client_chunk,
                              train.participation, evaluate_test=every_round,
-                             client_weights=train.client_weights)(state, buckets_k, key)
+                             client_weights=train.client_weights,
+                             conditions=conditions)(state, buckets_k, key)
 
   def test_one(state, buckets_k, values_k):
     return build_test_evaluation(algorithm_for(values_k), trainer_for(values_k), layout,
