@@ -132,6 +132,7 @@ def test_the_plugin_moves_the_shared_model_by_the_rule_over_the_uploads():
   np.testing.assert_allclose(state.server.extra["w"], mean, rtol=1e-6)
 
 
+@pytest.mark.slow  # a compiled round each; the algorithm matrix runs them on every path
 @pytest.mark.parametrize("rule", robust.RULES)
 def test_each_rule_runs_on_fedavg_at_partial_participation(rule):
   data, _ = tiny_data((5, 6, 9, 5, 8, 7))

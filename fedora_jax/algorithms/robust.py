@@ -125,8 +125,8 @@ def check_tolerance(config: RobustConfig, attackers: float, num_uploads: int) ->
     f = num_byzantine(config.byzantine, num_uploads)
     if num_uploads <= 2 * f + 2:
       raise ConfigError(f"--aggregation={rule} needs n > 2f + 2 uploads a round; this run"
-                        f" has n = {num_uploads} and f = {f} (--robust_byzantine"
-                        f" {config.byzantine:g} of n): fewer attackers or more clients")
+                        f" has n = {num_uploads} and f = {f} (round({config.byzantine:g} n):"
+                        " --robust_byzantine, by default the --attackers fraction)")
     if expected > f:
       raise ConfigError(f"--aggregation={rule} tolerates f = {f} of {num_uploads} uploads a"
                         f" round, fewer than the {expected} attackers of --attackers"
