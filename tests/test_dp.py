@@ -204,7 +204,7 @@ def test_a_host_that_sends_nothing_refuses_dp_in_one_line():
     (dp.DpConfig(clip_norm=1.0, noise_multiplier=-1.0, delta=1e-5), "noise_multiplier must be >= 0"),
     (dp.DpConfig(clip_norm=1.0, target_epsilon=2.0), "delta must be given"),
     (dp.DpConfig(clip_norm=1.0, noise_multiplier=1.0), "delta must be given"),
-    (dp.DpConfig(clip_norm=1.0, noise_multiplier=1.0, target_epsilon=2.0, delta=1e-5), "both"),
+    (dp.DpConfig(clip_norm=1.0, delta=1e-5), "needs --dp_noise_multiplier or"),
     (dp.DpConfig(clip_norm=0.0, noise_multiplier=1.0, delta=1e-5), "clip_norm must be > 0"),
     (dp.DpConfig(clip_norm=1.0, noise_multiplier=1.0, delta=2.0), "delta must be in (0, 1)"),
 ])
@@ -221,6 +221,11 @@ def test_resolve_finds_the_noise_for_a_target_epsilon_and_the_cohort():
   eps = dp.epsilons(config, 20, 30)
   assert eps.shape == (20,) and (np.diff(eps) > 0).all()
   assert 3.99 < eps[-1] <= 4.0
+  assert dp.resolve(config, 20, 30, 0.5, 15) == config  # resolving again: the same run
+  assert dp.resolve(config, 40, 30, 0.5, 15).noise_multiplier > config.noise_multiplier
+  with pytest.raises(ConfigError, match="got both"):
+    dp.resolve(dp.DpConfig(clip_norm=1.0, noise_multiplier=1.0, target_epsilon=2.0,
+                           delta=1e-5), 20, 30, 0.5, 15)
   poisson = dp.resolve(dp.DpConfig(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5,
                                    sampling="poisson", accountant="pld"),
                        rounds=5, num_clients=30, participation=0.2, sampled=6)

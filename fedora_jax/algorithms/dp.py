@@ -6,8 +6,8 @@ Models." ICLR 2018. https://arxiv.org/abs/1710.06963  (DP-FedAvg, Algorithm 1)
 Andrew, Thakkar, McMahan, Ramaswamy. "Differentially Private Learning with Adaptive
 Clipping." NeurIPS 2021. https://arxiv.org/abs/1905.03871  (adaptive clipping, Alg. 1)
 
-Each round, with theta the model the server sent (the host's `upload_mean.received`) and
-S the round's cohort:
+Each round, with theta the model the server sent (the host's `upload_mean`: `received`
+on the server, `sent` in a client's message) and S the round's cohort:
 
   1. client k (in the vmapped client update) clips its update of what it uploads,
      Delta_k = upload_k - theta, to L2 norm C:  Delta_k * min(1, C / ||Delta_k||)
@@ -107,9 +107,8 @@ def validate(config: DpConfig) -> DpConfig:
     raise FieldError("dp", "noise_multiplier", f"must be >= 0, got {config.noise_multiplier}")
   if config.target_epsilon is not None and not config.target_epsilon > 0:
     raise FieldError("dp", "target_epsilon", f"must be > 0, got {config.target_epsilon}")
-  if (config.noise_multiplier is None) == (config.target_epsilon is None):
-    raise ConfigError("DP takes one of --dp_noise_multiplier and --dp_target_epsilon, got"
-                      f" {'both' if config.noise_multiplier is not None else 'neither'}")
+  if config.noise_multiplier is None and config.target_epsilon is None:
+    raise ConfigError("DP needs --dp_noise_multiplier or --dp_target_epsilon")
   if config.delta is None and (config.target_epsilon is not None or config.noise_multiplier):
     given = ("--dp_target_epsilon" if config.target_epsilon is not None
              else "--dp_noise_multiplier")
@@ -147,8 +146,15 @@ def resolve(config: DpConfig, rounds: int, num_clients: int, participation: floa
             sampled: int) -> DpConfig:
   """The run's DP config: its expected cohort m (fixed: the engine's `sampled` clients a
   round; poisson: q K with q = `participation`), and, from a target epsilon, the noise
-  multiplier its `rounds` rounds need. One-line ConfigErrors for what cannot run."""
+  multiplier its `rounds` rounds need. One-line ConfigErrors for what cannot run. A
+  resolved config holds both its target and the noise found for it (expected_clients
+  set): resolving it again finds the noise for these rounds anew."""
   config = validate(config)
+  if config.target_epsilon is not None and config.noise_multiplier is not None:
+    if not config.expected_clients:
+      raise ConfigError("DP takes one of --dp_noise_multiplier and --dp_target_epsilon,"
+                        " got both")
+    config = config._replace(noise_multiplier=None)
   if config.sampling == "fixed":
     config = config._replace(expected_clients=float(sampled), sampling_rate=1.0)
   else:
@@ -235,8 +241,7 @@ class DpState(NamedTuple):
 
 
 class DpMessage(NamedTuple):
-  host: PyTree          # what the host sends
-  received: PyTree      # the model it is, as an upload: theta, per client
+  host: PyTree          # what the host sends (theta within it: UploadMean.sent)
   clip_norm: jax.Array  # [] C, per client
   included: jax.Array   # [] bool: the client's update counts (Poisson's draw; else True)
 
@@ -285,14 +290,12 @@ def with_dp(host: Algorithm, config: DpConfig, name: str | None = None) -> Algor
       included = jax.random.bernoulli(_round_keys(server.extra)[0], config.sampling_rate,
                                       (num_clients,))
     return DpMessage(host=host.broadcast(server.host, clients),
-                     received=tree.broadcast_to_clients(mean.received(server.host),
-                                                        num_clients),
                      clip_norm=jnp.broadcast_to(server.extra.clip_norm, (num_clients,)),
                      included=included)
 
   def client_update(client_state, message: DpMessage, data, key) -> ClientOutput:
     out = host.client_update(client_state, message.host, data, key)
-    update = jax.tree.map(jnp.subtract, out.upload, message.received)
+    update = jax.tree.map(jnp.subtract, out.upload, mean.sent(message.host))
     clipped, norm = clip(update, message.clip_norm)
     unclipped = (norm <= message.clip_norm).astype(jnp.float32)
     metrics = {**out.metrics, "dp_update_norm": norm, "dp_clipped": 1.0 - unclipped}

@@ -79,6 +79,9 @@ def fedbabu(config: FedBabuConfig, trainer: ClientTrainer) -> Algorithm:
   def split(params: Params) -> tuple[list[str], list[str]]:
     return split_body_head(params, 1, "fedbabu's head")
 
+  def body(params: Params) -> Params:
+    return take_layers(params, split(params)[0])
+
   def init(context: InitContext) -> AlgorithmState:
     # The server's model: the averaged body under the initial head, which never changes.
     return AlgorithmState(server=tree.first(context.params), clients=context.params)
@@ -114,5 +117,4 @@ def fedbabu(config: FedBabuConfig, trainer: ClientTrainer) -> Algorithm:
                    client_update=client_update, aggregate=aggregate,
                    personalized_params=personalized_params,
                    # the server's model is sent; its body is what clients upload
-                   upload_mean=UploadMean(received=lambda global_params: take_layers(
-                       global_params, split(global_params)[0])))
+                   upload_mean=UploadMean(received=body, sent=body))

@@ -68,10 +68,11 @@ class UploadMean(NamedTuple):
   """A host whose server reads its clients' uploads only through their weighted mean and
   keeps nothing else of theirs (FedAvg-like): a plug-in may hand it another estimate of
   that mean, as identical uploads (DP, dp.py: the noised mean of clipped updates). Every
-  upload is shaped as `received(server)`, the model the clients were sent, so a client's
-  update is its upload minus that."""
+  upload is shaped as `received(server)`, the model the clients were sent (`sent` finds
+  it in one client's message), so a client's update is its upload minus that."""
   received: Callable[[PyTree], PyTree]           # server state -> the model sent
+  sent: Callable[[PyTree], PyTree]               # one client's message -> that model
 
 
 # A host whose server state is the model it sends and its clients upload.
-SERVER_MODEL = UploadMean(received=lambda server: server)
+SERVER_MODEL = UploadMean(received=lambda server: server, sent=lambda message: message)
