@@ -449,11 +449,12 @@ def format_summary(results: dict) -> str:
 def format_privacy(results: dict) -> str:
   """A DP run's guarantee in one line (results.json's `dp` block)."""
   dp = results["dp"]
-  epsilon = "inf (no noise)" if dp["epsilon"] is None else f"{dp['epsilon']:.4g}"
+  if dp["epsilon"] is None:
+    return f"user-level DP: no noise, no guarantee (updates clipped to {dp['clip_norm']:g})"
   cohort = (f"{dp['expected_clients']:g} of {results['num_clients']} clients a round"
             if dp["sampling"] == "fixed" else
             f"each of {results['num_clients']} clients with probability {dp['sampling_rate']:g}")
-  return (f"user-level DP: epsilon {epsilon} at delta {dp['delta']:g} after"
+  return (f"user-level DP: epsilon {dp['epsilon']:.4g} at delta {dp['delta']:g} after"
           f" {results['rounds']} rounds ({dp['accountant']}; {cohort}; noise multiplier"
           f" {dp['noise_multiplier']:.4g}, clip norm {dp['clip_norm']:g})")
 
