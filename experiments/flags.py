@@ -20,6 +20,7 @@ from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import confree as confree_lib
 from fedora_jax.data import datasets, partitions
+from fedora_jax.engine.precision import PRECISIONS
 from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.models import MODELS, default_client_chunk, default_eval_batch_size
 from fedora_jax.rounds import CLIENT_WEIGHTS
@@ -179,6 +180,9 @@ flags.DEFINE_float("round_deadline", 0.0, "How long the server waits, in units o
                    " client's local-training time: it takes finished work only, so a"
                    " straggler of speed s with s * deadline < 1 drops and the others train"
                    " all their steps. 0: no deadline (stragglers send partial work).")
+flags.DEFINE_enum("precision", None, list(PRECISIONS), "The model's arithmetic: float32"
+                  " (default), or bfloat16 with float32 parameters, gradients and optimizer"
+                  " state (fast on accelerators' bfloat16 units, slow on CPUs).")
 flags.DEFINE_integer("eval_batch_size", None, "Samples a client's evaluation forwards at"
                      " once (default on CPUs: 64 for the CNNs, else 1024; see"
                      " models.default_eval_batch_size).", lower_bound=1)
@@ -397,7 +401,7 @@ _HELP_GROUPS = {
         "model", "hidden", "local_epochs", "batch_size", "lr", "momentum", "weight_decay",
         "participation", "client_weights", "eval_batch_size", "client_chunk",
         "client_dropout", "availability_trace", "stragglers", "straggler_speed",
-        "round_deadline"),
+        "round_deadline", "precision"),
     "4. output: workdir, progress, checkpoints, watchdog": (
         "workdir", "reference", "per_client", "log_every", "eval_every", "checkpoint_every",
         "keep_checkpoints", "stall_timeout", "compile_timeout", "verbose", "help_algorithm"),

@@ -14,7 +14,7 @@ from fedora_jax.algorithms.base import Algorithm, InitContext
 from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
 from fedora_jax.engine.local_training import ClientTrainer, make_client_trainer, make_optimizer
-from fedora_jax.engine import batch_stats, sharding
+from fedora_jax.engine import batch_stats, precision, sharding
 from fedora_jax.progress import Progress, Silent, default_progress
 from fedora_jax.watchdog import Watchdog
 from fedora_jax.rounds import (RoundMetrics, RoundState, build_test_evaluation,
@@ -57,6 +57,9 @@ class TrainConfig:
   stragglers: float = 0.0
   straggler_speed: str = availability.DEFAULT_SPEED
   round_deadline: float = 0.0
+  # The model's arithmetic: "float32", or "bfloat16" with float32 parameters, gradients
+  # and optimizer state (engine/precision.py).
+  precision: str = "float32"
 
 
 # What the runner takes: an Algorithm, or a function building one around the run's client
@@ -147,7 +150,8 @@ def client_trainer(model, data: FederatedData, train: TrainConfig) -> ClientTrai
   """The run's client trainer: `model` trained by SGD as `train` says (what an Algorithm
   built outside the registry closes over, to run as the runner's own would)."""
   return make_client_trainer(
-      model.apply, make_optimizer(train.lr, train.momentum, train.weight_decay),
+      precision.compute_in(train.precision, model.apply),
+      make_optimizer(train.lr, train.momentum, train.weight_decay),
       train.local_epochs, train.batch_size, train.eval_batch_size, task=data.task)
 
 

@@ -171,7 +171,7 @@ def _run_info(config: ExperimentConfig, num_clients: int, model_name: str,
 # from before they existed stay as they were.
 _OMITTED_AT_DEFAULT = ("eval_every", "client_weights", "client_dropout",
                        "availability_trace", "stragglers", "straggler_speed",
-                       "round_deadline")
+                       "round_deadline", "precision")
 
 
 def _train_info(train: TrainConfig) -> dict:
