@@ -351,7 +351,8 @@ def train_config() -> TrainConfig:
                      client_dropout=FLAGS.client_dropout,
                      availability_trace=FLAGS.availability_trace,
                      stragglers=FLAGS.stragglers, straggler_speed=FLAGS.straggler_speed,
-                     round_deadline=FLAGS.round_deadline)
+                     round_deadline=FLAGS.round_deadline,
+                     precision=FLAGS.precision or "float32")
 
 
 def partition_config(dataset: str) -> partitions.PartitionConfig:
