@@ -63,6 +63,7 @@ def summary(algorithm: str, condition: str, rounds: int, workdir: str,
   with np.load(os.path.join(workdir, "history.npz")) as history:
     up, down = history["bytes_up"].astype(np.int64), history["bytes_down"].astype(np.int64)
     steps = history["local_steps"]
+    test_acc = history["test_acc"].mean(axis=1)
   shown = [part for part in command[3:] if not part.startswith(("--data_dir", "--workdir",
                                                                 "--reference"))]
   return {
@@ -78,6 +79,7 @@ def summary(algorithm: str, condition: str, rounds: int, workdir: str,
       "clients_sent_per_round": float((up > 0).sum(axis=1).mean()),
       "clients_trained_per_round": float((steps > 0).sum(axis=1).mean()),
       "mean_local_steps": float(steps[steps > 0].mean()),
+      "mean_test_acc_per_round": [round(float(a), 6) for a in test_acc],
       **({"setup_bytes_up_per_client": fedora_subspace_bytes()} if algorithm == "fedora"
          else {}),
   }
