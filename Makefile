@@ -43,5 +43,12 @@ $(VERIFY_STAMP): pyproject.toml $(STAMP)
 verify: $(VERIFY_STAMP)
 	$(PY) -m verification.verify
 
+# Check (b), by hand: twenty rounds of each covered algorithm beside PFLlib's on MNIST
+# pathological with FedAvgCNN, curves and table in results/verification/long/ (then
+# `ARGS=--render` puts the table into docs/verification.md). Minutes an algorithm on CPUs.
+.PHONY: verify-long
+verify-long: $(VERIFY_STAMP)
+	$(PY) -m verification.long $(ARGS)
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -60,6 +60,48 @@ def torch_linear_layers(torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
           for m in torch_model.modules() if isinstance(m, torch.nn.Linear)]
 
 
+def cnn_to_torch(params) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Our CNN's layers (models/cnn.py: Conv_0, Conv_1, ..., then Dense_0, ...) in order as
+  PyTorch's nn.Conv2d and nn.Linear hold them: a kernel HWIO -> OIHW; the first Dense
+  layer's input rows from our NHWC flatten order (h, w, c) to PyTorch's NCHW one
+  (c, h, w); every Dense kernel transposed to [out, in]."""
+  layers = params["params"]
+  named = lambda kind: sorted((n for n in layers if n.startswith(kind + "_")),
+                              key=lambda n: int(n.rsplit("_", 1)[1]))
+  converted = [(np.transpose(np.asarray(layers[n]["kernel"]), (3, 2, 0, 1)).copy(),
+                np.asarray(layers[n]["bias"]).copy()) for n in named("Conv")]
+  channels = converted[-1][0].shape[0]
+  for i, name in enumerate(named("Dense")):
+    kernel = np.asarray(layers[name]["kernel"])
+    if i == 0:
+      kernel = nhwc_rows_to_nchw(kernel, channels)
+    converted.append((kernel.T.copy(), np.asarray(layers[name]["bias"]).copy()))
+  return converted
+
+
+def nhwc_rows_to_nchw(kernel: np.ndarray, channels: int) -> np.ndarray:
+  """A Dense kernel [H*W*C, out] over a square NHWC feature map flattened, reordered to
+  read the same map flattened NCHW (PyTorch's torch.flatten of [B, C, H, W])."""
+  side = int(round((kernel.shape[0] // channels) ** 0.5))
+  assert side * side * channels == kernel.shape[0], (kernel.shape, channels)
+  return (kernel.reshape(side, side, channels, -1).transpose(2, 0, 1, 3)
+          .reshape(kernel.shape[0], -1))
+
+
+def load_torch_layers(torch_model, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+  """Sets `torch_model`'s nn.Conv2d and nn.Linear layers, in registration order, to
+  `layers` (cnn_to_torch's)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  modules = [m for m in torch_model.modules()
+             if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+  assert len(modules) == len(layers), (len(modules), len(layers))
+  with torch.no_grad():
+    for module, (weight, bias) in zip(modules, layers):
+      assert tuple(module.weight.shape) == weight.shape, (module.weight.shape, weight.shape)
+      module.weight.copy_(torch.from_numpy(weight))
+      module.bias.copy_(torch.from_numpy(bias))
+
+
 # ---------------------------------------------------------------- batches
 
 def client_batches(train_key: jax.Array, round_index: int, data: FederatedData,
@@ -112,6 +154,28 @@ def client_loads(train_key: jax.Array, round_index: int, data: FederatedData,
   keys = client_keys(jax.random.fold_in(train_key, round_index), data.num_clients)
   sizes = data.split_sizes("train")
   return [loads(keys[k], int(sizes[k])) for k in range(data.num_clients)]
+
+
+def padded_sizes(data: FederatedData, split: str = "train") -> np.ndarray:
+  """[K] the size each client's `split` is padded to in its size bucket: the engine's
+  shuffles draw a rank for every slot of it (local_training.epoch_batches)."""
+  sizes = np.zeros(data.num_clients, np.int64)
+  for ids, bucket in zip(data.client_ids, data.buckets):
+    sizes[ids] = getattr(bucket, split).mask.shape[1]
+  return sizes
+
+
+def padded_client_batches(train_key: jax.Array, round_index: int, data: FederatedData,
+                          epochs: int, batch_size: int,
+                          trainings: Callable[[jax.Array], list[jax.Array]] = lambda key: [key]
+                          ) -> list[list[list[np.ndarray]]]:
+  """client_batches for clients of different sizes, padded in their bucket: client k's
+  epochs drawn over its padded size, its real samples first (leading_epochs), as the
+  engine draws them. The same as client_batches where no client is padded."""
+  keys = client_keys(jax.random.fold_in(train_key, round_index), data.num_clients)
+  sizes, padded = data.split_sizes("train"), padded_sizes(data)
+  return [[leading_epochs(training_key, int(padded[k]), int(sizes[k]), epochs, batch_size)
+           for training_key in trainings(keys[k])] for k in range(data.num_clients)]
 
 
 class EpochLoader:
@@ -171,10 +235,17 @@ def model_inputs(x: np.ndarray) -> np.ndarray:
   return (x.astype(np.float32) / 255.0) if x.dtype == np.uint8 else x.astype(np.float32)
 
 
-def write_pfllib_split(clients: Sequence[Client], folder: str, name: str) -> str:
+def pfllib_pixels(x: np.ndarray) -> np.ndarray:
+  """uint8 images as PFLlib's dataset generators write them (ToTensor, then
+  Normalize(0.5, 0.5)): (x / 255 - 0.5) / 0.5 in float32."""
+  return ((x.astype(np.float32) / 255.0 - 0.5) / 0.5).astype(np.float32)
+
+
+def write_pfllib_split(clients: Sequence[Client], folder: str, name: str,
+                       inputs: Callable[[np.ndarray], np.ndarray] = model_inputs) -> str:
   """Our clients as PFLlib's dataset files, <folder>/dataset/<name>/{train,test}/<k>.npz
-  ({"data": {"x", "y"}}); returns <folder>/system, the working directory PFLlib's
-  '../dataset' paths need."""
+  ({"data": {"x", "y"}}, x as `inputs` makes it: the MLP's pixels / 255 by default);
+  returns <folder>/system, the working directory PFLlib's '../dataset' paths need."""
   for split, pick in (("train", lambda c: (c.x_train, c.y_train)),
                       ("test", lambda c: (c.x_test, c.y_test))):
     directory = os.path.join(folder, "dataset", name, split)
@@ -182,7 +253,7 @@ def write_pfllib_split(clients: Sequence[Client], folder: str, name: str) -> str
     for k, client in enumerate(clients):
       x, y = pick(client)
       np.savez(os.path.join(directory, f"{k}.npz"),
-               data={"x": model_inputs(x), "y": y.astype(np.int64)})
+               data={"x": inputs(x), "y": y.astype(np.int64)})
   system = os.path.join(folder, "system")
   os.makedirs(system, exist_ok=True)
   return system

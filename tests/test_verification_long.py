@@ -1,0 +1,131 @@
+"""verification/long.py (make verify-long, check (b)) and the bridges it adds: the CNN's
+weights in PyTorch's layout, the batches of clients padded in their bucket, the docs
+table rendered from the committed results, and its one line where the references are
+missing. The twenty-round runs themselves are make verify-long's (PyTorch, by hand)."""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from numpy.lib.stride_tricks import sliding_window_view
+
+from fedora_jax.models import build_model
+from fedora_jax.rounds import client_keys
+from tiny import tiny_data, tiny_model, tiny_trainer
+from verification import bridges, long, stand_ins
+
+
+def nchw_fedavg_cnn(layers, x: np.ndarray) -> np.ndarray:
+  """PyTorch's FedAvgCNN forward (NCHW, OIHW kernels, [out, in] Linear weights) in NumPy."""
+  (w1, b1), (w2, b2), (w3, b3), (w4, b4) = layers
+  relu = lambda v: np.maximum(v, 0.0)
+
+  def conv(h, w, b):
+    windows = sliding_window_view(h, w.shape[2:], axis=(2, 3))  # [B, C, H', W', k, k]
+    return np.einsum("bchwuv,ocuv->bohw", windows, w) + b[None, :, None, None]
+
+  def pool(h):
+    b, c, height, width = h.shape
+    return h.reshape(b, c, height // 2, 2, width // 2, 2).max(axis=(3, 5))
+  h = pool(relu(conv(x, w1, b1)))
+  h = pool(relu(conv(h, w2, b2))).reshape(len(x), -1)  # torch.flatten: (c, h, w)
+  return relu(h @ w3.T + b3) @ w4.T + b4
+
+
+def test_the_cnn_in_pytorchs_layout_computes_our_logits():
+  model = build_model("fedavg_cnn", 10)
+  x = np.random.default_rng(0).normal(size=(3, 28, 28)).astype(np.float32)
+  params = model.init(jax.random.key(1), x[:1])
+  layers = bridges.cnn_to_torch(params)
+  assert [w.shape for w, _ in layers] == [(32, 1, 5, 5), (64, 32, 5, 5), (512, 1024),
+                                         (10, 512)]
+  ours = np.asarray(model.apply(params, x))
+  np.testing.assert_allclose(nchw_fedavg_cnn(layers, x[:, None]), ours, rtol=1e-4,
+                             atol=1e-5)
+  # Without the flatten order's change the first dense layer reads other features.
+  plain = list(layers)
+  plain[2] = (np.asarray(params["params"]["Dense_0"]["kernel"]).T, layers[2][1])
+  assert np.max(np.abs(nchw_fedavg_cnn(plain, x[:, None]) - ours)) > 1e-2
+
+
+def test_padded_batches_are_the_ones_the_engine_trains_on():
+  data, _ = tiny_data((8, 12, 16), max_pad_ratio=2.0)  # one bucket padded to 16
+  assert list(bridges.padded_sizes(data)) == [16, 16, 16]
+  key, lr = jax.random.key(5), 0.1
+  batches = bridges.padded_client_batches(key, 3, data, epochs=2, batch_size=4)
+  for k, n in enumerate((8, 12, 16)):
+    for epoch in batches[k][0]:
+      assert epoch.shape == (n // 4, 4) and sorted(epoch.ravel().tolist()) == list(range(n))
+  model = tiny_model()
+  trainer = tiny_trainer(model, lr=lr, epochs=2, batch_size=4)
+  bucket = data.buckets[0].train
+  client = 0  # 8 real samples of 16 slots
+  own = jax.tree.map(lambda a: jnp.asarray(a[client]), bucket)
+  params = model.init(jax.random.key(0), own.x[:1])
+  trained, _ = trainer.train(params, own,
+                             client_keys(jax.random.fold_in(key, 3), 3)[client])
+  loss = lambda p, x, y: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+      model.apply(p, x), y))
+  expected = params
+  for epoch in batches[client][0]:
+    for batch in epoch:
+      grads = jax.grad(loss)(expected, own.x[batch], own.y[batch])
+      expected = jax.tree.map(lambda p, g: p - lr * g, expected, grads)
+  for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # Where no client is padded, the same as check (a)'s client_batches.
+  even, _ = tiny_data((8, 8), max_pad_ratio=2.0)
+  for ours, theirs in zip(bridges.padded_client_batches(key, 1, even, 2, 4),
+                          bridges.client_batches(key, 1, even, 2, 4)):
+    for a, b in zip(ours[0], theirs[0]):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_without_the_references_it_says_so_in_one_line_and_passes(capsys, tmp_path):
+  assert long.main([f"--references={tmp_path}", f"--out={tmp_path / 'out'}"]) == 0
+  out = capsys.readouterr().out.strip().splitlines()
+  assert out == [f"verify-long: skipped, no reference implementations at {tmp_path}: the"
+                 " project's shared/ folder, laid beside this checkout, holds them (or"
+                 " pass --references)"]
+
+
+def test_an_unknown_algorithm_is_one_line(capsys):
+  with pytest.raises(SystemExit):
+    long.main(["--algorithms=fedavg,nonesuch"])
+  assert "nonesuch not covered" in capsys.readouterr().err
+
+
+def test_the_docs_table_is_the_one_the_results_render():
+  out = os.path.join(bridges.ROOT, "results", "verification", "long")
+  rows = long.read_rows(out)
+  assert rows and all(len(row["ours"]["accuracy"]) == row["rounds"] for row in rows)
+  for row in rows:
+    with open(os.path.join(out, f"{row['algorithm']}.json")) as f:
+      assert json.load(f)["final_gap_points"] == pytest.approx(100 * abs(
+          row["ours"]["accuracy"][-1] - row["reference_run"]["accuracy"][-1]))
+  with open(os.path.join(bridges.ROOT, "docs", "verification.md")) as f:
+    doc = f.read()
+  block = doc.split(long.BEGIN, 1)[1].split(long.END, 1)[0]
+  table = [line for line in long.render(rows, out).splitlines() if line.startswith("| ")]
+  assert all(line in block for line in table)
+
+
+def test_absent_modules_get_stand_ins_that_fail_when_called(monkeypatch):
+  names = ("sklearn", "sklearn.preprocessing", "sklearn.metrics", "h5py", "dp_accounting",
+           "dp_accounting.pld", "dp_accounting.rdp")
+  for name in names:
+    monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+  assert stand_ins.install() == list(names)
+  from dp_accounting.pld import privacy_loss_distribution  # pylint: disable=import-outside-toplevel
+  from sklearn import metrics  # pylint: disable=import-outside-toplevel
+  from sklearn.preprocessing import label_binarize  # pylint: disable=import-outside-toplevel
+  import h5py  # pylint: disable=import-outside-toplevel
+  for call in (label_binarize, metrics.roc_auc_score, h5py.File, privacy_loss_distribution):
+    with pytest.raises(RuntimeError, match="not installed"):
+      call()
+  assert getattr(h5py, "__file__", None) is None  # what inspect asks every module

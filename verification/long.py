@@ -1,0 +1,711 @@
+"""Check (b) of the verification (`make verify-long`, run by hand): twenty rounds of an
+algorithm here and in PFLlib from the same initial model and the same batches, on MNIST
+pathological at 10 % of the data with FedALA's CNN and training; the final accuracies
+compared (within half a point) and the two curves drawn side by side.
+
+  python -m verification.long                                 # the default algorithms
+  python -m verification.long --rounds=3 --algorithms=fedavg,fedper   # a smoke test
+  python -m verification.long --render                        # the table into the docs
+
+The split: MNIST (the data root's, else the copy in the package; --data_dir) at 10 %
+(PartitionConfig.data_fraction 0.1: 6,000 training and 1,000 test images), pathological
+with 2 classes a client, 20 clients, an eighth of each client's pool for validation
+(FedALA's MNIST column, experiments/paper/fedala_tables.json); each client's training
+set cut to a multiple of the batch size (PFLlib drops a last partial batch, the engine
+does not): about 260 images a client. The pixels as PFLlib's generator writes them,
+(x / 255 - 0.5) / 0.5, the same floats on both sides (our CNNs take floats unscaled).
+The model: PFLlib's FedAvgCNN, ours `--model=fedavg_cnn`, the initial weights ours
+(bridges.cnn_to_torch; checked on the first client's test images before training).
+Training: FedALA's (batch 10, lr 0.005, one local epoch, plain SGD, every client every
+round), each client's batches of every round drawn by the engine's functions from our
+keys (bridges.padded_client_batches) and handed to PFLlib's client. Each algorithm in
+check (a)'s form with check (a)'s hyperparameters (one_round.REFERENCES), its layers
+split as PFLlib's main.py splits FedAvgCNN (the last Linear the head). Scored each round
+where PFLlib's evaluate() scores (after the next send_models where check (a) reads it
+there), as FedALA's metric: the test images right over all clients, over their count.
+
+Writes <out>/<algorithm>.json as each algorithm finishes (both curves, the final gap),
+<out>/curves.png, <out>/table.md and, with --pack, one .tgz of <out>. With --jobs=N,
+N processes at once, each one side of one algorithm (ours with JAX alone; PFLlib's with
+PyTorch, its JAX on the CPU for the batches and the initial model), so that JAX's
+compilations and PFLlib's Python-bound steps run side by side; --time_budget stops
+what would end too late (a lent GPU's one command). The references come from
+--references (default ../shared/references); where scikit-learn or h5py is missing,
+PFLlib's imports of them get stand-ins (never called here). Without the references, or
+without PyTorch, says so in one line and exits 0. Exits 1 when a final gap exceeds half
+a point or an algorithm gives no result.
+"""
+
+import os
+
+# Before JAX starts: PyTorch shares the accelerator, so JAX takes memory as it needs it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# pylint: disable=wrong-import-position
+import argparse
+import concurrent.futures
+import contextlib
+import copy
+import glob
+import importlib
+import importlib.util
+import json
+import math
+import sys
+import tarfile
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+# Before fedora_jax: stand-ins for the modules imported but never called here, where they
+# are not installed (stand_ins.STOOD_IN).
+from verification import stand_ins  # pylint: disable=unused-import
+from fedora_jax import algorithms
+from fedora_jax.data.client_data import Client, FederatedData, stack_clients
+from fedora_jax.data.partitions import PartitionConfig, make_partition
+from fedora_jax.data.sources import load_mnist
+from fedora_jax.models import build_model, default_client_chunk, default_eval_batch_size
+from fedora_jax.simulation import TrainConfig, initial_model, root_keys, run_algorithm
+from verification import bridges
+
+MODEL = "fedavg_cnn"
+GAP_POINTS = 0.5  # the largest final accuracy gap, in percentage points
+# Most telling first: a run that must stop early (--time_budget) stops at the end.
+CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "fedrod",
+        "fedbabu", "moon", "fedprox", "local")
+# Not FedDistill: in PFLlib's form (raw logits as the target's class weights) both sides
+# diverge on the CNN in round 2 (ours NaN, PFLlib's accuracy 11 %, 2026-12-04).
+MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
+        "fedphp")
+DEFAULT = CORE + MORE
+
+
+class Setting(NamedTuple):
+  """The split and training of check (b); see the module docstring."""
+  clients: int = 20
+  data_fraction: float = 0.1
+  classes_per_client: int = 2
+  val_fraction: float = 0.125
+  batch_size: int = 10
+  local_epochs: int = 1
+  lr: float = 0.005
+  seed: int = 0
+
+
+# Where check (b) departs from check (a)'s settings (our config, PFLlib's arguments).
+# LG-FedAvg: check (a)'s config is for the MLP's two layers; on the CNN (Conv_0, Conv_1,
+# Dense_0, Dense_1) PFLlib's base, the three below the head, stays local. pFedMe: check
+# (a)'s eta is its lr (0.05), here FedALA's 0.005; its personal lr FedALA's table's 0.01
+# (experiments/paper/fedala_tables.json): at check (a)'s 0.09 our CNN's loss went NaN.
+LONG_CONFIG: dict[str, tuple[dict, dict]] = {
+    "lg_fedavg": ({"local_layers": 3}, {}),
+    "pfedme": ({"eta": Setting().lr, "personal_lr": 0.01}, {"p_learning_rate": 0.01}),
+}
+
+
+class Split(NamedTuple):
+  clients: list[Client]       # our inputs: float32 [N, 28, 28]
+  data: FederatedData
+
+
+def missing(references: str) -> str | None:
+  """What this machine lacks for the check, or None."""
+  if not os.path.isdir(os.path.join(references, "PFLlib", "system")):
+    return (f"no reference implementations at {references}: the project's shared/"
+            " folder, laid beside this checkout, holds them (or pass --references)")
+  if importlib.util.find_spec("torch") is None:
+    return "PyTorch is not installed: make verify-long installs the verify extra"
+  return None
+
+
+# ---------------------------------------------------------------- the split
+
+def build_split(setting: Setting, data_dir: str | None) -> Split:
+  """MNIST pathological at 10 %, each client's training set cut to a multiple of the
+  batch size, the pixels PFLlib's floats (module docstring)."""
+  source = load_mnist(data_dir)
+  partition = make_partition(source, setting.clients, PartitionConfig(
+      kind="pathological", classes_per_client=setting.classes_per_client,
+      val_fraction=setting.val_fraction, data_fraction=setting.data_fraction), setting.seed)
+  clients = []
+  for client in partition.clients:
+    kept = len(client.x_train) // setting.batch_size * setting.batch_size
+    clients.append(Client(
+        bridges.pfllib_pixels(client.x_train[:kept]), client.y_train[:kept],
+        bridges.pfllib_pixels(client.x_val), client.y_val,
+        bridges.pfllib_pixels(client.x_test), client.y_test))
+  return Split(clients, stack_clients(clients, num_classes=source.num_classes))
+
+
+def nchw(x: np.ndarray) -> np.ndarray:
+  """Our [N, 28, 28] images as PFLlib's [N, 1, 28, 28]."""
+  return np.ascontiguousarray(x[:, None])
+
+
+# ---------------------------------------------------------------- our side
+
+def long_reference(name: str, rounds: int):
+  """check (a)'s Reference of `name` for a run of `rounds` on the CNN: LONG_CONFIG's
+  changes, and FedPHP's mu ramped over the run (ours over each client's
+  participations: with every client in every round, the rounds)."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  reference = one_round.REFERENCES[name]
+  config, args = LONG_CONFIG.get(name, ({}, {}))
+  if name == "fedphp":
+    config = {**config, "mu_participations": rounds}
+  return reference._replace(config={**reference.config, **config},
+                            args={**reference.args, **args})
+
+
+def train_config(setting: Setting, rounds: int, epochs: int) -> TrainConfig:
+  platform = jax.default_backend()
+  return TrainConfig(rounds=rounds, local_epochs=epochs, batch_size=setting.batch_size,
+                     lr=setting.lr, momentum=0.0, weight_decay=0.0, seed=setting.seed,
+                     log_every=0, eval_every=1,
+                     client_chunk=default_client_chunk(MODEL, platform),
+                     eval_batch_size=default_eval_batch_size(MODEL, platform))
+
+
+def run_ours(name: str, split: Split, setting: Setting, rounds: int) -> dict:
+  """Our run: the weighted test accuracy after every round, each client's last, the
+  initial model's logits on the first client's test images, the times."""
+  start = time.perf_counter()
+  reference = long_reference(name, rounds)
+  train = train_config(setting, rounds, reference.our_epochs or setting.local_epochs)
+  model = build_model(MODEL, split.data.num_classes)
+  initial = initial_model(model, split.data, root_keys(setting.seed)["init"])
+  config = algorithms.default_config(name, train, **reference.config)
+  result = run_algorithm(algorithms.make(name, config), model, split.data, train,
+                         progress=None)
+  scores = np.asarray(result.history.test_score, np.float64)  # [R, K]
+  tests = split.data.split_sizes("test").astype(np.float64)
+  return {"accuracy": [float(a) for a in scores @ tests / tests.sum()],
+          "client_accuracy": [float(a) for a in scores[-1]],
+          "initial_logits": np.asarray(model.apply(initial, split.clients[0].x_test)
+                                       ).tolist(),
+          "compile_seconds": result.compile_seconds, "round_seconds": result.round_seconds,
+          "seconds": time.perf_counter() - start,
+          "machine": f"JAX on {jax.devices()[0].device_kind}"}
+
+
+# ---------------------------------------------------------------- PFLlib's side
+
+def torch_model(split: bool, device: str, layers):
+  """PFLlib's FedAvgCNN with our initial weights, split as its main.py splits it where
+  the algorithm takes a head (BaseHeadSplit: fc the head), on `device`."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from flcore.trainmodel import models  # pylint: disable=import-outside-toplevel
+  model = models.FedAvgCNN(in_features=1, num_classes=10, dim=1024)
+  bridges.load_torch_layers(model, layers)
+  if split:
+    head = copy.deepcopy(model.fc)
+    model.fc = torch.nn.Identity()
+    model = models.BaseHeadSplit(model, head)
+  return model.to(device)
+
+
+def correct(model, x, y) -> int:
+  import torch  # pylint: disable=import-outside-toplevel
+  with torch.no_grad():
+    return int((model(x).argmax(1) == y).sum())
+
+
+def run_reference(name: str, split: Split, setting: Setting, rounds: int,
+                  device: str) -> dict:
+  """PFLlib's run from our initial model and batches: its weighted test accuracy after
+  every round, each client's last, its initial model's logits on the first client's
+  test images, the times."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  reference = long_reference(name, rounds)
+  module, class_name = reference.server.split(".")
+  server_class = getattr(importlib.import_module(f"flcore.servers.{module}"), class_name)
+  keys = root_keys(setting.seed)
+  initial = bridges.cnn_to_torch(initial_model(build_model(MODEL, split.data.num_classes),
+                                               split.data, keys["init"]))
+  with torch.no_grad():
+    initial_logits = torch_model(False, device, initial)(
+        torch.from_numpy(nchw(split.clients[0].x_test)).to(device)).cpu().numpy()
+  torch.manual_seed(setting.seed)
+  warnings.filterwarnings("ignore", category=UserWarning, module="flcore")
+  check_a = one_round.Setting(clients=setting.clients, batch_size=setting.batch_size,
+                              local_epochs=setting.local_epochs, lr=setting.lr,
+                              seed=setting.seed)
+  args = one_round._pfllib_args(  # pylint: disable=protected-access
+      check_a, class_name, torch_model(reference.split, device, initial),
+      **{**reference.args, "device": device, "global_rounds": rounds})
+  with tempfile.TemporaryDirectory() as folder:
+    system = bridges.write_pfllib_split(split.clients, folder, args.dataset,
+                                        inputs=nchw)
+    with (one_round._working_directory(system),  # pylint: disable=protected-access
+          contextlib.redirect_stdout(open(os.devnull, "w"))):
+      server = server_class(args, 0)
+  if reference.prepare is not None:
+    reference.prepare(server, check_a, split.clients)
+  server.selected_clients = list(server.clients)
+  tests = [(torch.from_numpy(nchw(c.x_test)).to(device),
+            torch.from_numpy(c.y_test.astype(np.int64)).to(device)) for c in split.clients]
+  train_x = [nchw(c.x_train) for c in split.clients]
+  train_y = [c.y_train.astype(np.int64) for c in split.clients]
+  epochs = reference.our_epochs or setting.local_epochs
+  # Where PFLlib's evaluate() reads a round: after the next send_models (its next
+  # round's start), or right after training where check (a) reads it there.
+  after_send = reference.aggregates and reference.sends and reference.scored_after_send
+
+  def score() -> list[int]:
+    return [correct(one_round._scored_model(reference, c, server), x, y)  # pylint: disable=protected-access
+            for c, (x, y) in zip(server.clients, tests)]
+
+  scored, round_seconds = [], []
+  with contextlib.redirect_stdout(open(os.devnull, "w")):
+    for r in range(rounds):
+      batches = bridges.padded_client_batches(keys["train"], r, split.data, epochs,
+                                              setting.batch_size, reference.trainings)
+      began = time.perf_counter()
+      if reference.aggregates and reference.sends:
+        one_round._send_models(server, reference, r)  # pylint: disable=protected-access
+      if after_send and r > 0:
+        scored.append(score())
+      trained = time.perf_counter()
+      for client, x, y, trainings in zip(server.clients, train_x, train_y, batches):
+        loaders = iter([bridges.EpochLoader(x, y, drawn) for drawn in trainings])
+        client.load_train_data = lambda batch_size=None, loaders=loaders: next(loaders)
+        for step in reference.steps:
+          step(client) if callable(step) else getattr(client, step)()
+      if reference.aggregates:
+        server.receive_models()
+        for step in reference.server_steps:
+          step(server) if callable(step) else getattr(server, step)()
+      round_seconds.append(time.perf_counter() - trained)
+      if not after_send:
+        scored.append(score())
+      log(f"{name}: PFLlib round {r + 1}/{rounds}, {time.perf_counter() - began:.1f} s")
+    if after_send:
+      one_round._send_models(server, reference, rounds)  # pylint: disable=protected-access
+      scored.append(score())
+  counts = np.asarray(scored, np.float64)  # [R, K] right answers
+  sizes = np.asarray([len(c.y_test) for c in split.clients], np.float64)
+  machine = (f"PyTorch on {torch.cuda.get_device_name(0)}" if device == "cuda"
+             else f"PyTorch on a {os.cpu_count()}-core CPU")
+  return {"accuracy": [float(a) for a in counts.sum(1) / sizes.sum()],
+          "client_accuracy": [float(a) for a in counts[-1] / sizes],
+          "initial_logits": initial_logits.tolist(),
+          "round_seconds": float(np.median(round_seconds)),
+          "seconds": time.perf_counter() - start, "machine": machine,
+          "train_sizes": [int(n) for n in split.data.split_sizes("train")]}
+
+
+# ---------------------------------------------------------------- the comparison
+
+def merge(name: str, rounds: int, ours: dict, theirs: dict, setting: Setting,
+          extra: dict) -> dict:
+  """One algorithm's row: both runs (their initial logits replaced by the largest
+  relative difference between them), the gaps in percentage points, `extra`."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  reference = long_reference(name, rounds)
+  ours, theirs = dict(ours), dict(theirs)
+  ours_logits = np.asarray(ours.pop("initial_logits"))
+  their_logits = np.asarray(theirs.pop("initial_logits"))
+  sizes = np.asarray(theirs["train_sizes"])
+  gaps = np.abs(np.asarray(ours["accuracy"]) - np.asarray(theirs["accuracy"])) * 100
+  server_file = reference.server.split(".")[0] + ".py"
+  return {
+      "algorithm": name,
+      "reference": (f"PFLlib@{one_round.PFLLIB_COMMIT} flcore/servers/{server_file},"
+                    f" flcore/clients/{reference.client_file}"),
+      "rounds": rounds,
+      "config": {k: _plain(v) for k, v in reference.config.items()},
+      "reference_args": {k: _plain(v) for k, v in reference.args.items()},
+      "ours": ours, "reference_run": theirs,
+      "initial_logit_error": float(np.max(np.abs(ours_logits - their_logits))
+                                   / np.max(np.abs(their_logits))),
+      "final_gap_points": float(gaps[-1]), "largest_gap_points": float(gaps.max()),
+      "best_gap_points": float(abs(max(ours["accuracy"]) - max(theirs["accuracy"])) * 100),
+      "setting": describe(setting, sizes, rounds), "settings": setting._asdict(),
+      "date": time.strftime("%Y-%m-%d"),
+      "machine": f"{theirs['machine']}, {ours['machine']}", **extra}
+
+
+def _plain(value: Any) -> Any:
+  return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+
+
+def summary(row: dict) -> str:
+  ours, theirs = row["ours"], row["reference_run"]
+  return (f"{row['algorithm']}: ours {100 * ours['accuracy'][-1]:.2f} %, PFLlib"
+          f" {100 * theirs['accuracy'][-1]:.2f} % after {row['rounds']} rounds (gap"
+          f" {row['final_gap_points']:.2f} point, {verdict(row)}); ours"
+          f" {ours['seconds']:.0f} s (compiling {ours['compile_seconds']:.0f} s,"
+          f" {ours['round_seconds']:.3f} s a round), PFLlib {theirs['seconds']:.0f} s"
+          f" ({theirs['round_seconds']:.2f} s a round)")
+
+
+# ---------------------------------------------------------------- outputs
+
+def verdict(row: dict) -> str:
+  return "within 0.5 point" if row["final_gap_points"] <= GAP_POINTS else "DIFFERS"
+
+
+def read_rows(out: str) -> list[dict]:
+  rows = []
+  for path in glob.glob(os.path.join(out, "*.json")):
+    with open(path) as f:
+      rows.append(json.load(f))
+  order = {name: i for i, name in enumerate(DEFAULT)}
+  return sorted(rows, key=lambda row: (order.get(row["algorithm"], len(order)),
+                                       row["algorithm"]))
+
+
+def render(rows: list[dict], out: str) -> str:
+  """The markdown table of the rows (one per algorithm)."""
+  if not rows:
+    return f"No results in {out}."
+  lines = ["| algorithm | reference | rounds | ours | PFLlib | final gap (points) |"
+           " largest gap over the rounds | initial logits | verdict |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    lines.append(
+        f"| {row['algorithm']} | {row['reference']} | {row['rounds']} |"
+        f" {100 * row['ours']['accuracy'][-1]:.2f} |"
+        f" {100 * row['reference_run']['accuracy'][-1]:.2f} |"
+        f" {row['final_gap_points']:.2f} | {row['largest_gap_points']:.2f} |"
+        f" {row['initial_logit_error']:.1e} | {verdict(row)} |")
+  first = rows[0]
+  smoke = (" A smoke test: fewer rounds than check (b)'s 20, not its result."
+           if max(row["rounds"] for row in rows) < 20 else "")
+  times = "; ".join(f"{row['algorithm']} {row['ours']['round_seconds']:.2f} /"
+                    f" {row['reference_run']['round_seconds']:.2f}" for row in rows)
+  lines.append(f"\n{first['setting']}. {first['date']}, {first['machine']};"
+               f" `{first['command']}`.{smoke} Seconds a round, ours / PFLlib's"
+               f" (after compiling): {times}.")
+  return "\n".join(lines)
+
+
+def draw(rows: list[dict], path: str) -> None:
+  """Each algorithm's two curves side by side, one panel an algorithm."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
+  columns = min(4, len(rows))
+  lines = math.ceil(len(rows) / columns)
+  figure, axes = plt.subplots(lines, columns, figsize=(3.2 * columns, 2.6 * lines),
+                              squeeze=False)
+  for ax, row in zip(axes.flat, rows):
+    rounds = np.arange(1, row["rounds"] + 1)
+    ax.plot(rounds, 100 * np.asarray(row["ours"]["accuracy"]), label="fedora_jax")
+    ax.plot(rounds, 100 * np.asarray(row["reference_run"]["accuracy"]), "--",
+            label="PFLlib")
+    ax.set_title(f"{row['algorithm']} (gap {row['final_gap_points']:.2f})", fontsize=9)
+    ax.set_xlabel("round", fontsize=8)
+    ax.set_ylabel("test accuracy (%)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  for ax in list(axes.flat)[len(rows):]:
+    ax.axis("off")
+  axes.flat[0].legend(fontsize=7)
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+
+
+def write_outputs(out: str, pack: str | None) -> list[dict]:
+  """The figure and table of every result in `out`, and `out` packed."""
+  rows = read_rows(out)
+  if rows:
+    draw(rows, os.path.join(out, "curves.png"))
+    with open(os.path.join(out, "table.md"), "w") as f:
+      f.write(render(rows, out) + "\n")
+  if pack:
+    os.makedirs(os.path.dirname(os.path.abspath(pack)), exist_ok=True)
+    with tarfile.open(pack, "w:gz") as tar:
+      tar.add(out, arcname=os.path.basename(os.path.normpath(out)))
+  return rows
+
+
+BEGIN, END = "<!-- verification.long: begin -->", "<!-- verification.long: end -->"
+
+
+def render_into(doc: str, out: str) -> str:
+  """Replaces the block between BEGIN and END in `doc` with the table of `out`."""
+  with open(doc) as f:
+    text = f.read()
+  if BEGIN not in text or END not in text:
+    raise SystemExit(f"verify-long: {doc} has no {BEGIN} ... {END} block to render into")
+  relative = os.path.relpath(os.path.abspath(out), bridges.ROOT)
+  block = (f"{BEGIN}\nRendered from `{relative}/` by `python -m verification.long --render"
+           f" --out={relative}`:\n\n{render(read_rows(out), relative)}\n\n"
+           f"![the curves side by side](../{relative}/curves.png)\n{END}")
+  head, rest = text.split(BEGIN, 1)
+  with open(doc, "w") as f:
+    f.write(head + block + rest.split(END, 1)[1])
+  return block
+
+
+# ---------------------------------------------------------------- main
+
+def parse(argv: list[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m verification.long",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--algorithms", default=",".join(DEFAULT),
+                      help="comma-separated, run in this order (default: %(default)s)")
+  parser.add_argument("--rounds", type=int, default=20)
+  parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                      help="PyTorch's device (default: cuda where available); JAX uses"
+                           " the devices it finds")
+  parser.add_argument("--references", default=bridges.REFERENCES,
+                      help="the folder holding PFLlib/ (default: %(default)s)")
+  parser.add_argument("--data_dir", default=None,
+                      help="the data root or MNIST's folder (default: the data root's,"
+                           " else the copy in the package)")
+  parser.add_argument("--out", default=os.path.join(bridges.ROOT, "results", "verification",
+                                                    "long"))
+  parser.add_argument("--pack", default=None, metavar="FILE.tgz",
+                      help="also pack --out into this one file, after every algorithm")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="processes at once, each running one side of one algorithm"
+                           " (ours with JAX alone, PFLlib's with PyTorch and JAX on the"
+                           " CPU); 1: both sides of each algorithm in this process")
+  parser.add_argument("--time_budget", type=float, default=0.0, metavar="SECONDS",
+                      help="start nothing that the longest so far would carry past this"
+                           " many seconds from the start, and (with --jobs) stop what"
+                           " still runs then (0: no limit)")
+  parser.add_argument("--overlap", default=None, choices=("on", "off"),
+                      help="with --jobs=1: our run in a thread while PFLlib's trains"
+                           " (default: on with cuda)")
+  parser.add_argument("--precision", default="highest", choices=("highest", "default"),
+                      help="float32 matmuls and convolutions in full float32 on both"
+                           " sides (no TF32 on GPUs), or each library's default")
+  parser.add_argument("--torch_threads", type=int, default=1,
+                      help="PyTorch's CPU threads (default: %(default)s)")
+  parser.add_argument("--render", action="store_true",
+                      help="no training: render --out's table into --doc")
+  parser.add_argument("--doc", default=os.path.join(bridges.ROOT, "docs", "verification.md"))
+  parser.add_argument("--side", default=None, choices=SIDES, help=argparse.SUPPRESS)
+  parser.add_argument("--parts", default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  unknown = [a for a in args.algorithms.split(",") if a not in DEFAULT]
+  if unknown:
+    parser.error(f"--algorithms: {', '.join(unknown)} not covered; covered:"
+                 f" {', '.join(DEFAULT)}")
+  if args.rounds < 1:
+    parser.error(f"--rounds must be at least 1, got {args.rounds}")
+  if args.jobs < 1:
+    parser.error(f"--jobs must be at least 1, got {args.jobs}")
+  return args
+
+
+SIDES = ("ours", "reference")
+COMMAND = "VERIFY_LONG_COMMAND"  # the command a child records: its parent's
+
+
+def main(argv: list[str]) -> int:
+  args = parse(argv)
+  if args.render:
+    print(render_into(args.doc, args.out))
+    return 0
+  references = os.path.abspath(args.references)
+  lack = missing(references)
+  if lack is not None:
+    print(f"verify-long: skipped, {lack}")
+    return 0
+  bridges.REFERENCES = references
+  if args.side is not None:  # a child: one side of one algorithm
+    return run_side(args)
+  os.makedirs(args.out, exist_ok=True)
+  names = args.algorithms.split(",")
+  extra = {"command": os.environ.get(COMMAND) or ("python -m verification.long "
+                                                  + " ".join(argv)).strip(),
+           "precision": args.precision}
+  if args.jobs > 1:
+    failures = run_in_children(args, names, extra)
+  else:
+    failures = run_here(args, names, extra)
+  rows = write_outputs(args.out, args.pack)
+  print(render(rows, args.out))
+  differ = [row["algorithm"] for row in rows if verdict(row) == "DIFFERS"]
+  if differ:
+    log(f"final gap over {GAP_POINTS} point: {', '.join(differ)}")
+  if failures:
+    log(f"no result: {', '.join(failures)}")
+  return 1 if differ or failures else 0
+
+
+def log(message: str) -> None:
+  print(f"verify-long: {message}", file=sys.stderr, flush=True)
+
+
+def prepare_torch(args: argparse.Namespace) -> str:
+  """PFLlib importable (stand-ins where its unused imports are absent), PyTorch set up;
+  returns its device."""
+  import torch  # pylint: disable=import-outside-toplevel
+  if stand_ins.STOOD_IN:
+    log(f"stand-ins for {', '.join(stand_ins.STOOD_IN)} (imported, never called here)")
+  bridges.import_pfllib()
+  # One thread: on a shared 2-core CPU PyTorch's two spinning threads took 318 ms a
+  # FedAvgCNN step of batch 10, one thread 12 ms (2026-12-04); its GPU work needs none.
+  torch.set_num_threads(args.torch_threads)
+  if args.precision == "highest":
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+  return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def prepare_jax(args: argparse.Namespace) -> None:
+  if args.precision == "highest":
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def run_side(args: argparse.Namespace) -> int:
+  """A child's work: one side of one algorithm, written to <parts>/<name>.<side>.json."""
+  setting, name = Setting(), args.algorithms
+  prepare_jax(args)
+  device = prepare_torch(args) if args.side == "reference" else None
+  split = build_split(setting, args.data_dir)
+  part = (run_ours(name, split, setting, args.rounds) if args.side == "ours"
+          else run_reference(name, split, setting, args.rounds, device))
+  with open(os.path.join(args.parts, f"{name}.{args.side}.json"), "w") as f:
+    json.dump(part, f)
+  return 0
+
+
+def run_here(args: argparse.Namespace, names: list[str], extra: dict) -> list[str]:
+  """Both sides of each algorithm in this process, one algorithm after the other, each
+  one's JSON, figure, table and pack written as it finishes."""
+  prepare_jax(args)
+  device = prepare_torch(args)
+  overlap = (args.overlap or ("on" if device == "cuda" else "off")) == "on"
+  setting = Setting()
+  split = build_split(setting, args.data_dir)
+  sizes = split.data.split_sizes("train")
+  log(f"{setting.clients} clients of {sizes.min()} to {sizes.max()} training images"
+      f" ({sizes.sum()} in all), {split.data.split_sizes('test').sum()} test images;"
+      f" PyTorch on {device}, JAX on {jax.default_backend()}")
+  start, durations, failures = time.perf_counter(), [], []
+  for name in names:
+    elapsed = time.perf_counter() - start
+    if args.time_budget and durations and elapsed + max(durations) > args.time_budget:
+      log(f"{name}: not started, {elapsed:.0f} s of the {args.time_budget:.0f} s budget"
+          f" spent (the longest algorithm so far took {max(durations):.0f} s)")
+      continue
+    began = time.perf_counter()
+    try:
+      if overlap:  # ours in a thread while PFLlib's trains
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+          ours_future = pool.submit(run_ours, name, split, setting, args.rounds)
+          theirs = run_reference(name, split, setting, args.rounds, device)
+          ours = ours_future.result()
+      else:
+        ours = run_ours(name, split, setting, args.rounds)
+        theirs = run_reference(name, split, setting, args.rounds, device)
+    except Exception:  # pylint: disable=broad-except
+      # One algorithm's failure leaves the others' results (a one-shot run on a lent GPU).
+      log(f"{name}: failed\n{traceback.format_exc()}")
+      failures.append(name)
+      continue
+    row = merge(name, args.rounds, ours, theirs, setting,
+                {**extra, "overlap": overlap, "jobs": 1})
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+      json.dump(row, f, indent=1)
+    durations.append(time.perf_counter() - began)
+    write_outputs(args.out, args.pack)
+    log(summary(row))
+  return failures
+
+
+def run_in_children(args: argparse.Namespace, names: list[str], extra: dict) -> list[str]:
+  """Each side of each algorithm in a child process, up to --jobs at once, in order
+  (ours, then PFLlib's, algorithm by algorithm); an algorithm's JSON, and the figure,
+  table and pack, written once both its sides are done. PFLlib's side runs JAX on the
+  CPU (its batches and initial model), so that only PyTorch shares the accelerator with
+  the JAX of our side's processes. With --time_budget, nothing starts that the longest
+  so far would carry past it, and what still runs then is stopped."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  parts = tempfile.mkdtemp(prefix="verify_long_")
+  forwarded = [f"--rounds={args.rounds}", f"--precision={args.precision}",
+               f"--torch_threads={args.torch_threads}", f"--references={bridges.REFERENCES}",
+               f"--parts={parts}"]
+  forwarded += [f"--{flag}={getattr(args, flag)}" for flag in ("device", "data_dir")
+                if getattr(args, flag) is not None]
+  environment = {**os.environ, COMMAND: extra["command"]}
+  pending = [(name, side) for name in names for side in SIDES]
+  running: dict[tuple[str, str], tuple[Any, float]] = {}
+  durations: list[float] = []
+  failures: list[str] = []
+  merged: set[str] = set()
+  start = time.perf_counter()
+  setting = Setting()
+  while pending or running:
+    elapsed = time.perf_counter() - start
+    over = bool(args.time_budget) and elapsed > args.time_budget
+    estimate = max(durations, default=0.0)
+    while (pending and len(running) < args.jobs and not over
+           and not (args.time_budget and elapsed + estimate > args.time_budget)):
+      name, side = task = pending.pop(0)
+      child_environment = dict(environment)
+      if side == "reference":
+        child_environment["JAX_PLATFORMS"] = "cpu"
+      command = [sys.executable, "-m", "verification.long", f"--algorithms={name}",
+                 f"--side={side}"] + forwarded
+      running[task] = (subprocess.Popen(command, cwd=bridges.ROOT, env=child_environment),
+                       time.perf_counter())
+    if over or (pending and not running):
+      for (name, side), (process, _) in running.items():
+        process.terminate()
+        log(f"{name}: its {side} side stopped at the {args.time_budget:.0f} s budget")
+      for process, _ in running.values():
+        process.wait()
+      for name, side in pending:
+        log(f"{name}: its {side} side not started, the {args.time_budget:.0f} s budget"
+            " spent")
+      failures += sorted({name for name, _ in list(running) + pending})
+      running.clear()
+      pending.clear()
+      break
+    time.sleep(0.5)
+    for task, (process, began) in list(running.items()):
+      if process.poll() is None:
+        continue
+      del running[task]
+      durations.append(time.perf_counter() - began)
+      name, side = task
+      if process.returncode != 0:
+        log(f"{name}: its {side} side failed (exit {process.returncode})")
+        failures.append(name)
+        continue
+      files = [os.path.join(parts, f"{name}.{s}.json") for s in SIDES]
+      if name not in merged and all(os.path.exists(f) for f in files):
+        merged.add(name)
+        ours, theirs = (read_json(f) for f in files)
+        row = merge(name, args.rounds, ours, theirs, setting, {**extra, "jobs": args.jobs})
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+          json.dump(row, f, indent=1)
+        write_outputs(args.out, args.pack)
+        log(summary(row))
+  shutil.rmtree(parts, ignore_errors=True)
+  return sorted(set(failures))
+
+
+def read_json(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def describe(setting: Setting, sizes: np.ndarray, rounds: int) -> str:
+  return (f"MNIST pathological ({setting.classes_per_client} classes a client) at"
+          f" {setting.data_fraction:.0%} of the data, {setting.clients} clients of"
+          f" {sizes.min()} to {sizes.max()} training images, FedAvgCNN, batch"
+          f" {setting.batch_size}, {setting.local_epochs} local epoch, SGD lr {setting.lr},"
+          f" every client every round, {rounds} rounds, same initial model and batches;"
+          " each algorithm in check (a)'s form and hyperparameters")
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
