@@ -18,7 +18,9 @@ import jax
 from fedora_jax import algorithms, availability
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax.algorithms import ala as ala_lib
+from fedora_jax.algorithms import byzantine as byzantine_lib
 from fedora_jax.algorithms import confree as confree_lib
+from fedora_jax.algorithms import robust as robust_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.engine.precision import PRECISIONS
 from fedora_jax.errors import ConfigError, FieldError
@@ -211,7 +213,13 @@ def flag_name(owner: str, field: str) -> str:
     return _PARTITION_FLAGS.get(field, field)
   if owner in algorithms.REGISTRY:
     return algorithms.get(owner).flag_names.get(field, f"{owner}_{field}")
-  return f"{owner}_{field}"  # a plug-in: ala, confree
+  return _PLUGIN_FLAG_NAMES.get((owner, field), f"{owner}_{field}")  # a plug-in's
+
+
+# Plug-in fields whose flag is not --<owner>_<field> (issue 50).
+_PLUGIN_FLAG_NAMES = {("robust", "rule"): "aggregation", ("attack", "attack"): "attack",
+                      ("attack", "fraction"): "attackers",
+                      ("attack", "sampled"): "attackers_sampled"}
 
 
 def _preset_values(registered, field) -> str:
@@ -245,10 +253,12 @@ _define_algorithm_flags()
 flags.DEFINE_bool("ala", False, "FedALA's Adaptive Local Aggregation in front of the"
                   f" algorithm's local training (hosts: {', '.join(algorithms.ala_hosts())});"
                   " settings --ala_*.")
-flags.DEFINE_enum("aggregation", "mean", ["mean", "confree"],
-                  "Server aggregation of the shared part: mean (the algorithm's own) or"
-                  " confree (ConFREE, conflict-free; settings --confree_*; hosts:"
-                  f" {', '.join(algorithms.confree_hosts())}).")
+flags.DEFINE_enum("aggregation", "mean", ["mean", "confree", *robust_lib.RULES],
+                  "Server aggregation of the shared part: mean (the algorithm's own),"
+                  " confree (ConFREE, conflict-free; settings --confree_*), or a"
+                  " Byzantine-robust rule (median, trimmed_mean, krum, multi_krum,"
+                  " centered_clip, norm_bound; settings --robust_*; docs/robustness.md);"
+                  f" hosts: {', '.join(algorithms.confree_hosts())}.")
 # "default", not "paper": ConFREE's paper gives none of these values (confree.py says
 # where each default comes from).
 for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():
@@ -257,6 +267,33 @@ for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():
 PLUGIN_FLAGS = {"ala": tuple(f"ala_{field}" for field in ala_lib.AlaConfig._fields),
                 "aggregation": tuple(f"confree_{field}"
                                      for field in confree_lib.ConfreeConfig._fields)}
+# The robust rules' settings and the attackers (issue 50; robust.py, byzantine.py).
+for _field, _default in robust_lib.RobustConfig._field_defaults.items():
+  if _field != "rule":
+    _DEFINE_BY_TYPE[type(_default)](f"robust_{_field}", None,
+                                    f"{robust_lib.FLAG_HELP[_field]} (default: {_default!r}).")
+flags.DEFINE_enum("attack", "none", ["none", *byzantine_lib.ATTACKS],
+                  "Byzantine clients: what the --attackers upload in place of their update"
+                  " of the shared part (sign_flip, gaussian, alie, ipm) or train on"
+                  " (label_flip); settings --attack_*; docs/robustness.md; hosts: as"
+                  " --aggregation's.")
+flags.DEFINE_float("attackers", None, "The fraction of the clients that attack, in [0, 1):"
+                   " round(fraction K) of them, a set drawn from the seed (default: 0.2"
+                   " with --attack).")
+flags.DEFINE_bool("attackers_sampled", None, "Draw the attackers anew each round, rather than"
+                  " one set for the run (default: false).")
+for _field in ("std", "epsilon", "z"):
+  _DEFINE_BY_TYPE[float](f"attack_{_field}", None, f"{byzantine_lib.FLAG_HELP[_field]}"
+                         f" (default: {byzantine_lib.AttackConfig._field_defaults[_field]!r}).")
+ROBUST_FLAGS = tuple(f"robust_{field}" for field in robust_lib.RobustConfig._fields
+                     if field != "rule")
+ATTACK_FLAGS = ("attackers", "attackers_sampled", "attack_std", "attack_epsilon", "attack_z")
+BYZANTINE_FLAGS = ROBUST_FLAGS + ("attack",) + ATTACK_FLAGS
+# A run's identity counts the robust settings with the aggregation, the attackers' with
+# the attack (checkpoint.run_identity).
+IDENTITY_PLUGIN_FLAGS = {**PLUGIN_FLAGS,
+                         "aggregation": PLUGIN_FLAGS["aggregation"] + ROBUST_FLAGS,
+                         "attack": ATTACK_FLAGS}
 
 
 def flag_lines(name: str) -> list[str]:
@@ -287,6 +324,8 @@ def algorithm_help(name: str) -> str:
     lines.append("  takes FedALA's ALA plug-in: --ala (settings --ala_*)")
   if name in algorithms.confree_hosts():
     lines.append("  takes ConFREE's aggregation: --aggregation=confree (settings --confree_*)")
+    lines.append("  takes the robust rules (--aggregation=median, ...) and --attack"
+                 " (docs/robustness.md)")
   return "\n".join(lines)
 
 
@@ -318,10 +357,25 @@ def plugged_config(name: str, train: TrainConfig):
   ala = ala_lib.AlaConfig(**_given("ala", ala_lib.AlaConfig)) if FLAGS.ala else None
   aggregation = (confree_lib.ConfreeConfig(**_given("confree", confree_lib.ConfreeConfig))
                  if FLAGS.aggregation == "confree" else None)
-  algorithms.check_plugins(name, ala, aggregation)
-  if ala is None and aggregation is None:
+  if FLAGS.aggregation in robust_lib.RULES:
+    aggregation = robust_lib.RobustConfig(**{**_given("robust", robust_lib.RobustConfig),
+                                             "rule": FLAGS.aggregation})
+  attack = attack_config()
+  algorithms.check_plugins(name, ala, aggregation, attack)
+  if ala is None and aggregation is None and attack is None:
     return config
-  return algorithms.Plugged(config=config, ala=ala, aggregation=aggregation)
+  return algorithms.Plugged(config=config, ala=ala, aggregation=aggregation, attack=attack)
+
+
+def attack_config() -> byzantine_lib.AttackConfig | None:
+  """The attackers --attack, --attackers and --attack_* ask for; None without --attack."""
+  if FLAGS.attack == "none":
+    if FLAGS.attackers:
+      raise ConfigError(f"--attackers needs --attack (one of"
+                        f" {', '.join(byzantine_lib.ATTACKS)})")
+    return None
+  given = _given("attack", byzantine_lib.AttackConfig)
+  return byzantine_lib.AttackConfig(**{**given, "attack": FLAGS.attack})
 
 
 def client_chunk() -> int | None:
@@ -410,6 +464,8 @@ _HELP_GROUPS = {
         "cpu_devices", "distributed", "coordinator_address", "num_processes", "process_id"),
     "6. plug-ins: ALA (--ala) and ConFREE (--aggregation=confree)": (
         ("ala", "aggregation") + PLUGIN_FLAGS["aggregation"]),
+    "6. plug-ins: robust aggregation (--aggregation=median, ...) and attackers (--attack)": (
+        BYZANTINE_FLAGS),
 }
 _GROUP_OF_FLAG = {name: group for group, names in _HELP_GROUPS.items() for name in names}
 
@@ -449,7 +505,8 @@ def identity_defaults() -> dict:
 def run_identity(algorithm: str) -> dict:
   """What a run of `algorithm` with these flags computes, kept in run_config.json
   (checkpoint.run_identity): every flag of this module, so a flag added later counts."""
-  return checkpoint_lib.run_identity(_settings(), algorithm, OWNER_OF_FLAG, PLUGIN_FLAGS)
+  return checkpoint_lib.run_identity(_settings(), algorithm, OWNER_OF_FLAG,
+                                     IDENTITY_PLUGIN_FLAGS)
 
 
 def as_flag_error(error: FieldError) -> str:

@@ -226,7 +226,8 @@ def run_identity(settings: dict[str, Any], algorithm: str, owner_of: dict[str, s
   identity = {k: v for k, v in settings.items() if k not in NOT_IDENTITY}
   identity["algorithm"] = algorithm
   switched_on = {"ala": bool(settings.get("ala")),
-                 "aggregation": settings.get("aggregation") not in (None, "mean")}
+                 "aggregation": settings.get("aggregation") not in (None, "mean"),
+                 "attack": settings.get("attack") not in (None, "none")}
   for switch, names in plugin_settings.items():
     if switched_on.get(switch) and algorithm != REFERENCE:
       continue

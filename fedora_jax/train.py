@@ -30,7 +30,8 @@ from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.models import build_model, check_inputs
 from fedora_jax.progress import Progress
-from fedora_jax.rounds import CLIENT_WEIGHTS
+from fedora_jax.algorithms import robust
+from fedora_jax.rounds import CLIENT_WEIGHTS, num_sampled_clients
 from fedora_jax.simulation import (TrainConfig, resolve_progress, root_keys,
                                    run_algorithm)
 from fedora_jax.watchdog import Watchdog
@@ -104,6 +105,7 @@ def check_config(config: ExperimentConfig) -> None:
   stand_in = algorithms.stand_in_trainer(train.lr, train.momentum, train.weight_decay,
                                          train.local_epochs, train.batch_size)
   algorithms.build(config.algorithm, algorithm_config, stand_in)
+  _check_attackers(config, algorithm_config)
   if config.new_clients:
     check_new_clients = algorithms.get(config.algorithm).new_clients
     if check_new_clients is None:
@@ -116,6 +118,22 @@ def check_config(config: ExperimentConfig) -> None:
     if task != "classification":
       raise FieldError("experiment", "new_clients",
                        f"reports accuracies; {config.dataset} is a {task}")
+
+
+def _check_attackers(config: ExperimentConfig, algorithm_config: Any) -> None:
+  """One line where a robust rule cannot tolerate the run's attackers among a round's
+  sampled clients (robust.check_tolerance), or label_flip meets data without classes."""
+  if not isinstance(algorithm_config, algorithms.Plugged):
+    return
+  aggregation, attack = algorithm_config.aggregation, algorithm_config.attack
+  task = datasets.get_spec(config.dataset).task
+  if attack is not None and attack.attack == "label_flip" and task != "classification":
+    raise ConfigError(f"--attack=label_flip flips class labels; {config.dataset} is a"
+                      f" {task}")
+  clients = config.num_clients or datasets.get_spec(config.dataset).num_clients
+  if isinstance(aggregation, robust.RobustConfig) and clients is not None:
+    robust.check_tolerance(aggregation, attack.fraction if attack is not None else 0.0,
+                           num_sampled_clients(config.train.participation, clients))
 
 
 def default_workdir(config: ExperimentConfig) -> str:
@@ -309,7 +327,8 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   if isinstance(algorithm_config, algorithms.Plugged):
     info["plugins"] = {
         "ala": algorithm_config.ala and algorithm_config.ala._asdict(),
-        "aggregation": algorithm_config.aggregation and algorithm_config.aggregation._asdict()}
+        "aggregation": algorithm_config.aggregation and algorithm_config.aggregation._asdict(),
+        "attack": algorithm_config.attack and algorithm_config.attack._asdict()}
   if federated.new_data is not None:
     info["new_clients"] = serve_new_clients(federated, algorithm_config, model, train,
                                             result, config.new_client_epochs, progress,

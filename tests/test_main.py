@@ -143,6 +143,13 @@ BAD_INPUT = [
     (["--lr=1e30", "--num_clients=4", "--hidden=16", "--local_epochs=1"],
      "NaN or Inf loss in round 1 at client(s) 0, 1, 2, 3"),
     (["stray_argument"], "unexpected arguments"),
+    (["--algorithm=fedavg", "--attack=alie", "--attackers=1.0"],
+     "--attackers must be in [0, 1), got 1.0"),
+    (["--attackers=0.2"], "--attackers needs --attack"),
+    (["--algorithm=fedora", "--attack=sign_flip"],
+     "--attack needs an algorithm whose server averages a shared part"),
+    (["--algorithm=fedavg", "--num_clients=10", "--aggregation=krum", "--attack=alie",
+      "--attackers=0.4"], "--aggregation=krum needs n > 2f + 2 uploads a round"),
     ("corrupt", "truncated or corrupt"),
 ]
 
