@@ -15,11 +15,12 @@ from absl import flags
 
 import jax
 
-from fedora_jax import algorithms, availability
+from fedora_jax import accounting, algorithms, availability
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import byzantine as byzantine_lib
 from fedora_jax.algorithms import confree as confree_lib
+from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms import robust as robust_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.engine.precision import PRECISIONS
@@ -289,11 +290,21 @@ ROBUST_FLAGS = tuple(f"robust_{field}" for field in robust_lib.RobustConfig._fie
                      if field != "rule")
 ATTACK_FLAGS = ("attackers", "attackers_sampled", "attack_std", "attack_epsilon", "attack_z")
 BYZANTINE_FLAGS = ROBUST_FLAGS + ("attack",) + ATTACK_FLAGS
+# User-level DP (issue 50; docs/privacy.md): any --dp_* flag turns it on.
+_DP_CHOICES = {"accountant": list(accounting.ACCOUNTANTS), "sampling": list(accounting.SAMPLINGS)}
+for _field, _help in dp_lib.FLAG_HELP.items():
+  _default = dp_lib.DpConfig._field_defaults[_field]
+  _help = f"{_help} (default: {'unset' if _default is None else repr(_default)})."
+  if _field in _DP_CHOICES:
+    flags.DEFINE_enum(f"dp_{_field}", None, _DP_CHOICES[_field], _help)
+  else:
+    flags.DEFINE_float(f"dp_{_field}", None, _help)
+DP_FLAGS = tuple(f"dp_{field}" for field in dp_lib.FLAG_HELP)
 # A run's identity counts the robust settings with the aggregation, the attackers' with
-# the attack (checkpoint.run_identity).
+# the attack, DP's when one is set (checkpoint.run_identity).
 IDENTITY_PLUGIN_FLAGS = {**PLUGIN_FLAGS,
                          "aggregation": PLUGIN_FLAGS["aggregation"] + ROBUST_FLAGS,
-                         "attack": ATTACK_FLAGS}
+                         "attack": ATTACK_FLAGS, "dp": DP_FLAGS}
 
 
 def flag_lines(name: str) -> list[str]:
@@ -322,6 +333,9 @@ def algorithm_help(name: str) -> str:
     lines += flag_lines(flag)
   if name in algorithms.ala_hosts():
     lines.append("  takes FedALA's ALA plug-in: --ala (settings --ala_*)")
+  if name in algorithms.dp_hosts():
+    lines.append("  takes user-level DP: --dp_clip_norm with --dp_noise_multiplier or"
+                 " --dp_target_epsilon (settings --dp_*; docs/privacy.md)")
   if name in algorithms.confree_hosts():
     lines.append("  takes ConFREE's aggregation: --aggregation=confree (settings --confree_*)")
     lines.append("  takes the robust rules (--aggregation=median, ...) and --attack"
@@ -361,10 +375,13 @@ def plugged_config(name: str, train: TrainConfig):
     aggregation = robust_lib.RobustConfig(**{**_given("robust", robust_lib.RobustConfig),
                                              "rule": FLAGS.aggregation})
   attack = attack_config()
-  algorithms.check_plugins(name, ala, aggregation, attack)
-  if ala is None and aggregation is None and attack is None:
+  given_dp = _given("dp", dp_lib.DpConfig)
+  dp = dp_lib.DpConfig(**given_dp) if given_dp else None  # any --dp_* flag turns DP on
+  algorithms.check_plugins(name, ala, aggregation, attack, dp)
+  if ala is None and aggregation is None and attack is None and dp is None:
     return config
-  return algorithms.Plugged(config=config, ala=ala, aggregation=aggregation, attack=attack)
+  return algorithms.Plugged(config=config, ala=ala, aggregation=aggregation, attack=attack,
+                            dp=dp)
 
 
 def attack_config() -> byzantine_lib.AttackConfig | None:
@@ -466,6 +483,7 @@ _HELP_GROUPS = {
         ("ala", "aggregation") + PLUGIN_FLAGS["aggregation"]),
     "6. plug-ins: robust aggregation (--aggregation=median, ...) and attackers (--attack)": (
         BYZANTINE_FLAGS),
+    "6. plug-ins: user-level differential privacy (--dp_clip_norm, ...)": DP_FLAGS,
 }
 _GROUP_OF_FLAG = {name: group for group, names in _HELP_GROUPS.items() for name in names}
 

@@ -227,7 +227,9 @@ def run_identity(settings: dict[str, Any], algorithm: str, owner_of: dict[str, s
   identity["algorithm"] = algorithm
   switched_on = {"ala": bool(settings.get("ala")),
                  "aggregation": settings.get("aggregation") not in (None, "mean"),
-                 "attack": settings.get("attack") not in (None, "none")}
+                 "attack": settings.get("attack") not in (None, "none"),
+                 "dp": any(settings.get(name) is not None
+                           for name in plugin_settings.get("dp", ()))}
   for switch, names in plugin_settings.items():
     if switched_on.get(switch) and algorithm != REFERENCE:
       continue

@@ -11,17 +11,20 @@ rounds.csv, history.npz, the algorithm's arrays, plots and TensorBoard events to
 `python -m experiments.main` builds an ExperimentConfig from its flags and calls this.
 """
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import logging
+import math
 import os
 from typing import Any, Callable
 
 import jax
 
 from fedora_jax import algorithms, availability
+from fedora_jax import progress as progress_lib
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import metric_writer, new_clients, plots
 from fedora_jax import results as results_lib
@@ -30,6 +33,7 @@ from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.models import build_model, check_inputs
 from fedora_jax.progress import Progress
+from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms import robust
 from fedora_jax.rounds import CLIENT_WEIGHTS, num_sampled_clients
 from fedora_jax.simulation import (TrainConfig, resolve_progress, root_keys,
@@ -75,6 +79,8 @@ def check_config(config: ExperimentConfig) -> None:
   """One-line ConfigErrors for a bad combination, before any data is loaded."""
   datasets.get_spec(config.dataset)
   algorithm_config = resolved_algorithm_config(config)
+  if isinstance(algorithm_config, algorithms.Plugged) and algorithm_config.dp is not None:
+    algorithm_config = resolve_dp(algorithm_config, config.train, num_clients_of(config))
   if not 0.0 < config.train.participation <= 1.0:
     raise FieldError("train", "participation",
                      f"must be in (0, 1], got {config.train.participation}")
@@ -134,6 +140,36 @@ def _check_attackers(config: ExperimentConfig, algorithm_config: Any) -> None:
   if isinstance(aggregation, robust.RobustConfig) and clients is not None:
     robust.check_tolerance(aggregation, attack.fraction if attack is not None else 0.0,
                            num_sampled_clients(config.train.participation, clients))
+
+
+def num_clients_of(config: ExperimentConfig) -> int:
+  """K: the config's, else the dataset's."""
+  return config.num_clients or datasets.default_num_clients(config.dataset, config.data_dir)
+
+
+def resolve_dp(algorithm_config: Any, train: TrainConfig, num_clients: int) -> Any:
+  """The algorithm config (a Plugged) with its DP settings fixed for this run
+  (dp.resolve: the expected cohort of `num_clients` clients, the noise multiplier of a
+  target epsilon); as it was without DP."""
+  if not isinstance(algorithm_config, algorithms.Plugged) or algorithm_config.dp is None:
+    return algorithm_config
+  return algorithm_config._replace(dp=_resolved_dp(
+      algorithm_config.dp, train.rounds, num_clients, train.participation,
+      num_sampled_clients(train.participation, num_clients)))
+
+
+@functools.lru_cache(maxsize=16)
+def _resolved_dp(dp: dp_lib.DpConfig, rounds: int, num_clients: int, participation: float,
+                 sampled: int) -> dp_lib.DpConfig:
+  return dp_lib.resolve(dp, rounds, num_clients, participation, sampled)
+
+
+def _engine_train(train: TrainConfig, dp: dp_lib.DpConfig | None) -> TrainConfig:
+  """The TrainConfig the run's engine takes: with Poisson DP sampling every client
+  trains each round and the plug-in draws who counts (participation is its rate)."""
+  if dp is not None and dp.sampling == "poisson":
+    return dataclasses.replace(train, participation=1.0)
+  return train
 
 
 def default_workdir(config: ExperimentConfig) -> str:
@@ -247,8 +283,11 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   spec = datasets.get_spec(config.dataset)
   algorithm_config = resolved_algorithm_config(config)
   train = config.train
-  num_clients = config.num_clients or datasets.default_num_clients(config.dataset,
-                                                                   config.data_dir)
+  num_clients = num_clients_of(config)
+  algorithm_config = resolve_dp(algorithm_config, train, num_clients)
+  dp = algorithm_config.dp if isinstance(algorithm_config, algorithms.Plugged) else None
+  # DP's epsilon after each round (accounting.py): rounds.csv, TensorBoard, the progress.
+  epsilons = None if dp is None else dp_lib.epsilons(dp, train.rounds, num_clients)
   model_name = config.model or spec.model
   workdir = workdir or default_workdir(config)
   # Every process computes the same results: process 0 writes them to the workdir, the
@@ -268,7 +307,11 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
     reference = results_lib.load_reference(config.reference, run_info)
   # Before any work: refuse a workdir holding another run, and find checkpoints to resume.
   identity = identity or functools.partial(config_identity, config)
-  checkpointer = checkpoint_lib.open_run(workdir, identity(config.algorithm), train.rounds,
+  recorded = identity(config.algorithm)
+  if dp is not None:  # the noise it trains with: a target over more rounds is another run
+    recorded = {**recorded, "dp_resolved": {"noise_multiplier": dp.noise_multiplier,
+                                            "expected_clients": dp.expected_clients}}
+  checkpointer = checkpoint_lib.open_run(workdir, recorded, train.rounds,
                                          config.checkpoint_every, checkpoint_root,
                                          identity_defaults)
   local_checkpointer = None
@@ -289,16 +332,20 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   model = build_model(model_name, data.num_classes, config.hidden)
   client_info = _client_info(federated)
 
-  def save(directory, info, result, ours, local):
+  def save(directory, info, result, ours, local, series=None):
     results = results_lib.build_results(info, result, ours, local, client_info)
-    results_lib.write_run_files(directory, results, result)
+    results_lib.write_run_files(directory, results, result, series)
     if spec.task == "classification":  # the plots are of accuracies
       plots.write_plots_for_run_dir(directory)
     return results
 
-  with metric_writer.RoundWriter(workdir, config.algorithm, spec.task) as log_round:
+  series = {} if epsilons is None else {"dp_epsilon": epsilons}
+  note = (progress_lib.noting(progress, lambda r: f"epsilon {epsilons[r - 1]:.3g}")
+          if epsilons is not None else contextlib.nullcontext())
+  with metric_writer.RoundWriter(workdir, config.algorithm, spec.task, {
+      f"{config.algorithm}/{k}": v for k, v in series.items()}) as log_round, note:
     result = run_algorithm(algorithms.make(config.algorithm, algorithm_config), model, data,
-                           train, on_round=log_round, checkpointer=checkpointer,
+                           _engine_train(train, dp), on_round=log_round, checkpointer=checkpointer,
                            progress=progress, watchdog=watchdog)
   results_lib.write_timing(workdir, result)
   ours = results_lib.client_scores(result, spec.task)
@@ -328,12 +375,17 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
     info["plugins"] = {
         "ala": algorithm_config.ala and algorithm_config.ala._asdict(),
         "aggregation": algorithm_config.aggregation and algorithm_config.aggregation._asdict(),
-        "attack": algorithm_config.attack and algorithm_config.attack._asdict()}
+        "attack": algorithm_config.attack and algorithm_config.attack._asdict(),
+        "dp": dp and dp._asdict()}
+  if dp is not None and epsilons is not None:
+    final = float(epsilons[-1])
+    info["dp_epsilon"] = final if math.isfinite(final) else None  # None: no noise
+    info["dp"] = {**dp._asdict(), "epsilon": info["dp_epsilon"]}
   if federated.new_data is not None:
     info["new_clients"] = serve_new_clients(federated, algorithm_config, model, train,
                                             result, config.new_client_epochs, progress,
                                             watchdog)
-  results = save(workdir, info, result, ours, local)
+  results = save(workdir, info, result, ours, local, series)
   if not config.keep_checkpoints:
     checkpoint_lib.remove_checkpoints(checkpoint_root)
   return results
