@@ -11,8 +11,9 @@ Plug-ins wrap a registered host (`build`, `Plugged`): ALA (ala.py, --ala) in fro
 client update of a host that sends a global model, ConFREE (confree.py,
 --aggregation=confree) or a robust aggregator (robust.py, --aggregation=median, krum, ...)
 in place of the server mean of a host's shared part, and Byzantine attackers (byzantine.py,
---attack) poisoning the uploads of that shared part; a host takes one by declaring what
-it needs (plugin_fields.py; `ala_hosts`, `confree_hosts`).
+--attack) poisoning the uploads of that shared part, and user-level DP (dp.py, --dp_*)
+in place of the server mean of a host's uploads; a host takes one by declaring what it
+needs (plugin_fields.py; `ala_hosts`, `confree_hosts`, `dp_hosts`).
 """
 
 import functools

@@ -17,8 +17,8 @@ on the server, `sent` in a client's message) and S the round's cohort:
      whose sensitivity does not depend on who took part):
        theta' = theta + (sum_{k in S} clip_C(Delta_k) + N(0, (z C)^2 I)) / m;
   3. the host's own aggregate then runs on uploads that all equal theta' (their weighted
-     mean is theta' whatever the weights), so a host's server step after the mean (pFedMe's
-     beta mix, a server optimizer) is post-processing of the private release.
+     mean is theta' whatever the weights), so a host's server step after the mean
+     (FedBABU's fixed head put back on the body) is post-processing of the release.
 Every client counts 1 (the paper's flat weights): the sample-size weights of
 --client_weights=samples would make the sensitivity depend on the data. A client's
 personal part (its state: Ditto's v_k, FedRep's head) never leaves it and is not noised;
