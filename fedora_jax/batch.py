@@ -108,6 +108,22 @@ def _place(buckets: tuple, mesh, stacked: bool) -> tuple:
   return tuple(placed)
 
 
+def _over_runs(fn: Callable[..., Any], in_axes: tuple, runs_per_step: int | None):
+  """`fn` over the leading run axis of the arguments whose in_axes is 0: all runs at once
+  (vmap), or `runs_per_step` at a time (lax.map over chunks of the runs), which holds a
+  chunk's activations at a time, not every run's."""
+  if runs_per_step is None:
+    return jax.vmap(fn, in_axes=in_axes)
+
+  def mapped(*args):
+    def one(run_args):
+      given = iter(run_args)
+      return fn(*(next(given) if axis == 0 else arg for arg, axis in zip(args, in_axes)))
+    return jax.lax.map(one, tuple(a for a, axis in zip(args, in_axes) if axis == 0),
+                       batch_size=runs_per_step)
+  return mapped
+
+
 def _traced_build(name: str, error: Exception) -> BatchError:
   return BatchError(f"{name}: a value that differs between the runs is read as a Python"
                     f" number ({type(error).__name__}); run these separately")
@@ -128,13 +144,16 @@ class PreparedBatch(NamedTuple):
 def prepare_batch(build: BuildFn, model, data: FederatedData | Sequence[FederatedData],
                   train: TrainConfig, seeds: Sequence[int],
                   values: Mapping[str, Sequence[float]] | None = None,
-                  mesh=None) -> PreparedBatch:
-  """The batch's initial state [S, ...] and its compiled round (state donated)."""
+                  mesh=None, runs_per_step: int | None = None) -> PreparedBatch:
+  """The batch's initial state [S, ...] and its compiled round (state donated), the
+  runs' rounds vmapped together, or `runs_per_step` at a time (_over_runs)."""
   datas = None if isinstance(data, FederatedData) else list(data)
   layout = data if isinstance(data, FederatedData) else list(data)[0]
   num_runs = len(seeds)
   if num_runs < 1:
     raise ConfigError("a batch needs at least one run")
+  if runs_per_step is not None and runs_per_step < 1:
+    raise ConfigError(f"runs_per_step must be >= 1, got {runs_per_step}")
   if datas is not None and len(datas) != num_runs:
     raise ConfigError(f"a batch of {num_runs} runs was given {len(datas)} datasets")
   checked = _check_values(values or {}, num_runs)
@@ -197,12 +216,12 @@ def prepare_batch(build: BuildFn, model, data: FederatedData | Sequence[Federate
       init = jax.jit(jax.vmap(init_one, in_axes=(0, 0, 0, data_axis)),
                      out_shardings=everywhere)
       state = init(keys["init"], keys["algorithm"], run_values, buckets)
-      batched_round = jax.jit(jax.vmap(round_one, in_axes=(0, data_axis, 0, 0)),
+      batched_round = jax.jit(_over_runs(round_one, (0, data_axis, 0, 0), runs_per_step),
                               donate_argnums=0, out_shardings=everywhere)
       compiled = batched_round.lower(state, buckets, keys["train"], run_values).compile()
       test_evaluation = None
       if not every_round:
-        test_evaluation = jax.jit(jax.vmap(test_one, in_axes=(0, data_axis, 0)),
+        test_evaluation = jax.jit(_over_runs(test_one, (0, data_axis, 0), runs_per_step),
                                   out_shardings=everywhere).lower(
                                       state, buckets, run_values).compile()
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
@@ -227,7 +246,7 @@ def run_batch(build: BuildFn, model, data: FederatedData | Sequence[FederatedDat
               checkpointers: Sequence[Checkpointer] | None = None,
               on_round: Sequence[Callable[[int, RoundMetrics], None]] | None = None,
               progress: Progress | None | str = "auto", watchdog: Watchdog | None = None,
-              mesh=None) -> list[RunResult | RunFailed]:
+              mesh=None, runs_per_step: int | None = None) -> list[RunResult | RunFailed]:
   """Trains S = len(seeds) runs as one program for train.rounds rounds; run s has seed
   seeds[s], the values values[name][s] and (given one dataset a run) data[s].
 
@@ -243,7 +262,7 @@ def run_batch(build: BuildFn, model, data: FederatedData | Sequence[FederatedDat
   stages = _StageReporter(label, train.rounds, watchdog, None)
   try:
     stages.compiling()
-    prepared = prepare_batch(build, model, data, train, seeds, values, mesh)
+    prepared = prepare_batch(build, model, data, train, seeds, values, mesh, runs_per_step)
     name = prepared.algorithm.name
     progress.start(f"{name} ({label})", train.rounds, _task(data))
     return _train_batch(prepared, train, seeds, checkpointers, on_round, progress, stages,

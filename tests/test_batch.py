@@ -58,6 +58,15 @@ def test_three_seeds_in_one_program_equal_three_runs():
     assert_same_run(result, alone("fedavg", data, dataclasses.replace(TRAIN, seed=seed)))
 
 
+def test_runs_a_chunk_at_a_time_equal_the_runs_alone():
+  data, _ = tiny_data(SIZES)
+  seeds = (0, 1, 2)
+  results = batch.run_batch(registered("fedavg"), tiny_model(), data, TRAIN, seeds,
+                            progress=None, runs_per_step=2)
+  for seed, result in zip(seeds, results):
+    assert_same_run(result, alone("fedavg", data, dataclasses.replace(TRAIN, seed=seed)))
+
+
 def test_a_hyperparameter_and_the_learning_rate_vary_across_the_runs():
   data, _ = tiny_data(SIZES)
   mus, lrs = (0.01, 0.1, 1.0), (0.1, 0.05, 0.1)
