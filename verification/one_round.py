@@ -631,6 +631,159 @@ def _fomo_train(client) -> None:
   client.train()
 
 
+def _kd_load_initial(server, state) -> None:
+  """Our W_i into each PFLlib client's W_h (theirs: torch's own draw); ours maps h_s @ W_i,
+  so its Linear weight is W_i^T."""
+  import torch  # pylint: disable=import-outside-toplevel
+  with torch.no_grad():
+    for client in server.clients:
+      projection = np.asarray(state.clients.projection[client.id])
+      client.W_h.weight.copy_(torch.from_numpy(projection.T.copy()))
+
+
+def _kd_server_step(server) -> None:
+  """FedKD's server after receive_models (serverkd.py's train()): the uniform mean, its
+  decomposition at the round's energy, then the next round's energy."""
+  server.aggregate_parameters()
+  server.decomposition()
+  round_index = getattr(server, "kd_round", 0)
+  server.kd_round = round_index + 1
+  server.energy = server.T_start + ((1 + round_index) / server.global_rounds
+                                    * (server.T_end - server.T_start))
+
+
+def _kd_ours_more(algorithm, state):
+  """The mentee every client receives, then each client's W_i as a Dense layer with a
+  zero bias (one layer after the mentee's)."""
+  del algorithm
+  mentee = state.server.mentee["params"]
+  projection = np.asarray(state.clients.projection)
+  count, dim = projection.shape[:2]
+  layers = {name: jax.tree.map(lambda a: np.broadcast_to(a, (count,) + a.shape), layer)
+            for name, layer in mentee.items()}
+  layers[f"Dense_{len(mentee)}"] = {"kernel": projection, "bias": np.zeros((count, dim))}
+  return {"params": layers}
+
+
+def _kd_theirs_more(client):
+  """The mentee the client received (its global_model), then W_h with a zero bias."""
+  import torch  # pylint: disable=import-outside-toplevel
+  weight = client.W_h.weight
+  projection = torch.nn.Linear(weight.shape[1], weight.shape[0])
+  with torch.no_grad():
+    projection.weight.copy_(weight)
+    projection.bias.zero_()
+  return torch.nn.ModuleList([client.global_model, projection])
+
+
+def _mtl_attach_server(server, state) -> None:
+  """Each PFLlib client reaches its server (our clients read the round's W through the
+  broadcast)."""
+  del state
+  for client in server.clients:
+    client.mtl_server = server
+
+
+def _mtl_train(client) -> None:
+  """FedMTL's round for one client (servermtl.py's train()): W from every client's model
+  before the first trains, then set_parameters with its column, then train."""
+  server = client.mtl_server
+  if client.id == 0:
+    server.aggregate_parameters()
+  client.set_parameters(server.W_glob, server.omega, client.id)
+  client.train()
+
+
+def _pcl_sorted(protos: dict) -> dict:
+  """A prototype dict in class order, in place (PFLlib's server and clients share them)."""
+  items = sorted(protos.items())
+  protos.clear()
+  protos.update(items)
+  return protos
+
+
+def _pcl_collect_loads(n: int, batch_size: int) -> list[np.ndarray]:
+  return [np.arange(n).reshape(-1, batch_size)]
+
+
+def _pcl_loads(key: jax.Array, n: int, epochs: int, batch_size: int
+               ) -> list[list[np.ndarray]]:
+  """FedPCL's loaders: train's epochs, then collect_protos' (any order: class means)."""
+  return [bridges.shuffled_epochs(key, n, epochs, batch_size),
+          _pcl_collect_loads(n, batch_size)]
+
+
+def _pcl_server_step(server) -> None:
+  """FedPCL's server after its clients train (serverpcl.py's train()): receive the
+  prototypes, average them, pad each client's set, send them; its dicts kept in class
+  order."""
+  import flcore.servers.serverpcl as serverpcl  # pylint: disable=import-outside-toplevel
+  server.receive_protos()
+  server.global_protos = _pcl_sorted(serverpcl.proto_aggregation(server.uploaded_protos))
+  server.prototype_padding()
+  for protos in server.client_protos_set:
+    _pcl_sorted(protos)
+  server.send_protos()
+
+
+def _pcl_prepare(server, setting: Setting, clients: list[Client]) -> None:
+  """PFLlib's FedPCL with its prototype dicts in class order (its own follow the order
+  classes first appear in a shuffled loader, and its similarities' column c is scored as
+  class c), each client's model its base alone (main.py's fc = Identity: no head), and
+  its first round run, every client's prototypes from the initial model (ours:
+  fedpcl's init)."""
+  import flcore.clients.clientpcl as clientpcl  # pylint: disable=import-outside-toplevel
+  if not getattr(clientpcl.agg_func, "sorted_by_class", False):
+    original = clientpcl.agg_func
+    clientpcl.agg_func = lambda protos: _pcl_sorted(original(protos))
+    clientpcl.agg_func.sorted_by_class = True
+  for client, data in zip(server.clients, clients):
+    client.model = client.model.base
+    loader = bridges.EpochLoader(bridges.model_inputs(data.x_train),
+                                 data.y_train.astype(np.int64),
+                                 _pcl_collect_loads(len(data.y_train), setting.batch_size))
+    client.load_train_data = lambda batch_size=None, loader=loader: loader
+    client.train()                      # no prototypes yet: collect_protos only
+  server.selected_clients = list(server.clients)
+  _pcl_server_step(server)
+
+
+def _pcl_ours_body(personal):
+  """Our scored model's body (the head layer is unused)."""
+  layers = personal.params["params"]
+  head = max(layers, key=lambda name: int(name.rsplit("_", 1)[1]))
+  return {"params": {name: layer for name, layer in layers.items() if name != head}}
+
+
+def _pcl_ours_sets(algorithm, state):
+  """Each client's prototype set P_i [C, d] as a Dense kernel [d, C], zero bias."""
+  del algorithm
+  sets = np.asarray(state.clients.prototypes)
+  return {"params": {"Dense_0": {"kernel": np.swapaxes(sets, 1, 2),
+                                 "bias": np.zeros(sets.shape[:2])}}}
+
+
+def _pcl_sets(client):
+  """The client's padded prototypes, class by class, as a Linear's weight."""
+  import torch  # pylint: disable=import-outside-toplevel
+  protos = torch.stack([client.protos[c] for c in range(len(client.protos))])
+  layer = torch.nn.Linear(protos.shape[1], protos.shape[0])
+  with torch.no_grad():
+    layer.weight.copy_(protos)
+    layer.bias.zero_()
+  return layer
+
+
+def _pcl_accuracy(client, data: Client) -> float:
+  """PFLlib's own FedPCL scoring (clientpcl.test_metrics: the largest <r, prototype>)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  client.load_test_data = lambda batch_size=None: [
+      (torch.from_numpy(bridges.model_inputs(data.x_test)),
+       torch.from_numpy(data.y_test.astype(np.int64)))]
+  correct, count, _ = client.test_metrics()
+  return correct / count
+
+
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
 REFERENCES = {
     "local": Reference("serverlocal.Local", "clientavg.py", ("train",), _own_key,
@@ -889,6 +1042,44 @@ REFERENCES = {
                                  "affinity_update": "raw", "distance_eps": 1e-5},
                          args={"M": 5}, compare_server=False, rounds=2,
                          server_steps=(), loads=_fomo_loads),
+    # FedKD in PFLlib's form: the mentee itself compressed, t_start in the first round,
+    # the codes' rank search, its KLDivLoss's mean over the classes, mentor, mentee and
+    # W_h each clipped at 10, the uniform mean; T_start 0.95 (one round of one: its
+    # T_end 0.98 unused), the mentee at the run's lr, our W_i loaded. Compared: each
+    # client's mentor (scored), the mentee it receives after the round (compressed by
+    # the clients, averaged, compressed by the server) and its W_h. One round: the
+    # second's cut falls between near-equal singular values, where float32 SVDs (JAX's
+    # less accurate than NumPy's) part by about the tolerance (docs/verification.md).
+    "fedkd": Reference("serverkd.FedKD", "clientkd.py", ("train",), _own_key,
+                       aggregates=True, personal="model",
+                       config={"compress": "parameters", "energy_round": "current",
+                               "rank_rule": "codes", "kl_reduction": "mean",
+                               "clip_norm": 10.0, "server_mean": "uniform"},
+                       args={"T_start": 0.95, "T_end": 0.98, "global_rounds": 1,
+                             "mentee_learning_rate": Setting().lr},
+                       split=True, compare_server=False,
+                       server_steps=(_kd_server_step,), load_initial=_kd_load_initial,
+                       also=(_kd_ours_more, _kd_theirs_more)),
+    # FedMTL in PFLlib's form: its regulariser of 10^-(digits + 1) (||W||^2 + (1 - 1/m)^2
+    # ||sum of the models||^2), built from detached state_dict() copies: added to the
+    # loss, no gradient (--fedmtl_regulariser_gradient=false). Two rounds, W rebuilt from
+    # the first's models; each client's model compared.
+    "fedmtl": Reference("servermtl.FedMTL", "clientmtl.py", (_mtl_train,), _own_key,
+                        aggregates=False, personal="model",
+                        config={"omega": "pfllib", "lam_scale": "digits",
+                                "regulariser_gradient": False},
+                        args={"itk": 4000}, rounds=2, load_initial=_mtl_attach_server),
+    # FedPCL in PFLlib's form: tau 0.5 (so that it shows; its default 1), the gradient
+    # clipped at 10; its dicts sorted by class (_pcl_prepare), its prototype-only first
+    # round run first (ours: init). Two rounds of training after it. Compared: each
+    # client's body and its padded prototype set; scored by PFLlib's test_metrics.
+    "fedpcl": Reference("serverpcl.FedPCL", "clientpcl.py", ("train",), _own_key,
+                        aggregates=True, personal=lambda client: client.model,
+                        config={"tau": 0.5, "clip_norm": 10.0}, args={"tau": 0.5},
+                        split=True, compare_server=False, rounds=2, sends=False,
+                        server_steps=(_pcl_server_step,), loads=_pcl_loads,
+                        prepare=_pcl_prepare, accuracy=_pcl_accuracy,
+                        our_personal=_pcl_ours_body, also=(_pcl_ours_sets, _pcl_sets)),
 }
 
 

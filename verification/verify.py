@@ -28,6 +28,7 @@ COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg",
 # FedALA after one, two and three rounds, and with W trained longer (one_round.py); FedCP.
 COVERED += ("fedala_round1", "fedala_round2", "fedala", "fedala_converging", "fedcp")
 COVERED += ("fedfomo",)  # in PFLlib's form (one_round.py)
+COVERED += ("fedkd", "fedmtl", "fedpcl")  # issue 52's, in PFLlib's forms (one_round.py)
 
 
 def missing() -> str | None:
@@ -108,7 +109,10 @@ def main(argv: list[str]) -> int:
                   " batches, two rounds); GPFL (lambda 0.01, mu 0.1, our initial GCE and"
                   " CoV, two rounds); FedCAC (tau 0.5, beta 100, PFLlib's first round);"
                   " FedAS (PFLlib's alignment); FedGH (server lr 1, PFLlib's server header);"
-                  " FML, FedDistill and PFL-DA in PFLlib's forms; each over two rounds"),
+                  " FML, FedDistill and PFL-DA in PFLlib's forms; each over two rounds;"
+                  " FedKD in PFLlib's form (T 0.95, one round); FedMTL in PFLlib's form"
+                  " (its detached regulariser) and FedPCL in PFLlib's form (tau 0.5, its"
+                  " dicts sorted by class, its prototype-only round 0 first), two rounds"),
       "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
       "command": "python -m verification.verify", "rows": rows}
