@@ -30,7 +30,8 @@ Compression at energy T: every kernel of more than one output (a conv kernel as 
 [inputs, outputs] matrix of its output channels) is replaced by its rank-k truncated SVD;
 biases travel whole, as does a kernel whose singular values are all zero. rank_rule
 "reach" (default): k is the smallest rank whose leading squared singular values hold at
-least T of their sum (the energy rule as the paper describes it). In round r (0-based) of
+least T of their sum (our reading of the paper's energy threshold, whose text is not on
+disk: keep the leading singular values that hold T of the energy). In round r (0-based) of
 R (the run's rounds) T = t_start + (r + 1) / R (t_end - t_start) (the authors' run.py).
 
 PFLlib's form, behind options (the verification runs it): compress="parameters" (the
