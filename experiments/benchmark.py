@@ -105,6 +105,9 @@ _RUNS = flags.DEFINE_list(
     "runs_per_program", [], "Sweep: S runs (seeds --seed.. --seed+S-1, the same data) as one"
     " compiled program (fedora_jax/batch.py) for each S listed, timed in turn; reports"
     " seconds a round per run against S = the first value.")
+_RUNS_PER_STEP = flags.DEFINE_integer(
+    "runs_per_step", None, "With --runs_per_program: the runs a program steps at once (lax.map"
+    " over chunks of them; default: all, vmapped).", lower_bound=1)
 _CNN_CONVS = flags.DEFINE_list(
     "cnn_convs", [], "Sweep: compile the round once per convolution of the CNN"
     " (models/cnn.py: im2col, banded, xla) and time them in turn in one process.")
@@ -387,7 +390,8 @@ def runs_sweep(values: list[str]) -> dict:
   prepared = {}
   for size in sizes:
     seeds = [FLAGS.seed + s for s in range(size)]
-    prepared[size] = batch.prepare_batch(build, setup.model, setup.data, setup.train, seeds)
+    prepared[size] = batch.prepare_batch(build, setup.model, setup.data, setup.train, seeds,
+                                         runs_per_step=_RUNS_PER_STEP.value)
     log(f"S={size}: compiled in {prepared[size].compile_seconds:.2f} s")
   states = {size: p.state for size, p in prepared.items()}
   durations: dict[int, list[float]] = {size: [] for size in sizes}
@@ -404,6 +408,7 @@ def runs_sweep(values: list[str]) -> dict:
     log(f"S={size:>3}: {per_run[size] * size * 1e3:9.1f} ms a round, {per_run[size] * 1e3:8.2f}"
         f" ms per run ({per_run[size] / per_run[first]:.3f}x S={first}'s per run)")
   return {"sweep": "runs_per_program", "algorithm": FLAGS.algorithm,
+          "runs_per_step": _RUNS_PER_STEP.value,
           "dataset": FLAGS.dataset, "num_clients": setup.data.num_clients,
           "platform": jax.default_backend(), "num_devices": jax.device_count(),
           "device_kind": jax.devices()[0].device_kind,
