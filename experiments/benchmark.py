@@ -107,7 +107,8 @@ _RUNS = flags.DEFINE_list(
     " seconds a round per run against S = the first value.")
 _RUNS_PER_STEP = flags.DEFINE_integer(
     "runs_per_step", None, "With --runs_per_program: the runs a program steps at once (lax.map"
-    " over chunks of them; default: all, vmapped).", lower_bound=1)
+    " over chunks of them; default: one on CPUs, all (vmapped) on accelerators).",
+    lower_bound=1)
 _CNN_CONVS = flags.DEFINE_list(
     "cnn_convs", [], "Sweep: compile the round once per convolution of the CNN"
     " (models/cnn.py: im2col, banded, xla) and time them in turn in one process.")
