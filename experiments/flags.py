@@ -66,6 +66,14 @@ flags.DEFINE_integer("classes_per_client", None, "pathological: classes per clie
                      " (default: the dataset's, 2).", lower_bound=1)
 flags.DEFINE_float("dirichlet_alpha", None, "dirichlet: concentration alpha (default 0.3;"
                    " parameter coaching uses 0.1 and 0.3).")
+flags.DEFINE_float("synthetic_alpha", None, "--dataset=synthetic: std of each client's"
+                   " model mean u_k (model skew; default 1).", lower_bound=0)
+flags.DEFINE_float("synthetic_beta", None, "--dataset=synthetic: std of each client's"
+                   " feature mean B_k (feature skew; default 1).", lower_bound=0)
+flags.DEFINE_float("synthetic_size_mu", None, "--dataset=synthetic: a client's size is"
+                   " int(lognormal(mu, sigma)) + 50; mu (default 4, FedProx's).")
+flags.DEFINE_float("synthetic_size_sigma", None, "--dataset=synthetic: that lognormal's"
+                   " sigma (default 2, FedProx's).", lower_bound=0)
 flags.DEFINE_integer("min_client_size", None, "Training samples every client must get"
                      " (default 1); dirichlet redraws until it holds.", lower_bound=0)
 flags.DEFINE_integer("fixed_train_size", None, "Training samples each regular client keeps"
@@ -432,7 +440,9 @@ def partition_config(dataset: str) -> partitions.PartitionConfig:
            "dirichlet_alpha": FLAGS.dirichlet_alpha, "min_client_size": FLAGS.min_client_size,
            "train_per_client": FLAGS.fixed_train_size, "val_per_client": FLAGS.fixed_val_size,
            "split": FLAGS.split,
-           "val_fraction": FLAGS.val_fraction, "data_fraction": FLAGS.data_fraction}
+           "val_fraction": FLAGS.val_fraction, "data_fraction": FLAGS.data_fraction,
+           **{f"synthetic_{f}": FLAGS[f"synthetic_{f}"].value
+              for f in ("alpha", "beta", "size_mu", "size_sigma")}}
   return datasets.default_partition(dataset, FLAGS.setting,
                                     **{k: v for k, v in given.items() if v is not None})
 
@@ -467,6 +477,7 @@ _HELP_GROUPS = {
         "rounds", "seed", "data_seed", "new_clients", "new_client_epochs"),
     "2. client partition": (
         "partition", "split", "classes_per_client", "dirichlet_alpha", "min_client_size",
+        "synthetic_alpha", "synthetic_beta", "synthetic_size_mu", "synthetic_size_sigma",
         "fixed_train_size", "fixed_val_size", "val_fraction", "data_fraction",
         "max_pad_ratio"),
     "3. model and client training": (

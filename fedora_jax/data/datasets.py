@@ -6,6 +6,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from fedora_jax.data import grouped as grouped_lib
+from fedora_jax.data import synthetic as synthetic_lib
 from fedora_jax.data.client_data import FederatedData, stack_clients
 from fedora_jax.data.gtsrb import load_gtsrb
 from fedora_jax.data.leaf import load_leaf
@@ -36,6 +37,7 @@ class DatasetSpec(NamedTuple):
   # The default --partition (fedora_jax/data/partitions.py KINDS) and its class count.
   partition: str = "rotation"
   classes_per_client: int = 2
+  generated: bool = False  # clients generated from the data seed (synthetic): no source
 
 
 DATA_SOURCES = ("files", "tfds")
@@ -120,6 +122,15 @@ DATASETS.update({
         paper_table="FEDORA Table 2 (agriculture)", task="regression"),
 })
 
+# Generated on the spot, any number of clients (issue 51).
+DATASETS["synthetic"] = DatasetSpec(
+    description="Synthetic(alpha, beta) of FedProx / LEAF: 60 features, 10 classes, each"
+                " client its own softmax model and feature mean (--synthetic_alpha,"
+                " --synthetic_beta), lognormal client sizes; generated from the data seed",
+    load_source=None, num_clients=100, model="mlp", partition="synthetic",
+    paper_table="- (FedProx Section 5.1; client scaling, docs/performance.md)",
+    generated=True)
+
 
 def get_spec(name: str) -> DatasetSpec:
   if name not in DATASETS:
@@ -163,6 +174,8 @@ def load_source(name: str, data_dir: str | None, data_source: str = "files") -> 
                        f" {', '.join(supported)}")
     tfds_dir = data_root.tfds_data_dir(spec.tfds_name, data_dir)
     return load_tfds_dataset(spec.tfds_name, tfds_dir, name=f"{spec.tfds_name} (TFDS)")
+  if spec.generated:
+    raise ConfigError(f"{name}: its clients are generated; it has no centralised source")
   if spec.load_source is None:
     raise ConfigError(f"{name}: its clients are given by the data (its groups); it has no"
                       " centralised source")
@@ -202,6 +215,35 @@ def _build_grouped(spec: DatasetSpec, name: str, data_dir: str | None, num_clien
   return source, partition, source.groups[:num_clients]
 
 
+def synthetic_config(partition: PartitionConfig | None) -> synthetic_lib.SyntheticConfig:
+  """The generator's parameters a partition config carries (defaults: Synthetic(1, 1))."""
+  p = partition or PartitionConfig(kind="synthetic")
+  return synthetic_lib.SyntheticConfig(
+      alpha=p.synthetic_alpha, beta=p.synthetic_beta, size_mu=p.synthetic_size_mu,
+      size_sigma=p.synthetic_size_sigma)
+
+
+def _build_synthetic(partition_config: PartitionConfig | None, num_clients: int,
+                     setting: str, seed: int, data_source: str
+                     ) -> tuple[ImageDataset, Partition]:
+  """Clients 0..num_clients-1 of Synthetic(alpha, beta), each from (seed, its index)."""
+  if data_source != "files":
+    raise FieldError("experiment", "data_source", f"{data_source}: synthetic is generated")
+  if setting != "balanced":
+    raise FieldError("experiment", "setting", f"{setting}: synthetic's client sizes come"
+                     " from its generator (--synthetic_size_mu, --synthetic_size_sigma)")
+  if partition_config is not None and partition_config.kind not in (None, "synthetic"):
+    raise FieldError("experiment", "partition", f"{partition_config.kind}: synthetic's"
+                     " clients are generated, not partitioned")
+  config = synthetic_config(partition_config)
+  clients = synthetic_lib.make_clients(config, num_clients, seed)
+  empty = np.zeros((0, synthetic_lib.NUM_FEATURES), np.float32)
+  source = ImageDataset(name=f"Synthetic({config.alpha:g}, {config.beta:g})",
+                        x_train=empty, y_train=np.zeros(0, np.int32), x_test=empty,
+                        y_test=np.zeros(0, np.int32), num_classes=synthetic_lib.NUM_CLASSES)
+  return source, Partition(clients=clients, kind="synthetic")
+
+
 def held_out_clients(num_clients: int, num_new: int, seed: int) -> np.ndarray:
   """Which clients join only after training: a seeded random choice, sorted."""
   if num_new < 0:
@@ -233,7 +275,10 @@ def build_federated_dataset(name: str, data_dir: str | None, num_clients: int,
   spec = get_spec(name)
   new_ids = held_out_clients(num_clients, new_clients, seed)
   groups = None
-  if spec.load_groups is not None:
+  if spec.generated:
+    source, partition = _build_synthetic(partition_config, num_clients, setting, seed,
+                                         data_source)
+  elif spec.load_groups is not None:
     source, partition, groups = _build_grouped(spec, name, data_dir, num_clients, setting,
                                                seed, data_source)
   else:

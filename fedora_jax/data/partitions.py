@@ -113,6 +113,12 @@ class PartitionConfig(NamedTuple):
   # partition (parameter coaching's 10 clients hold "10% training data and test data
   # selected randomly from the dataset"); 1.0: all of it.
   data_fraction: float = 1.0
+  # --dataset=synthetic (fedora_jax/data/synthetic.py): its clients are generated, not
+  # cut; these are its generator's parameters (kind "synthetic").
+  synthetic_alpha: float = 1.0
+  synthetic_beta: float = 1.0
+  synthetic_size_mu: float = 4.0
+  synthetic_size_sigma: float = 2.0
 
 
 def rotation_angles(num_clients: int) -> np.ndarray:
