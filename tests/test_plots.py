@@ -241,8 +241,9 @@ def write_run(directory, algorithm, test_acc, local_acc, extra_info=None):
   test_acc, local_acc = np.asarray(test_acc, float), np.asarray(local_acc, float)
   rounds, k = test_acc.shape
   history = round_metrics(test_acc[0], np.zeros(k))._replace(extra={})
-  history = type(history)(*[np.stack([getattr(history, f)] * rounds)
-                            for f in history._fields[:-1]], extra={})
+  history = history._replace(**{f: np.stack([getattr(history, f)] * rounds)
+                                for f in history._fields
+                                if f != "extra" and getattr(history, f) is not None})
   history = history._replace(test_score=test_acc, val_score=test_acc)
   result = RunResult(algorithm=algorithm, history=history, artifacts={},
                      compile_seconds=1.0, round_seconds=0.1, total_seconds=1.0,
