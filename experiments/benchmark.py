@@ -137,7 +137,8 @@ def _setup() -> Setup:
   spec = datasets.get_spec(FLAGS.dataset)
   num_clients = FLAGS.num_clients or spec.num_clients
   data_seed = FLAGS.seed if FLAGS.data_seed is None else FLAGS.data_seed
-  partition = run_flags.partition_config(FLAGS.dataset)
+  experiment = run_flags.experiment_config()
+  partition = experiment.data.partition
   if partition.kind != "rotation" and (_TRAIN_PER_CLIENT.value or _VAL_PER_CLIENT.value):
     raise ConfigError("--train_per_client / --val_per_client size the rotation partition's"
                       f" clients; for --partition={partition.kind} use --fixed_train_size /"
@@ -157,13 +158,13 @@ def _setup() -> Setup:
       FLAGS.max_pad_ratio, data_source=FLAGS.data_source, partition_config=partition)
   data = federated.data
   log(f"{FLAGS.dataset} {FLAGS.setting}: {datasets.describe(data)}")
-  hidden = run_flags.hidden_widths()
+  hidden = experiment.model.hidden
   model_name = FLAGS.model or spec.model
   check_inputs(model_name, data.input_shape, data.input_dtype, FLAGS.dataset)
   model = build_model(model_name, data.num_classes, hidden)
-  train = run_flags.train_config()
+  train = experiment.train
   return Setup(data=data, model=model, model_name=model_name, hidden=hidden,
-               train=train, config=run_flags.algorithm_config(FLAGS.algorithm, train),
+               train=train, config=experiment.algorithm.config,
                train_per_client=partition.train_per_client,
                val_per_client=partition.val_per_client)
 

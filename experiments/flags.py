@@ -1,5 +1,6 @@
 """Command-line flags of experiments.main (shared by reproduce and benchmark), and the
-ExperimentConfig they describe.
+ExperimentConfig they describe: each flag that sets the config is the setting of its
+name (fedora_jax/settings.py), and the config is built from them there.
 
 Run and data flags, client training flags, then one group per registered algorithm,
 generated from its config: --<algorithm>_<field> (or the registry's own name for it),
@@ -13,10 +14,8 @@ import textwrap
 
 from absl import flags
 
-import jax
-
 from fedora_jax import accounting, algorithms, availability
-from fedora_jax import checkpoint as checkpoint_lib
+from fedora_jax import settings as settings_lib
 from fedora_jax.algorithms import ala as ala_lib
 from fedora_jax.algorithms import byzantine as byzantine_lib
 from fedora_jax.algorithms import confree as confree_lib
@@ -24,10 +23,9 @@ from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms import robust as robust_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.engine.precision import PRECISIONS
-from fedora_jax.errors import ConfigError, FieldError
-from fedora_jax.models import MODELS, default_client_chunk, default_eval_batch_size
+from fedora_jax.errors import FieldError
+from fedora_jax.models import MODELS
 from fedora_jax.rounds import CLIENT_WEIGHTS
-from fedora_jax.simulation import TrainConfig
 from fedora_jax.train import ExperimentConfig
 
 FLAGS = flags.FLAGS
@@ -220,15 +218,7 @@ def flag_name(owner: str, field: str) -> str:
     return field
   if owner == "partition":  # PartitionConfig's fields by their flags
     return _PARTITION_FLAGS.get(field, field)
-  if owner in algorithms.REGISTRY:
-    return algorithms.get(owner).flag_names.get(field, f"{owner}_{field}")
-  return _PLUGIN_FLAG_NAMES.get((owner, field), f"{owner}_{field}")  # a plug-in's
-
-
-# Plug-in fields whose flag is not --<owner>_<field> (issue 50).
-_PLUGIN_FLAG_NAMES = {("robust", "rule"): "aggregation", ("attack", "attack"): "attack",
-                      ("attack", "fraction"): "attackers",
-                      ("attack", "sampled"): "attackers_sampled"}
+  return settings_lib.setting_name(owner, field)  # an algorithm's, a plug-in's
 
 
 def _preset_values(registered, field) -> str:
@@ -276,7 +266,7 @@ for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():
 PLUGIN_FLAGS = {"ala": tuple(f"ala_{field}" for field in ala_lib.AlaConfig._fields),
                 "aggregation": tuple(f"confree_{field}"
                                      for field in confree_lib.ConfreeConfig._fields)}
-# The robust rules' settings and the attackers (issue 50; robust.py, byzantine.py).
+# The robust rules' settings and the attackers (issue 50; settings.CHOSEN_PLUGINS).
 for _field, _default in robust_lib.RobustConfig._field_defaults.items():
   if _field != "rule":
     _DEFINE_BY_TYPE[type(_default)](f"robust_{_field}", None,
@@ -294,10 +284,6 @@ flags.DEFINE_bool("attackers_sampled", None, "Draw the attackers anew each round
 for _field in ("std", "epsilon", "z"):
   _DEFINE_BY_TYPE[float](f"attack_{_field}", None, f"{byzantine_lib.FLAG_HELP[_field]}"
                          f" (default: {byzantine_lib.AttackConfig._field_defaults[_field]!r}).")
-ROBUST_FLAGS = tuple(f"robust_{field}" for field in robust_lib.RobustConfig._fields
-                     if field != "rule")
-ATTACK_FLAGS = ("attackers", "attackers_sampled", "attack_std", "attack_epsilon", "attack_z")
-BYZANTINE_FLAGS = ROBUST_FLAGS + ("attack",) + ATTACK_FLAGS
 # User-level DP (issue 50; docs/privacy.md): any --dp_* flag turns it on.
 _DP_CHOICES = {"accountant": list(accounting.ACCOUNTANTS), "sampling": list(accounting.SAMPLINGS)}
 for _field, _help in dp_lib.FLAG_HELP.items():
@@ -307,12 +293,11 @@ for _field, _help in dp_lib.FLAG_HELP.items():
     flags.DEFINE_enum(f"dp_{_field}", None, _DP_CHOICES[_field], _help)
   else:
     flags.DEFINE_float(f"dp_{_field}", None, _help)
-DP_FLAGS = tuple(f"dp_{field}" for field in dp_lib.FLAG_HELP)
-# A run's identity counts the robust settings with the aggregation, the attackers' with
-# the attack, DP's when one is set (checkpoint.run_identity).
-IDENTITY_PLUGIN_FLAGS = {**PLUGIN_FLAGS,
-                         "aggregation": PLUGIN_FLAGS["aggregation"] + ROBUST_FLAGS,
-                         "attack": ATTACK_FLAGS, "dp": DP_FLAGS}
+DP_FLAGS = tuple(settings_lib.DP_SETTINGS)
+BYZANTINE_FLAGS = (tuple(f"robust_{field}" for field in robust_lib.RobustConfig._fields
+                         if field != "rule")
+                   + ("attack", "attackers", "attackers_sampled", "attack_std",
+                      "attack_epsilon", "attack_z"))
 
 
 def flag_lines(name: str) -> list[str]:
@@ -351,121 +336,21 @@ def algorithm_help(name: str) -> str:
   return "\n".join(lines)
 
 
-def _given(owner: str, config_class: type) -> dict:
-  """The fields of `config_class` whose --<owner>_<field> flags are set."""
-  return {field: FLAGS[flag_name(owner, field)].value for field in config_class._fields
-          if flag_name(owner, field) in FLAGS and FLAGS[flag_name(owner, field)].value
-          is not None}
+def settings() -> dict:
+  """The run's settings as the flags hold them (fedora_jax/settings.py's names, which
+  are the flags'; None: unset)."""
+  names = settings_lib.names()
+  return {flag.name: flag.value for flag in run_flags() if flag.name in names}
 
 
-def algorithm_config(name: str, train: TrainConfig):
-  """The algorithm's hyperparameters: its preset, its training fields, its flags."""
-  registered = algorithms.get(name)
-  given = _given(name, registered.config_class)
-  preset = FLAGS[f"{name}_variant"].value if registered.presets else None
-  config = algorithms.default_config(name, train, preset, **given)
-  for field, (other, value) in registered.only_with.items():
-    if field in given and getattr(config, other) != value:
-      raise ConfigError(f"--{flag_name(name, field)} only acts with"
-                        f" --{flag_name(name, other)}={value}; this run's is"
-                        f" {getattr(config, other)}")
-  return config
-
-
-def plugged_config(name: str, train: TrainConfig):
-  """The algorithm's config with the plug-ins the flags ask for (algorithms.Plugged), or
-  its plain config without any; a one-line ConfigError for an unsupported combination."""
-  config = algorithm_config(name, train)
-  ala = ala_lib.AlaConfig(**_given("ala", ala_lib.AlaConfig)) if FLAGS.ala else None
-  aggregation = (confree_lib.ConfreeConfig(**_given("confree", confree_lib.ConfreeConfig))
-                 if FLAGS.aggregation == "confree" else None)
-  if FLAGS.aggregation in robust_lib.RULES:
-    aggregation = robust_lib.RobustConfig(**{**_given("robust", robust_lib.RobustConfig),
-                                             "rule": FLAGS.aggregation})
-  attack = attack_config()
-  given_dp = _given("dp", dp_lib.DpConfig)
-  dp = dp_lib.DpConfig(**given_dp) if given_dp else None  # any --dp_* flag turns DP on
-  algorithms.check_plugins(name, ala, aggregation, attack, dp)
-  if ala is None and aggregation is None and attack is None and dp is None:
-    return config
-  return algorithms.Plugged(config=config, ala=ala, aggregation=aggregation, attack=attack,
-                            dp=dp)
-
-
-def attack_config() -> byzantine_lib.AttackConfig | None:
-  """The attackers --attack, --attackers and --attack_* ask for; None without --attack."""
-  if FLAGS.attack == "none":
-    if FLAGS.attackers:
-      raise ConfigError(f"--attackers needs --attack (one of"
-                        f" {', '.join(byzantine_lib.ATTACKS)})")
-    return None
-  given = _given("attack", byzantine_lib.AttackConfig)
-  return byzantine_lib.AttackConfig(**{**given, "attack": FLAGS.attack})
-
-
-def client_chunk() -> int | None:
-  """--client_chunk, else models.default_client_chunk for this platform; None means vmap."""
-  if FLAGS.client_chunk is not None:
-    return FLAGS.client_chunk or None
-  model = FLAGS.model or datasets.get_spec(FLAGS.dataset).model
-  return default_client_chunk(model, jax.default_backend())
-
-
-def eval_batch_size() -> int:
-  """--eval_batch_size, else models.default_eval_batch_size for this platform."""
-  if FLAGS.eval_batch_size is not None:
-    return FLAGS.eval_batch_size
-  model = FLAGS.model or datasets.get_spec(FLAGS.dataset).model
-  return default_eval_batch_size(model, jax.default_backend())
-
-
-def train_config() -> TrainConfig:
-  return TrainConfig(rounds=FLAGS.rounds, local_epochs=FLAGS.local_epochs,
-                     batch_size=FLAGS.batch_size, lr=FLAGS.lr, momentum=FLAGS.momentum,
-                     weight_decay=FLAGS.weight_decay, seed=FLAGS.seed,
-                     eval_batch_size=eval_batch_size(), log_every=FLAGS.log_every,
-                     client_chunk=client_chunk(), participation=FLAGS.participation,
-                     eval_every=FLAGS.eval_every,
-                     client_weights=FLAGS.client_weights or "samples",
-                     client_dropout=FLAGS.client_dropout,
-                     availability_trace=FLAGS.availability_trace,
-                     stragglers=FLAGS.stragglers, straggler_speed=FLAGS.straggler_speed,
-                     round_deadline=FLAGS.round_deadline,
-                     precision=FLAGS.precision or "float32")
-
-
-def partition_config(dataset: str) -> partitions.PartitionConfig:
-  """The client partition the flags ask for, the dataset's defaults filling the rest."""
-  given = {"kind": FLAGS.partition, "classes_per_client": FLAGS.classes_per_client,
-           "dirichlet_alpha": FLAGS.dirichlet_alpha, "min_client_size": FLAGS.min_client_size,
-           "train_per_client": FLAGS.fixed_train_size, "val_per_client": FLAGS.fixed_val_size,
-           "split": FLAGS.split,
-           "val_fraction": FLAGS.val_fraction, "data_fraction": FLAGS.data_fraction,
-           **{f"synthetic_{f}": FLAGS[f"synthetic_{f}"].value
-              for f in ("alpha", "beta", "size_mu", "size_sigma")}}
-  return datasets.default_partition(dataset, FLAGS.setting,
-                                    **{k: v for k, v in given.items() if v is not None})
-
-
-def hidden_widths() -> tuple[int, ...]:
-  try:
-    return tuple(int(w) for w in FLAGS.hidden)
-  except ValueError:
-    raise ConfigError(f"--hidden must be comma-separated integers, got {FLAGS.hidden}") from None
+def given_settings() -> dict:
+  """The settings the command line (or a flagfile) gives: a sweep's rows run with them."""
+  return {name: value for name, value in settings().items() if FLAGS[name].present}
 
 
 def experiment_config() -> ExperimentConfig:
   """The experiment the flags describe (plug-ins checked before any work)."""
-  train = train_config()
-  return ExperimentConfig(
-      dataset=FLAGS.dataset, algorithm=FLAGS.algorithm,
-      algorithm_config=plugged_config(FLAGS.algorithm, train), data_dir=FLAGS.data_dir,
-      data_source=FLAGS.data_source, num_clients=FLAGS.num_clients, setting=FLAGS.setting,
-      partition=partition_config(FLAGS.dataset), data_seed=FLAGS.data_seed,
-      max_pad_ratio=FLAGS.max_pad_ratio, model=FLAGS.model, hidden=hidden_widths(),
-      train=train, reference=FLAGS.reference, checkpoint_every=FLAGS.checkpoint_every,
-      keep_checkpoints=FLAGS.keep_checkpoints,
-      new_clients=FLAGS.new_clients, new_client_epochs=FLAGS.new_client_epochs)
+  return settings_lib.from_settings(settings())
 
 
 # --helpfull lists flags by the module that registered them, modules in name order: this
@@ -520,22 +405,6 @@ def run_flags() -> list:
   """Every flag this module defines (the run's settings), whatever heading it is under."""
   by_module = FLAGS.flags_by_module_dict()
   return [flag for group in sorted(_HELP_MODULES) for flag in by_module.get(group, [])]
-
-
-def _settings() -> dict:
-  return {flag.name: flag.value for flag in run_flags()}
-
-
-def identity_defaults() -> dict:
-  """Each identity flag's default (checkpoint.identity_defaults)."""
-  return checkpoint_lib.identity_defaults({flag.name: flag.default for flag in run_flags()})
-
-
-def run_identity(algorithm: str) -> dict:
-  """What a run of `algorithm` with these flags computes, kept in run_config.json
-  (checkpoint.run_identity): every flag of this module, so a flag added later counts."""
-  return checkpoint_lib.run_identity(_settings(), algorithm, OWNER_OF_FLAG,
-                                     IDENTITY_PLUGIN_FLAGS)
 
 
 def as_flag_error(error: FieldError) -> str:

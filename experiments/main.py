@@ -52,9 +52,8 @@ def run(progress: progress_lib.Progress | None = None,
   config = run_flags.experiment_config()
   workdir = FLAGS.workdir or train.default_workdir(config)
   with cli.watching(on_stall) as watchdog:
-    results = train.train_and_evaluate(config, workdir, run_flags.run_identity,
-                                       run_flags.identity_defaults(),
-                                       progress or cli.progress_reporter(), watchdog)
+    results = train.train_and_evaluate(config, workdir, progress or cli.progress_reporter(),
+                                       watchdog)
   own = workdir if jax.process_index() == 0 else os.path.join(
       workdir, f"process{jax.process_index()}")
   for directory in (own, os.path.join(own, algorithms.REFERENCE)):
@@ -95,8 +94,7 @@ def finished_results(workdir: str) -> dict | None:
     return None  # half-written: the run writes it again
   if not isinstance(results, dict) or results.get("rounds") != FLAGS.rounds:
     return None
-  if not checkpoint_lib.check_workdir(workdir, run_flags.run_identity(FLAGS.algorithm),
-                                      run_flags.identity_defaults()):
+  if not train.check_workdir(workdir, run_flags.experiment_config()):
     return None
   return results
 

@@ -68,7 +68,7 @@ import numpy as np
 from experiments import flags as run_flags
 from experiments import main as main_lib
 from fedora_jax import algorithms
-from fedora_jax import checkpoint as checkpoint_lib
+from fedora_jax import settings as settings_lib
 from fedora_jax import metrics
 from fedora_jax import plots
 from fedora_jax import results as results_lib
@@ -87,8 +87,12 @@ COLUMN_FLAGS = ("dataset", "partition", "dirichlet_alpha", "classes_per_client")
 ROW_FLAGS = ("algorithm", "ala", "aggregation")  # and the row algorithm's own <name>_<field>
 # Run flags that leave what a row computes alone (where files are, how fast, how loud);
 # any other one on the command line is reported as a departure from the paper.
-NEUTRAL_FLAGS = (*checkpoint_lib.NOT_IDENTITY, "seed", "data_dir", "data_source",
-                 "client_chunk", "eval_batch_size")
+def neutral(flag: str) -> bool:
+  """Whether a run flag leaves what a row computes alone: not a setting of the config
+  (--workdir, --verbose), one outside a run's identity (--data_dir, --client_chunk), or
+  the seed and the data's format, which reproduce reports otherwise."""
+  return (flag not in settings_lib.names() or settings_lib.outside(flag)
+          or flag in ("seed", "data_source"))
 REFERENCE_ROW = algorithms.REFERENCE
 # What --finished_only's tables say of their rows (here and in reproduce's FEDORA tables).
 FINISHED_ONLY_ROWS = ("rows: those finished in the workdir, read; none trained"
@@ -268,7 +272,7 @@ def other_given_flags(table: dict) -> dict[str, object]:
   changes every row (say --hidden, --data_fraction where the paper uses all the data)."""
   owned = set(owned_flags(table))
   return {flag.name: flag.value for flag in run_flags.run_flags()
-          if flag.present and flag.name not in owned and flag.name not in NEUTRAL_FLAGS}
+          if flag.present and flag.name not in owned and not neutral(flag.name)}
 
 
 def use_row(table: dict, column: str, row: str, seed: int, workdir: str,
@@ -585,12 +589,11 @@ def check_before_the_sweep(table: dict, plan: list[tuple[str, int, str]], workdi
                            overrides: dict, defaults: dict) -> None:
   """Bad hyperparameters and row directories holding runs with other settings fail now,
   before anything trains."""
-  identity_defaults = run_flags.identity_defaults()
   for column, seed, row in plan:
     use_row(table, column, row, seed, workdir, None, overrides, defaults)
-    train_lib.check_config(run_flags.experiment_config())
-    checkpoint_lib.check_workdir(FLAGS.workdir, run_flags.run_identity(FLAGS.algorithm),
-                                 identity_defaults)
+    config = run_flags.experiment_config()
+    train_lib.check_config(config)
+    train_lib.check_workdir(FLAGS.workdir, config)
 
 
 class CellRuns(NamedTuple):

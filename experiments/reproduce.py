@@ -64,7 +64,6 @@ from experiments import cli
 from experiments import flags as run_flags
 from experiments import main as main_lib
 from experiments import paper_tables
-from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax.algorithms import REFERENCE
 from fedora_jax import metrics
 from fedora_jax import plots
@@ -402,13 +401,12 @@ def command_line() -> str:
 def check_before_the_sweep(rows: list[str], workdir: str, first_seed: int) -> None:
   """Bad hyperparameters, and a row directory holding a run with other settings (say,
   a sweep from before FEDORA's default changed), fail now, not an hour into the sweep."""
-  defaults = run_flags.identity_defaults()
   for seed in range(first_seed, first_seed + FLAGS.seeds):
     for row in rows:
       _use_row(row, seed, workdir, None)  # --reference is not part of a run's identity
-      train_lib.check_config(run_flags.experiment_config())
-      checkpoint_lib.check_workdir(FLAGS.workdir, run_flags.run_identity(FLAGS.algorithm),
-                                   defaults)
+      config = run_flags.experiment_config()
+      train_lib.check_config(config)
+      train_lib.check_workdir(FLAGS.workdir, config)
   FLAGS.seed = first_seed
 
 

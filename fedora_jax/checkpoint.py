@@ -20,13 +20,12 @@ import json
 import logging
 import os
 import shutil
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fedora_jax.algorithms import REFERENCE
 from fedora_jax.rounds import RoundMetrics, RoundState
 from fedora_jax.errors import ConfigError, DataError
 
@@ -161,92 +160,11 @@ def check_not_past(directory: str, done: int, total_rounds: int) -> None:
                       f" --rounds={total_rounds} cannot shorten it (use another --workdir)")
 
 
-def _differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-  keys = sorted(set(recorded) | set(current))
-  return [f"{k}={recorded.get(k)!r} (now {current.get(k)!r})" for k in keys
-          if recorded.get(k) != current.get(k)]
-
-
 def _write_json_atomically(path: str, document: dict) -> None:
   temporary = f"{path}.tmp{os.getpid()}"
   with open(temporary, "w") as f:
     json.dump(document, f, indent=2, sort_keys=True)
   os.replace(temporary, path)
-
-
-# What a run computes (run_config.json) is the flat dict of its settings, by their
-# command-line names, reduced by the rules below; a rerun must match it to resume.
-#
-# Settings that change nothing a run computes, so a workdir may be resumed with other
-# values. `rounds` may grow: a round's randomness depends only on the seed and the round
-# number and there is no schedule, so a longer run extends a shorter one exactly (cutting
-# a run short is refused by open_run). `reference` only changes what R-Acc compares with;
-# `eval_every` only which rounds' test scores the history holds.
-# Settings that change no number a run computes: neither recorded nor compared. data_dir:
-# where the data sits (its files are checked when read), so moving it keeps a workdir.
-NOT_IDENTITY = ("workdir", "data_dir", "rounds", "reference", "log_every", "eval_every",
-                "checkpoint_every", "keep_checkpoints", "stall_timeout", "compile_timeout",
-                "help_algorithm", "per_client",
-                "verbose", "distributed",
-                "coordinator_address", "num_processes", "process_id", "cpu_devices")
-# Settings whose default changed, and the value a run recorded before the change ran with.
-# run_config.json records every identity setting's value, default or not, so such a run
-# holds the old value and is refused by the new default (never resumed as the other
-# variant); this entry keeps that true even for a record that lacks the setting.
-# eval_batch_size was 1024 for every model until 2026-11-26 (now unset: 64 for the CNNs
-# on CPUs); a recorded 1024 counts as unset, so older runs resume: the chunking changes
-# only the rounding of the evaluation sums.
-ABSENT_MEANS = {"fedora_variant": "paper",  # the default until 2026-11-26
-                "eval_batch_size": 1024}
-# Left out of the identity when unset (None), so runs from before they existed resume.
-OPTIONAL = ("partition", "classes_per_client", "dirichlet_alpha", "min_client_size",
-            "fixed_train_size", "fixed_val_size", "client_chunk", "eval_batch_size", "split",
-            "val_fraction", "data_fraction", "client_weights")
-
-
-def identity_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
-  """Each identity setting's default (from setting -> default): at its default a setting
-  counts as absent when a workdir's recorded run is compared (check_workdir), so runs
-  recorded before a setting was added still resume; a setting whose default changed
-  counts as absent at its old value (ABSENT_MEANS)."""
-  return {name: ABSENT_MEANS.get(name, default) for name, default in defaults.items()
-          if name not in NOT_IDENTITY}
-
-
-def run_identity(settings: dict[str, Any], algorithm: str, owner_of: dict[str, str],
-                 plugin_settings: dict[str, tuple[str, ...]]) -> dict[str, Any]:
-  """What a run of `algorithm` with `settings` (name -> value as given, not resolved, so
-  an explicit default reads as a different run: refused, never mixed) computes.
-
-  `owner_of` names the algorithm each hyperparameter setting belongs to: only the chosen
-  algorithm's own group counts. `plugin_settings`: plug-in switch -> its settings (ala ->
-  ala_*, aggregation -> confree_*), which count only when the plug-in is on (ALA's
-  settings always for fedala, whose own they are); LOCAL takes no plug-in.
-  """
-  identity = {k: v for k, v in settings.items() if k not in NOT_IDENTITY}
-  identity["algorithm"] = algorithm
-  switched_on = {"ala": bool(settings.get("ala")),
-                 "aggregation": settings.get("aggregation") not in (None, "mean"),
-                 "attack": settings.get("attack") not in (None, "none"),
-                 "dp": any(settings.get(name) is not None
-                           for name in plugin_settings.get("dp", ()))}
-  for switch, names in plugin_settings.items():
-    if switched_on.get(switch) and algorithm != REFERENCE:
-      continue
-    identity.pop(switch, None)
-    for name in names:
-      if owner_of.get(name) != algorithm:
-        identity.pop(name, None)
-  if identity.get("data_source") == "files":  # the default: earlier runs keep their identity
-    identity.pop("data_source")
-  if algorithm == REFERENCE:  # LOCAL averages nothing: one run serves either weighting
-    identity.pop("client_weights", None)
-  for name in OPTIONAL:
-    if identity.get(name) is None:
-      identity.pop(name, None)
-  plugin_names = {n for names in plugin_settings.values() for n in names}
-  return {k: v for k, v in identity.items()
-          if owner_of.get(k, algorithm) == algorithm or k in plugin_names}
 
 
 def holds_a_run(workdir: str) -> bool:
@@ -261,50 +179,58 @@ def rounds_saved(workdir: str) -> int | None:
   return Checkpointer(os.path.join(workdir, CHECKPOINTS), every=0).latest_round()
 
 
-def _without_defaults(identity: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-  return {k: v for k, v in identity.items() if k not in defaults or v != defaults[k]}
+# What a run computes is recorded in its workdir's run_config.json, a document that the
+# caller builds (fedora_jax/config.py: the config under its schema version); a rerun
+# must match it to resume, and `differences(recorded)` says how another record differs.
+Differences = Callable[[dict[str, Any]], list[str]]
 
 
-def check_workdir(workdir: str, identity: dict[str, Any],
-                  defaults: dict[str, Any] | None = None) -> bool:
-  """Raises ConfigError if `workdir` holds a run (results or a checkpoint) recorded with
-  another identity; returns whether its run_config.json already records this one.
-  Writes nothing, so a sweep can check all its runs before training any (reproduce).
-  `defaults` (flag -> default value): an entry at its default counts as absent, so a run
-  recorded before a flag existed still matches a run that leaves that flag at its
-  default."""
+def read_run_config(workdir: str) -> dict[str, Any] | None:
+  """The workdir's run_config.json, or None where there is none."""
   path = os.path.join(workdir, RUN_CONFIG)
-  current = json.loads(json.dumps(identity))  # as it reads back: tuples become lists
-  defaults = json.loads(json.dumps(defaults or {}))
   try:
     with open(path) as f:
-      recorded = json.load(f)
+      return json.load(f)
   except FileNotFoundError:
-    return False
+    return None
   except (OSError, json.JSONDecodeError) as e:
     raise ConfigError(f"{path}: cannot read the run's settings ({e})") from None
-  # A record made before a setting left the identity (data_dir) still matches.
-  recorded = {k: v for k, v in recorded.items() if k not in NOT_IDENTITY}
-  if _without_defaults(recorded, defaults) == _without_defaults(current, defaults):
+
+
+def check_workdir(workdir: str, document: dict[str, Any], differences: Differences) -> bool:
+  """Raises ConfigError if `workdir` holds a run (results or a checkpoint) recorded with
+  another identity (`differences` of its record non-empty, or a record of another
+  schema_version); returns whether its run_config.json already records this run. Writes
+  nothing, so a sweep can check all its runs before training any."""
+  recorded = read_run_config(workdir)
+  if recorded is None:
+    return False
+  version = recorded.get("schema_version") if isinstance(recorded, dict) else None
+  if version != document["schema_version"]:
+    if holds_a_run(workdir):
+      raise ConfigError(f"--workdir {workdir} holds a run recorded in another format"
+                        f" (run_config.json schema_version {version}, now"
+                        f" {document['schema_version']}); convert it with"
+                        f" `python scripts/migrate_run_configs.py {workdir}`, or use another"
+                        " --workdir")
+    return False
+  found = differences(recorded)
+  if not found:
     return True
   if holds_a_run(workdir):
-    differences = _differences({**defaults, **recorded}, {**defaults, **current})
     raise ConfigError(f"--workdir {workdir} holds a run with other settings: "
-                      f"{', '.join(differences)}; rerun with its flags"
-                      " or use another --workdir")
+                      f"{', '.join(found)}; rerun with its settings or use another --workdir")
   return False
 
 
-def claim_workdir(workdir: str, identity: dict[str, Any],
-                  defaults: dict[str, Any] | None = None) -> None:
-  """Records `identity` in workdir/run_config.json, or raises ConfigError if the workdir
+def claim_workdir(workdir: str, document: dict[str, Any], differences: Differences) -> None:
+  """Records `document` in workdir/run_config.json, or raises ConfigError if the workdir
   holds a run (results or a checkpoint) with another identity (check_workdir). A run that
-  stopped before leaving either (say, a typo caught at start-up), or a workdir made before
-  run_config.json existed, is taken over."""
-  if check_workdir(workdir, identity, defaults):
-    return
+  stopped before leaving either (say, a typo caught at start-up) is taken over; the same
+  run's record is rewritten (its rounds, where its data sits: what ran last)."""
+  check_workdir(workdir, document, differences)
   os.makedirs(workdir, exist_ok=True)
-  _write_json_atomically(os.path.join(workdir, RUN_CONFIG), json.loads(json.dumps(identity)))
+  _write_json_atomically(os.path.join(workdir, RUN_CONFIG), document)
 
 
 def remove_checkpoints(workdir: str) -> None:
@@ -315,21 +241,21 @@ def remove_checkpoints(workdir: str) -> None:
     shutil.rmtree(os.path.join(workdir, CHECKPOINTS), ignore_errors=True)
 
 
-def open_run(workdir: str, identity: dict[str, Any], rounds: int,
-             checkpoint_every: int, checkpoint_root: str | None = None,
-             defaults: dict[str, Any] | None = None) -> Checkpointer | None:
-  """Claims `workdir` for this run and returns its Checkpointer (None: checkpoints off).
+def open_run(workdir: str, document: dict[str, Any], differences: Differences, rounds: int,
+             checkpoint_every: int, checkpoint_root: str | None = None) -> Checkpointer | None:
+  """Claims `workdir` for this run (claim_workdir) and returns its Checkpointer (None:
+  checkpoints off).
 
   Called before any training, so a mismatched workdir or a --rounds below what the
   workdir already holds stops the run at once. `checkpoint_root` (default `workdir`)
   holds the checkpoints: in a multi-process run every process writes its results to its
   own workdir but all of them save into one checkpoint folder, which orbax needs.
-  `defaults`: see `claim_workdir`.
   """
-  claim_workdir(workdir, identity, defaults)
   checkpointer = Checkpointer(os.path.join(checkpoint_root or workdir, CHECKPOINTS),
                               checkpoint_every)
+  check_workdir(workdir, document, differences)
   done = checkpointer.latest_round()
   if done is not None:  # even with checkpoints off: a shorter run would overwrite it
     check_not_past(workdir, done, rounds)
+  claim_workdir(workdir, document, differences)
   return checkpointer if checkpoint_every else None

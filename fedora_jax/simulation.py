@@ -24,26 +24,35 @@ from fedora_jax.errors import ConfigError, RunInterrupted, TrainingDivergedError
 logger = logging.getLogger("fedora_jax")
 
 
+# config.OUTSIDE, spelled out here below it.
+_OUTSIDE = {"outside_identity": True}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """Client training and run length (defaults: FEDORA authors' code)."""
-  rounds: int = 500
+  """Client training and run length (defaults: FEDORA authors' code). Fields marked
+  _OUTSIDE change no number a run computes, so they are outside its identity
+  (fedora_jax/config.py): how many rounds (a longer run extends a shorter one exactly),
+  how often it logs and scores test, how the clients are batched (the numbers agree up
+  to float rounding, as across devices)."""
+  rounds: int = dataclasses.field(default=500, metadata=_OUTSIDE)
   local_epochs: int = 5
   batch_size: int = 64
   lr: float = 5e-3
   momentum: float = 0.9
   weight_decay: float = 5e-5
   seed: int = 0
-  eval_batch_size: int = 1024
-  log_every: int = 50              # the default progress: a log line every N rounds
+  eval_batch_size: int = dataclasses.field(default=1024, metadata=_OUTSIDE)
+  # The default progress: a log line every N rounds.
+  log_every: int = dataclasses.field(default=50, metadata=_OUTSIDE)
   # None: every client's update at once (vmap); n: lax.map over chunks of n clients,
   # faster on CPUs (engine/buckets.py over_clients, models.default_client_chunk).
-  client_chunk: int | None = None
+  client_chunk: int | None = dataclasses.field(default=None, metadata=_OUTSIDE)
   participation: float = 1.0  # fraction of clients sampled each round (rounds.py)
   # Test scored every N rounds, at the last round and at each round whose mean validation
   # score is the best so far, so the final and best-validation results stay exact; NaN
   # in the history's other rounds. 1: every round.
-  eval_every: int = 1
+  eval_every: int = dataclasses.field(default=1, metadata=_OUTSIDE)
   # Each client's weight in the server's averages (rounds.py): "samples", its training
   # samples n_k (McMahan et al.), or "uniform", 1 for every client the round trained.
   client_weights: str = "samples"

@@ -1,7 +1,7 @@
 """The library's entry point: one experiment from a config to its results files.
 
   from fedora_jax import train
-  results = train.train_and_evaluate(train.ExperimentConfig(dataset="rmnist"), "runs/x")
+  results = train.train_and_evaluate(train.ExperimentConfig(), "runs/x")  # fedora, rmnist
 
 trains the algorithm, the LOCAL reference its R-Acc and PTR are measured against (unless
 `reference` names a LOCAL run's results.json), and for FEDORA's Algorithm 2 the FedAvg
@@ -9,6 +9,8 @@ baseline of the held-out clients; writes results.json, timing.json, clients.csv,
 rounds.csv, history.npz, the algorithm's arrays, plots and TensorBoard events to
 `workdir` (the LOCAL run to `workdir/local`); returns the results document.
 `python -m experiments.main` builds an ExperimentConfig from its flags and calls this.
+The workdir's run_config.json records the config (fedora_jax/config.py): the same run,
+from the command line or from Python, resumes from its checkpoints.
 """
 
 import contextlib
@@ -19,16 +21,18 @@ import json
 import logging
 import math
 import os
-from typing import Any, Callable
 
 import jax
 
 from fedora_jax import algorithms, availability
 from fedora_jax import progress as progress_lib
 from fedora_jax import checkpoint as checkpoint_lib
+from fedora_jax import config as config_lib
 from fedora_jax import metric_writer, new_clients, plots
 from fedora_jax import results as results_lib
-from fedora_jax.data import datasets, partitions
+from fedora_jax.config import (AlgorithmConfig, DataConfig, ExperimentConfig,  # noqa: F401
+                               ModelConfig, NewClientsConfig)
+from fedora_jax.data import datasets
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.models import build_model, check_inputs
@@ -43,44 +47,12 @@ from fedora_jax.watchdog import Watchdog
 logger = logging.getLogger("fedora_jax")
 
 
-@dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
-  """What one experiment computes. Defaults: the paper's rotated-MNIST FEDORA run."""
-  dataset: str = "rmnist"
-  algorithm: str = "fedora"
-  # The algorithm's NamedTuple config, or an algorithms.Plugged with its plug-ins;
-  # None: the registry's defaults (FEDORA: the authors' variant).
-  algorithm_config: Any = None
-  data_dir: str | None = None
-  data_source: str = "files"        # or "tfds"
-  num_clients: int | None = None    # None: the dataset's (36 for rmnist)
-  setting: str = "balanced"         # client sizes: balanced or imbalanced
-  partition: partitions.PartitionConfig | None = None  # None: the dataset's default
-  data_seed: int | None = None      # None: train.seed
-  max_pad_ratio: float = 2.0
-  model: str | None = None          # None: the dataset's
-  hidden: tuple[int, ...] = (128, 128)
-  train: TrainConfig = TrainConfig()
-  reference: str | None = None      # a LOCAL run's results.json to compare against
-  checkpoint_every: int = 50        # 0: no checkpoints
-  keep_checkpoints: bool = True     # False: a finished run deletes its checkpoints
-  new_clients: int = 0              # FEDORA's Algorithm 2: clients held out of training
-  new_client_epochs: int = 5
-
-
-def resolved_algorithm_config(config: ExperimentConfig):
-  """The algorithm's config, the registry default when none is given."""
-  if config.algorithm_config is not None:
-    return config.algorithm_config
-  return algorithms.default_config(config.algorithm, config.train)
-
-
 def check_config(config: ExperimentConfig) -> None:
   """One-line ConfigErrors for a bad combination, before any data is loaded."""
-  datasets.get_spec(config.dataset)
-  algorithm_config = resolved_algorithm_config(config)
-  if isinstance(algorithm_config, algorithms.Plugged) and algorithm_config.dp is not None:
-    algorithm_config = resolve_dp(algorithm_config, config.train, num_clients_of(config))
+  config = config_lib.resolve(config)
+  if config.algorithm.dp is not None:
+    config = resolve_dp(config, num_clients_of(config))
+  name, own = config.algorithm.name, config.algorithm.config
   if not 0.0 < config.train.participation <= 1.0:
     raise FieldError("train", "participation",
                      f"must be in (0, 1], got {config.train.participation}")
@@ -92,51 +64,47 @@ def check_config(config: ExperimentConfig) -> None:
   if config.train.client_weights not in CLIENT_WEIGHTS:
     raise FieldError("train", "client_weights", f"must be one of {', '.join(CLIENT_WEIGHTS)},"
                      f" got {config.train.client_weights!r}")
-  if any(w < 1 for w in config.hidden):
+  if any(w < 1 for w in config.model.hidden):
     raise FieldError("experiment", "hidden",
-                     f"widths must be >= 1, got {','.join(map(str, config.hidden))}")
+                     f"widths must be >= 1, got {','.join(map(str, config.model.hidden))}")
   # A training field an algorithm's config repeats (FEDORA's, Ditto's, APFL's lr) has
   # one source: a config built without this run's TrainConfig must still agree with it.
-  own = (algorithm_config.config if isinstance(algorithm_config, algorithms.Plugged)
-         else algorithm_config)
-  for field in algorithms.get(config.algorithm).train_fields:
+  for field in algorithms.get(name).train_fields:
     ours, theirs = getattr(config.train, field), getattr(own, field)
     if ours != theirs:
-      raise ConfigError(f"the {config.algorithm} config's {field}={theirs!r} differs from"
+      raise ConfigError(f"the {name} config's {field}={theirs!r} differs from"
                         f" train.{field}={ours!r}; build it with"
-                        f" algorithms.default_config({config.algorithm!r}, train)")
+                        f" algorithms.default_config({name!r}, train)")
   # Built once around a stand-in model, so every algorithm's own checks of its
   # hyperparameters (and its plug-ins') run now.
   train = config.train
   stand_in = algorithms.stand_in_trainer(train.lr, train.momentum, train.weight_decay,
                                          train.local_epochs, train.batch_size)
-  algorithms.build(config.algorithm, algorithm_config, stand_in)
-  _check_attackers(config, algorithm_config)
-  if config.new_clients:
-    check_new_clients = algorithms.get(config.algorithm).new_clients
+  algorithms.build(name, config_lib.runnable(config.algorithm), stand_in)
+  _check_attackers(config)
+  if config.new_clients.count:
+    check_new_clients = algorithms.get(name).new_clients
     if check_new_clients is None:
-      serving = [name for name, r in algorithms.REGISTRY.items() if r.new_clients]
+      serving = [n for n, r in algorithms.REGISTRY.items() if r.new_clients]
       raise FieldError("experiment", "new_clients",
-                       f"serves clients held out of training, which {config.algorithm} does"
+                       f"serves clients held out of training, which {name} does"
                        f" not; use it with {' or '.join(serving)} (FEDORA's Algorithm 2)")
-    check_new_clients(algorithm_config)
-    task = datasets.get_spec(config.dataset).task
+    check_new_clients(own)
+    task = datasets.get_spec(config.data.dataset).task
     if task != "classification":
       raise FieldError("experiment", "new_clients",
-                       f"reports accuracies; {config.dataset} is a {task}")
+                       f"reports accuracies; {config.data.dataset} is a {task}")
 
 
-def _check_attackers(config: ExperimentConfig, algorithm_config: Any) -> None:
+def _check_attackers(config: ExperimentConfig) -> None:
   """One line where a robust rule cannot tolerate the run's attackers among a round's
   sampled clients (robust.check_tolerance), or label_flip meets data without classes."""
-  if not isinstance(algorithm_config, algorithms.Plugged):
-    return
-  aggregation, attack = algorithm_config.aggregation, algorithm_config.attack
-  task = datasets.get_spec(config.dataset).task
+  aggregation, attack = config.algorithm.aggregation, config.algorithm.attack
+  task = datasets.get_spec(config.data.dataset).task
   if attack is not None and attack.attack == "label_flip" and task != "classification":
-    raise ConfigError(f"--attack=label_flip flips class labels; {config.dataset} is a"
+    raise ConfigError(f"--attack=label_flip flips class labels; {config.data.dataset} is a"
                       f" {task}")
-  clients = config.num_clients or datasets.get_spec(config.dataset).num_clients
+  clients = config.data.num_clients or datasets.get_spec(config.data.dataset).num_clients
   if isinstance(aggregation, robust.RobustConfig) and clients is not None:
     robust.check_tolerance(aggregation, attack.fraction if attack is not None else 0.0,
                            num_sampled_clients(config.train.participation, clients))
@@ -144,18 +112,21 @@ def _check_attackers(config: ExperimentConfig, algorithm_config: Any) -> None:
 
 def num_clients_of(config: ExperimentConfig) -> int:
   """K: the config's, else the dataset's."""
-  return config.num_clients or datasets.default_num_clients(config.dataset, config.data_dir)
+  return config.data.num_clients or datasets.default_num_clients(config.data.dataset,
+                                                                 config.data.data_dir)
 
 
-def resolve_dp(algorithm_config: Any, train: TrainConfig, num_clients: int) -> Any:
-  """The algorithm config (a Plugged) with its DP settings fixed for this run
-  (dp.resolve: the expected cohort of `num_clients` clients, the noise multiplier of a
-  target epsilon); as it was without DP."""
-  if not isinstance(algorithm_config, algorithms.Plugged) or algorithm_config.dp is None:
-    return algorithm_config
-  return algorithm_config._replace(dp=_resolved_dp(
-      algorithm_config.dp, train.rounds, num_clients, train.participation,
-      num_sampled_clients(train.participation, num_clients)))
+def resolve_dp(config: ExperimentConfig, num_clients: int) -> ExperimentConfig:
+  """The config with its DP settings fixed for this run (dp.resolve: the expected cohort
+  of `num_clients` clients, the noise multiplier of a target epsilon), so a run's record
+  holds the noise it trains with: the same target over more rounds is another run."""
+  dp, train = config.algorithm.dp, config.train
+  if dp is None:
+    return config
+  resolved = _resolved_dp(dp, train.rounds, num_clients, train.participation,
+                          num_sampled_clients(train.participation, num_clients))
+  return dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm,
+                                                                   dp=resolved))
 
 
 @functools.lru_cache(maxsize=16)
@@ -164,55 +135,44 @@ def _resolved_dp(dp: dp_lib.DpConfig, rounds: int, num_clients: int, participati
   return dp_lib.resolve(dp, rounds, num_clients, participation, sampled)
 
 
-def _engine_train(train: TrainConfig, dp: dp_lib.DpConfig | None) -> TrainConfig:
+def _engine_train(config: ExperimentConfig) -> TrainConfig:
   """The TrainConfig the run's engine takes: with Poisson DP sampling every client
   trains each round and the plug-in draws who counts (participation is its rate)."""
+  dp = config.algorithm.dp
   if dp is not None and dp.sampling == "poisson":
-    return dataclasses.replace(train, participation=1.0)
-  return train
+    return dataclasses.replace(config.train, participation=1.0)
+  return config.train
 
 
 def default_workdir(config: ExperimentConfig) -> str:
-  """runs/<dataset>_<setting>_<algorithm>_seed<seed>_<hash>: the hash is of everything
-  the run computes but its rounds (config_identity; the data's folder left out), so a
+  """runs/<dataset>_<setting>_<algorithm>_seed<seed>_<hash>: the hash is of the config's
+  identity (config.identity: all but its rounds, the data's folder and the like), so a
   run with any other setting gets its own folder, and the same config, or more rounds
   of it, resumes in the same one."""
-  identity = config_identity(config, config.algorithm)
+  identity = config_lib.identity(config)
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-  return os.path.join("runs", f"{config.dataset}_{config.setting}_{config.algorithm}"
+  data = config.data
+  return os.path.join("runs", f"{data.dataset}_{data.setting}_{identity['algorithm']['name']}"
                               f"_seed{config.train.seed}_{digest}")
 
 
-def config_identity(config: ExperimentConfig, algorithm: str) -> dict:
-  """What a run of `algorithm` (the config's, or its LOCAL reference) computes, for
-  run_config.json when the caller gives no identity (the CLI records its flags): every
-  field but those that change nothing a run computes (see checkpoint.claim_workdir)."""
-  own = algorithm == config.algorithm
-  identity = dataclasses.asdict(dataclasses.replace(
-      config, algorithm=algorithm, algorithm_config=None, reference=None,
-      checkpoint_every=0, keep_checkpoints=True))
-  del identity["data_dir"]  # moving the data changes no number
-  identity["algorithm_config"] = repr(resolved_algorithm_config(config)) if own else None
-  identity["train"] = {k: v for k, v in _train_info(config.train).items()
-                       if k not in ("rounds", "log_every", "eval_every")}
-  return json.loads(json.dumps(identity, default=str))
-
-
-def _run_info(config: ExperimentConfig, num_clients: int, model_name: str,
-              partition: partitions.PartitionConfig | None) -> dict:
-  """results.json's description of the run (its keys and order are the file format)."""
-  spec = datasets.get_spec(config.dataset)
+def _run_info(config: ExperimentConfig, num_clients: int) -> dict:
+  """results.json's description of the run (its keys and order are the file format);
+  `config` resolved."""
+  data = config.data
+  partition = data.partition
+  spec = datasets.get_spec(data.dataset)
   train = config.train
-  info = {"dataset": config.dataset, "algorithm": config.algorithm,
-          "setting": config.setting, "num_clients": num_clients, "seed": train.seed,
-          "data_seed": _data_seed(config), "rounds": train.rounds, "model": model_name,
-          "hidden": list(config.hidden), "devices": jax.device_count(),
+  info = {"dataset": data.dataset, "algorithm": config.algorithm.name,
+          "setting": data.setting, "num_clients": num_clients, "seed": train.seed,
+          "data_seed": data.data_seed, "rounds": train.rounds, "model": config.model.name,
+          "hidden": list(config.model.hidden), "devices": jax.device_count(),
           "processes": jax.process_count(), "platform": jax.default_backend(),
           "train": _train_info(train)}
   if spec.task != "classification":
     info["task"] = spec.task  # results name MAE in place of accuracy
-  if config.data_source != "files":
-    info["data_source"] = config.data_source
+  if data.data_source != "files":
+    info["data_source"] = data.data_source
   if partition is not None and partition.kind != "rotation":  # rotation keeps its keys
     # `split` is rotation's alone (always "ours" here): left out, as before it existed.
     info["partition"] = {k: v for k, v in partition._asdict().items() if k != "split"}
@@ -239,10 +199,6 @@ def _train_info(train: TrainConfig) -> dict:
   return info
 
 
-def _data_seed(config: ExperimentConfig) -> int:
-  return config.train.seed if config.data_seed is None else config.data_seed
-
-
 def _client_info(federated) -> dict:
   """clients.csv's and results.json's per-client columns besides the scores."""
   data, ids = federated.data, federated.client_ids
@@ -258,37 +214,47 @@ def _client_info(federated) -> dict:
   return info
 
 
+def open_workdir(workdir: str, config: ExperimentConfig,
+                 checkpoint_root: str) -> checkpoint_lib.Checkpointer | None:
+  """Claims `workdir` for the run `config` describes (run_config.json records the config;
+  a workdir holding another run is refused) and returns its Checkpointer."""
+  return checkpoint_lib.open_run(
+      workdir, config_lib.record(config),
+      lambda recorded: config_lib.differences(recorded, config), config.train.rounds,
+      config.checkpoint_every, checkpoint_root)
+
+
+def check_workdir(workdir: str, config: ExperimentConfig) -> bool:
+  """Whether `workdir` records the run `config` describes; a ConfigError if it holds
+  another run; writes nothing (a sweep checks every row first)."""
+  return checkpoint_lib.check_workdir(workdir, config_lib.record(config),
+                                      lambda recorded: config_lib.differences(recorded, config))
+
+
 def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
-                       identity: Callable[[str], dict] | None = None,
-                       identity_defaults: dict | None = None,
                        progress: Progress | None | str = "auto",
                        watchdog: Watchdog | None = None) -> dict:
   """Runs the experiment `config` into `workdir` (default `default_workdir`); returns the
-  results document (results.json) and prints nothing.
+  results document (results.json) and prints nothing. A workdir holding checkpoints of
+  the same run (its run_config.json: config.identity) resumes from them.
 
   `progress` reports every run it trains, the LOCAL reference included ("auto": a bar in
   a terminal or notebook, else a line every config.train.log_every rounds; None:
   nothing; fedora_jax/progress.py). A `watchdog`
   (fedora_jax/watchdog.py, entered) watches every run's compilation and rounds.
-
-  `identity(algorithm)` is what run_config.json records for the run of `algorithm` (the
-  config's, or "local" for its reference) and a rerun must match to resume from the
-  workdir's checkpoints (default `config_identity`); `identity_defaults` (setting ->
-  default) lets a setting added later count as absent at its default (see
-  checkpoint.check_workdir).
   """
-  config = dataclasses.replace(config, algorithm=algorithms.canonical_name(config.algorithm))
   check_config(config)
+  config = config_lib.resolve(config)
   progress = resolve_progress(progress, config.train.log_every)  # one for every run
-  spec = datasets.get_spec(config.dataset)
-  algorithm_config = resolved_algorithm_config(config)
+  spec = datasets.get_spec(config.data.dataset)
+  name = config.algorithm.name
   train = config.train
   num_clients = num_clients_of(config)
-  algorithm_config = resolve_dp(algorithm_config, train, num_clients)
-  dp = algorithm_config.dp if isinstance(algorithm_config, algorithms.Plugged) else None
+  config = resolve_dp(config, num_clients)
+  dp = config.algorithm.dp
   # DP's epsilon after each round (accounting.py): rounds.csv, TensorBoard, the progress.
   epsilons = None if dp is None else dp_lib.epsilons(dp, train.rounds, num_clients)
-  model_name = config.model or spec.model
+  model_name = config.model.name
   workdir = workdir or default_workdir(config)
   # Every process computes the same results: process 0 writes them to the workdir, the
   # others to workdir/process<i> (no two writers), and all save into the workdir's
@@ -296,40 +262,30 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   checkpoint_root = workdir
   if jax.process_index() > 0:
     workdir = os.path.join(workdir, f"process{jax.process_index()}")
-  partition = None  # datasets whose clients are given by the data have no partition
-  if spec.load_groups is None:
-    partition = config.partition or datasets.default_partition(config.dataset,
-                                                               config.setting)
-  run_info = _run_info(config, num_clients, model_name, partition)
+  run_info = _run_info(config, num_clients)
   reference = None
-  is_reference = config.algorithm == algorithms.REFERENCE  # LOCAL: its own reference
+  is_reference = name == algorithms.REFERENCE  # LOCAL: its own reference
   if config.reference and not is_reference:
     reference = results_lib.load_reference(config.reference, run_info)
   # Before any work: refuse a workdir holding another run, and find checkpoints to resume.
-  identity = identity or functools.partial(config_identity, config)
-  recorded = identity(config.algorithm)
-  if dp is not None:  # the noise it trains with: a target over more rounds is another run
-    recorded = {**recorded, "dp_resolved": {"noise_multiplier": dp.noise_multiplier,
-                                            "expected_clients": dp.expected_clients}}
-  checkpointer = checkpoint_lib.open_run(workdir, recorded, train.rounds,
-                                         config.checkpoint_every, checkpoint_root,
-                                         identity_defaults)
+  checkpointer = open_workdir(workdir, config, checkpoint_root)
   local_checkpointer = None
   if not is_reference and reference is None:
-    local_checkpointer = checkpoint_lib.open_run(
-        os.path.join(workdir, algorithms.REFERENCE), identity(algorithms.REFERENCE),
-        train.rounds, config.checkpoint_every,
-        os.path.join(checkpoint_root, algorithms.REFERENCE), identity_defaults)
+    local_checkpointer = open_workdir(os.path.join(workdir, algorithms.REFERENCE),
+                                      config_lib.reference_config(config),
+                                      os.path.join(checkpoint_root, algorithms.REFERENCE))
 
+  data_config = config.data
+  assert data_config.data_seed is not None and model_name is not None  # resolved
   federated = datasets.build_federated_dataset(
-      config.dataset, config.data_dir, num_clients, config.setting, _data_seed(config),
-      config.max_pad_ratio, config.new_clients, data_source=config.data_source,
-      partition_config=partition)
+      data_config.dataset, data_config.data_dir, num_clients, data_config.setting,
+      data_config.data_seed, data_config.max_pad_ratio, config.new_clients.count,
+      data_source=data_config.data_source, partition_config=data_config.partition)
   run_info["data"] = federated.source.name  # e.g. "CIFAR-10 (JPEG copy)"
   data = federated.data
-  logger.info("%s: %s", config.dataset, datasets.describe(data))
-  check_inputs(model_name, data.input_shape, data.input_dtype, config.dataset)
-  model = build_model(model_name, data.num_classes, config.hidden)
+  logger.info("%s: %s", data_config.dataset, datasets.describe(data))
+  check_inputs(model_name, data.input_shape, data.input_dtype, data_config.dataset)
+  model = build_model(model_name, data.num_classes, config.model.hidden)
   client_info = _client_info(federated)
 
   def save(directory, info, result, ours, local, series=None):
@@ -342,11 +298,11 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
   series = {} if epsilons is None else {"dp_epsilon": epsilons}
   note = (progress_lib.noting(progress, lambda r: f"epsilon {epsilons[r - 1]:.3g}")
           if epsilons is not None else contextlib.nullcontext())
-  with metric_writer.RoundWriter(workdir, config.algorithm, spec.task, {
-      f"{config.algorithm}/{k}": v for k, v in series.items()}) as log_round, note:
-    result = run_algorithm(algorithms.make(config.algorithm, algorithm_config), model, data,
-                           _engine_train(train, dp), on_round=log_round, checkpointer=checkpointer,
-                           progress=progress, watchdog=watchdog)
+  with metric_writer.RoundWriter(workdir, name, spec.task, {
+      f"{name}/{k}": v for k, v in series.items()}) as log_round, note:
+    result = run_algorithm(algorithms.make(name, config_lib.runnable(config.algorithm)),
+                           model, data, _engine_train(config), on_round=log_round,
+                           checkpointer=checkpointer, progress=progress, watchdog=watchdog)
   results_lib.write_timing(workdir, result)
   ours = results_lib.client_scores(result, spec.task)
   if is_reference:
@@ -367,24 +323,24 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
       checkpoint_lib.remove_checkpoints(os.path.join(checkpoint_root, algorithms.REFERENCE))
 
   info = dict(run_info)
-  if algorithms.get(config.algorithm).presets:  # which variant ran (plots' labels)
-    own = (algorithm_config.config if isinstance(algorithm_config, algorithms.Plugged)
-           else algorithm_config)
-    info[config.algorithm] = own._asdict()
-  if isinstance(algorithm_config, algorithms.Plugged):
+  own = config.algorithm.config
+  if algorithms.get(name).presets:  # which variant ran (plots' labels)
+    info[name] = own._asdict()
+  if config_lib.plugins(config.algorithm):
+    attack = config.algorithm.attack
+    # attack and dp only where they are on: the files of runs without them as they were
     info["plugins"] = {
-        "ala": algorithm_config.ala and algorithm_config.ala._asdict(),
-        "aggregation": algorithm_config.aggregation and algorithm_config.aggregation._asdict(),
-        "attack": algorithm_config.attack and algorithm_config.attack._asdict(),
-        "dp": dp and dp._asdict()}
+        "ala": config.algorithm.ala and config.algorithm.ala._asdict(),
+        "aggregation": config.algorithm.aggregation and config.algorithm.aggregation._asdict(),
+        **({"attack": attack._asdict()} if attack else {}),
+        **({"dp": dp._asdict()} if dp else {})}
   if dp is not None and epsilons is not None:
     final = float(epsilons[-1])
     info["dp_epsilon"] = final if math.isfinite(final) else None  # None: no noise
     info["dp"] = {**dp._asdict(), "epsilon": info["dp_epsilon"]}
   if federated.new_data is not None:
-    info["new_clients"] = serve_new_clients(federated, algorithm_config, model, train,
-                                            result, config.new_client_epochs, progress,
-                                            watchdog)
+    info["new_clients"] = serve_new_clients(federated, own, model, train, result,
+                                            config.new_clients.epochs, progress, watchdog)
   results = save(workdir, info, result, ours, local, series)
   if not config.keep_checkpoints:
     checkpoint_lib.remove_checkpoints(checkpoint_root)

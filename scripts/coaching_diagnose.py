@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 
 from experiments import flags as run_flags  # noqa: E402  (defines the run flags)
 from fedora_jax import algorithms, simulation  # noqa: E402
+from fedora_jax import config as config_lib  # noqa: E402
 from fedora_jax.algorithms import coaching  # noqa: E402
 from fedora_jax.algorithms.base import AlgorithmState  # noqa: E402
 from fedora_jax.algorithms.layers import layer_names  # noqa: E402
@@ -160,15 +161,16 @@ def main(argv):
     return
   config = run_flags.experiment_config()
   train = dataclasses.replace(config.train, rounds=FLAGS.diag_rounds)
-  spec = datasets.get_spec(config.dataset)
+  config = config_lib.resolve(config)
+  data_config = config.data
   federated = datasets.build_federated_dataset(
-      config.dataset, config.data_dir, config.num_clients, config.setting,
-      train.seed if config.data_seed is None else config.data_seed, config.max_pad_ratio,
-      data_source=config.data_source, partition_config=config.partition)
+      data_config.dataset, data_config.data_dir, data_config.num_clients,
+      data_config.setting, data_config.data_seed, data_config.max_pad_ratio,
+      data_source=data_config.data_source, partition_config=data_config.partition)
   data = federated.data
-  model = build_model(config.model or spec.model, data.num_classes, config.hidden)
+  model = build_model(config.model.name, data.num_classes, config.model.hidden)
   trainer = simulation.client_trainer(model, data, train)
-  coach_config = config.algorithm_config
+  coach_config = config.algorithm.config
   algorithm = simulation.build_algorithm(algorithms.make("coaching", coach_config), trainer)
   local = simulation.build_algorithm(algorithms.make("local"), trainer)
   keys = simulation.root_keys(train.seed)

@@ -5,13 +5,14 @@ utils/load_rotate_mnist.py, BaseNodes_RotateMNIST._init_dataloaders) on NumPy's 
 legacy RNG, seeded the way their main_*.py seed it (utils/helper.py: set_seed).
 """
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from experiments import flags as run_flags
-from fedora_jax import checkpoint as checkpoint_lib
+from fedora_jax import config as config_lib
 from fedora_jax import results as results_lib
 from fedora_jax import train
 from fedora_jax.data import partitions
@@ -113,49 +114,47 @@ def test_impossible_requests_are_one_line_errors(mnist, config, num_clients, err
 
 
 def _from_flags():
-  """(partition, identity) of `main --split=authors --data_seed=42`, the identity of
-  `main --data_seed=42`, and the identity defaults."""
+  """The configs of `main --split=authors --data_seed=42 --algorithm=local` and of
+  `main --data_seed=42 --algorithm=local`."""
   flag_values = run_flags.FLAGS
-  flag_values(["main", "--split=authors", "--data_seed=42"])
-  try:
-    partition = run_flags.partition_config("rmnist")
-    authors_identity = run_flags.run_identity("local")
-  finally:
-    flag_values.unparse_flags()
-  flag_values(["main", "--data_seed=42"])
-  try:
-    default_identity = run_flags.run_identity("local")
-    defaults = run_flags.identity_defaults()
-    assert run_flags.partition_config("rmnist").split == "ours"
-  finally:
-    flag_values.unparse_flags()
-  return partition, authors_identity, default_identity, defaults
+  configs = []
+  for split in (["--split=authors"], []):
+    flag_values(["main", *split, "--data_seed=42", "--algorithm=local"])
+    try:
+      configs.append(run_flags.experiment_config())
+    finally:
+      flag_values.unparse_flags()
+  assert configs[1].data.partition.split == "ours"
+  return configs[0], configs[1]
 
 
-def _run_infos(partition):
+def _run_infos(authors):
   """results.json's run description with the authors' split and with ours."""
-  config = train.ExperimentConfig(algorithm="local", partition=partition, data_seed=42)
-  return (train._run_info(config, 36, "mlp", partition),
-          train._run_info(config, 36, "mlp", PartitionConfig()))
+  ours = dataclasses.replace(authors, data=dataclasses.replace(authors.data,
+                                                               partition=PartitionConfig()))
+  return (train._run_info(config_lib.resolve(authors), 36),
+          train._run_info(config_lib.resolve(ours), 36))
 
 
 def test_the_flag_reaches_the_partition_the_identity_and_results():
-  partition, authors_identity, default_identity, _ = _from_flags()
-  assert partition == PartitionConfig(kind="rotation", split="authors")
-  assert authors_identity["split"] == "authors" and "split" not in default_identity
-  info, default_info = _run_infos(partition)
+  authors, ours = _from_flags()
+  assert authors.data.partition == PartitionConfig(kind="rotation", split="authors")
+  assert config_lib.identity(authors)["data"]["partition"]["split"] == "authors"
+  assert config_lib.identity(ours)["data"]["partition"]["split"] == "ours"
+  info, default_info = _run_infos(authors)
   assert info["split"] == "authors" and "partition" not in info
   assert "split" not in default_info  # results.json of our split is as before
 
 
 def test_a_run_of_one_split_is_neither_resumed_nor_referenced_by_the_other(tmp_path):
-  partition, authors_identity, default_identity, defaults = _from_flags()
-  info, default_info = _run_infos(partition)
-  checkpoint_lib.claim_workdir(str(tmp_path), authors_identity, defaults)
+  authors, ours = _from_flags()
+  info, default_info = _run_infos(authors)
+  train.open_workdir(str(tmp_path), authors, str(tmp_path))
   (tmp_path / "results.json").write_text("{}")
-  with pytest.raises(ConfigError, match="other settings: split='authors' \\(now None\\);"):
-    checkpoint_lib.check_workdir(str(tmp_path), default_identity, defaults)
-  assert checkpoint_lib.check_workdir(str(tmp_path), authors_identity, defaults)
+  with pytest.raises(ConfigError, match="other settings: data.partition.split='authors'"
+                     " \\(now 'ours'\\);"):
+    train.check_workdir(str(tmp_path), ours)
+  assert train.check_workdir(str(tmp_path), authors)
   # A LOCAL reference drawn with the authors' split does not score a run of ours.
   reference = {**info, "algorithm": "local", "best_val": {"round": 1},
                "clients": [{"id": 0, "acc": 0.5, "best_val_acc": 0.5}]}

@@ -46,7 +46,7 @@ def test_bad_settings_stop_with_one_line(settings, message):
 
 
 def test_the_cli_names_the_flag():
-  config = train_lib.ExperimentConfig(algorithm="fedavg",
+  config = train_lib.ExperimentConfig(algorithm=train_lib.AlgorithmConfig("fedavg"),
                                       train=TrainConfig(client_dropout=1.0))
   with pytest.raises(FieldError) as error:
     train_lib.check_config(config)

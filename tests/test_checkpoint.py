@@ -6,6 +6,7 @@ on a small machine, and the later runs then execute exactly what the first one c
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,12 +18,12 @@ import numpy as np
 import pytest
 
 from fedora_jax import checkpoint as checkpoint_lib
-from fedora_jax import algorithms, tree
+from fedora_jax import algorithms, settings, tree
+from fedora_jax import config as config_lib
 from fedora_jax import results as results_lib
 from fedora_jax.algorithms import fedora
 from fedora_jax.algorithms.base import AlgorithmState
-from fedora_jax.checkpoint import (Checkpointer, check_workdir, claim_workdir,
-                                   identity_defaults, open_run)
+from fedora_jax.checkpoint import Checkpointer, open_run
 from fedora_jax.rounds import RoundMetrics, RoundState
 from fedora_jax.errors import ConfigError
 from fedora_jax.simulation import TrainConfig, run_algorithm
@@ -104,29 +105,54 @@ def test_typed_keys_are_refused_not_saved_wrong(tmp_path):
     Checkpointer(str(tmp_path), every=1).save(state, [_metrics(0)])
 
 
+def _record(config):
+  """run_config.json's document for `config` and how another record differs from it."""
+  return config_lib.record(config), lambda recorded: config_lib.differences(recorded, config)
+
+
+def claim_workdir(workdir, config):
+  checkpoint_lib.claim_workdir(str(workdir), *_record(config))
+
+
+def check_workdir(workdir, config):
+  return checkpoint_lib.check_workdir(str(workdir), *_record(config))
+
+
+def _config(**given):
+  return settings.from_settings({"algorithm": "fedavg", "hidden": ["16"], **given})
+
+
 def test_workdir_keeps_the_identity_of_its_run(tmp_path):
-  identity = {"algorithm": "fedora", "seed": 0, "lr": 0.005, "hidden": ("16",)}
-  claim_workdir(str(tmp_path), {**identity, "seed": 7})
-  claim_workdir(str(tmp_path), identity)  # nothing trained under seed 7: taken over
+  config = _config()
+  claim_workdir(tmp_path, _config(seed=7))
+  claim_workdir(tmp_path, config)  # nothing trained under seed 7: taken over
   (tmp_path / "checkpoints" / "4").mkdir(parents=True)
-  claim_workdir(str(tmp_path), identity)  # the same run again: resumable
-  assert json.loads((tmp_path / "run_config.json").read_text())["hidden"] == ["16"]
-  with pytest.raises(ConfigError, match=r"other settings: lr=0.005 \(now 0.1\), seed=0 "
-                     r"\(now 1\); rerun with its flags"):
-    claim_workdir(str(tmp_path), {**identity, "lr": 0.1, "seed": 1})
-  assert open_run(str(tmp_path), identity, rounds=5, checkpoint_every=0) is None
-  # A flag added after this run was recorded, left at its default: the same run.
-  defaults = {"participation": 1.0, "lr": 0.005}
-  claim_workdir(str(tmp_path), {**identity, "participation": 1.0}, defaults)
-  with pytest.raises(ConfigError, match=r"participation=1.0 \(now 0.5\)"):
-    claim_workdir(str(tmp_path), {**identity, "participation": 0.5}, defaults)
+  claim_workdir(tmp_path, config)  # the same run again: resumable
+  recorded = json.loads((tmp_path / "run_config.json").read_text())
+  assert recorded["schema_version"] == config_lib.SCHEMA_VERSION
+  assert recorded["config"]["model"]["hidden"] == [16]
+  assert recorded["config"] == config_lib.as_dict(config_lib.resolve(config))
+  with pytest.raises(ConfigError, match=r"other settings: data.data_seed=0 \(now 1\),"
+                     r" train.lr=0.005 \(now 0.1\), train.seed=0 \(now 1\); rerun with its"
+                     " settings"):
+    claim_workdir(tmp_path, _config(lr=0.1, seed=1))
+  document, differences = _record(config)
+  assert open_run(str(tmp_path), document, differences, rounds=5, checkpoint_every=0) is None
+  # A field added after this run was recorded, at its default: the same run (a record
+  # made before the field existed is read at the field's default).
+  del recorded["config"]["train"]["participation"]
+  (tmp_path / "run_config.json").write_text(json.dumps(recorded))
+  claim_workdir(tmp_path, config)
+  (tmp_path / "run_config.json").write_text(json.dumps(recorded))
+  with pytest.raises(ConfigError, match=r"train.participation=1.0 \(now 0.5\)"):
+    claim_workdir(tmp_path, _config(participation=0.5))
   # check_workdir says the same and writes nothing (a sweep checks every row first).
   before = (tmp_path / "run_config.json").read_bytes()
-  assert check_workdir(str(tmp_path), identity)
-  with pytest.raises(ConfigError, match=r"seed=0 \(now 1\)"):
-    check_workdir(str(tmp_path), {**identity, "seed": 1})
+  assert check_workdir(tmp_path, config)
+  with pytest.raises(ConfigError, match=r"train.seed=0 \(now 1\)"):
+    check_workdir(tmp_path, _config(seed=1))
   assert (tmp_path / "run_config.json").read_bytes() == before
-  assert not check_workdir(str(tmp_path / "fresh"), identity)
+  assert not check_workdir(tmp_path / "fresh", config)
   assert not (tmp_path / "fresh").exists()
 
 
@@ -229,51 +255,118 @@ def _committed_checkpoint(directory) -> bool:
   return directory.is_dir() and any(name.isdigit() for name in os.listdir(directory))
 
 
-def test_runs_recorded_with_the_old_eval_batch_default_resume(tmp_path):
-  # --eval_batch_size was 1024 for every model until 2026-11-26; now unset by default
-  # (None: 64 for the CNNs on CPUs), left out of the identity. Chunking changes only
-  # the rounding of the evaluation sums, so a run recorded with 1024 resumes.
-  identity = {"algorithm": "fedora", "seed": 0}
-  claim_workdir(str(tmp_path), {**identity, "eval_batch_size": 1024})
+def test_how_a_run_is_laid_out_and_where_its_data_sits_are_outside_its_identity(tmp_path):
+  # Evaluation chunks (--eval_batch_size: 1024 for every model until 2026-11-26, 64 for
+  # the CNNs on CPUs since) and clients per lax.map (--client_chunk) change only how
+  # sums are rounded, as another device count does; the data's folder, the rounds (a
+  # longer run extends a shorter one) and the logging change nothing: a run recorded
+  # with any of them resumes with others. Everything else counts.
+  claim_workdir(tmp_path, _config(eval_batch_size=1024, client_chunk=0, rounds=20,
+                                  data_dir="/old/place/of/the/data", log_every=5))
   (tmp_path / "checkpoints" / "4").mkdir(parents=True)
-  defaults = identity_defaults({"seed": 0, "eval_batch_size": None})
-  assert check_workdir(str(tmp_path), identity, defaults)
-  with pytest.raises(ConfigError, match=r"eval_batch_size=1024 \(now 32\)"):
-    check_workdir(str(tmp_path), {**identity, "eval_batch_size": 32}, defaults)
+  moved = _config(eval_batch_size=32, client_chunk=2, rounds=50, data_dir="/new/place")
+  assert check_workdir(tmp_path, moved)
+  assert "data_dir" not in config_lib.identity(moved)["data"]
+  with pytest.raises(ConfigError, match="train.seed=0 \\(now 1\\)"):
+    check_workdir(tmp_path, _config(seed=1, data_dir="/new/place"))
+  with pytest.raises(ConfigError, match="train.batch_size=64 \\(now 32\\)"):
+    check_workdir(tmp_path, _config(batch_size=32))
 
 
-def test_runs_recorded_with_their_data_folder_match_the_data_anywhere(tmp_path):
-  # data_dir was part of the identity until 2026-12-04: such a record still matches a
-  # run that reads the data from another folder, and nothing else changes.
-  identity = {"algorithm": "fedora", "seed": 0}
-  (tmp_path / "run_config.json").write_text(
-      json.dumps({**identity, "data_dir": "/old/place/of/the/data"}))
+def test_a_record_of_the_flag_named_format_is_refused_until_converted(tmp_path):
+  # run_config.json held the run's flags by name until 2026-12-05 (schema 1): such a
+  # workdir is refused, naming the script that converts it, which reads the record by
+  # the rules of its time (FEDORA's variant absent: "paper", the default until
+  # 2026-11-26), so the same run resumes afterwards and another is still refused.
+  flag_record = {"algorithm": "fedavg", "seed": 0, "lr": 0.005, "hidden": ["16"],
+                 "data_dir": "/old/place", "client_weights": "uniform"}
+  (tmp_path / "run_config.json").write_text(json.dumps(flag_record))
   (tmp_path / "checkpoints" / "4").mkdir(parents=True)
-  assert check_workdir(str(tmp_path), identity)
-  assert "data_dir" not in checkpoint_lib.run_identity(
-      {**identity, "data_dir": "/new/place"}, "fedora", {}, {})
-  with pytest.raises(ConfigError, match="seed"):
-    check_workdir(str(tmp_path), {**identity, "seed": 1})
+  config = _config(client_weights="uniform")
+  with pytest.raises(ConfigError, match="recorded in another format .*schema_version None,"
+                     " now 2.*scripts/migrate_run_configs.py"):
+    check_workdir(tmp_path, config)
+  proc = subprocess.run([sys.executable, "scripts/migrate_run_configs.py", str(tmp_path)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0 and proc.stdout.strip() == "1 converted", proc.stderr
+  assert check_workdir(tmp_path, config)
+  with pytest.raises(ConfigError, match="train.client_weights='uniform' \\(now 'samples'\\)"):
+    check_workdir(tmp_path, _config())
 
 
 def test_a_run_of_the_old_default_variant_is_not_resumed_as_the_new(straight, cli_env,
                                                                    tmp_path):
   # FEDORA's default was the equations as printed until 2026-11-26: a workdir recorded
-  # then holds fedora_variant="paper" and must not continue as the authors' variant.
+  # then holds the paper variant's config and must not continue as the authors' variant.
   old = tmp_path / "old_default"
   old.mkdir()
   recorded = json.loads((straight / "run_config.json").read_text())
-  assert recorded["fedora_variant"] == "authors"  # the new default, recorded as a value
-  (old / "run_config.json").write_text(json.dumps({**recorded, "fedora_variant": "paper"}))
+  authors = recorded["config"]["algorithm"]["config"]
+  assert authors == fedora.config_for_variant("authors", lr=0.005)._asdict()  # as values
+  paper = fedora.config_for_variant("paper", lr=0.005)._asdict()
+  recorded["config"]["algorithm"]["config"] = paper
+  (old / "run_config.json").write_text(json.dumps(recorded))
   (old / "results.json").write_bytes((straight / "results.json").read_bytes())
   proc = _run_main(cli_env, old)
   assert proc.returncode == 1, proc.stderr[-3000:]
-  assert "other settings: fedora_variant='paper' (now 'authors')" in proc.stderr
-  # A record without the flag at all reads as the old default, so it is refused too.
-  del recorded["fedora_variant"]
-  (old / "run_config.json").write_text(json.dumps(recorded))
+  assert "other settings: algorithm.config.alpha=1.0 (now 4.0)" in proc.stderr
+  assert "algorithm.config.pull='prox' (now 'decoupled')" in proc.stderr
+  # A flag-named record of the time (no variant: the old default) is refused until
+  # converted, and then as the paper variant.
+  (old / "run_config.json").write_text(json.dumps(
+      {"algorithm": "fedora", "num_clients": 4, "local_epochs": 1, "hidden": ["16"]}))
   proc = _run_main(cli_env, old)
-  assert proc.returncode == 1 and "fedora_variant='paper' (now 'authors')" in proc.stderr
+  assert proc.returncode == 1 and "scripts/migrate_run_configs.py" in proc.stderr
+  subprocess.run([sys.executable, "scripts/migrate_run_configs.py", str(old)], cwd=ROOT,
+                 env=cli_env, check=True, capture_output=True, timeout=300)
+  proc = _run_main(cli_env, old)
+  assert proc.returncode == 1 and "algorithm.config.pull='prox' (now 'decoupled')" in proc.stderr
+
+
+# The CLI's run as a Python config: the same settings, and the CLI's layout of the clients
+# on this platform (outside the identity, but it sets the rounding of the sums).
+PYTHON_RUN = """
+import logging
+import sys
+import jax
+from fedora_jax import models, train
+from fedora_jax.engine import sharding
+jax.config.update("jax_num_cpu_devices", sharding.cpu_device_count())
+logging.getLogger("fedora_jax").setLevel(logging.INFO)
+logging.getLogger("fedora_jax").addHandler(logging.StreamHandler())
+config = train.ExperimentConfig(
+    data=train.DataConfig(num_clients=4), model=train.ModelConfig(hidden=(16,)),
+    train=train.TrainConfig(rounds=int(sys.argv[2]), local_epochs=1, log_every=0,
+                            client_chunk=models.default_client_chunk("mlp", "cpu")),
+    checkpoint_every=4)
+train.train_and_evaluate(config, sys.argv[1], progress=None)
+"""
+
+
+def _run_python(env, workdir, rounds):
+  return subprocess.run([sys.executable, "-c", PYTHON_RUN, str(workdir), str(rounds)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_run_started_from_python_resumes_from_the_cli_and_the_reverse(straight, cli_env,
+                                                                        tmp_path):
+  # Started in Python, stopped after 8 of the 12 rounds, finished by the command line:
+  # the same results as the command's uninterrupted run.
+  workdir = tmp_path / "python_first"
+  proc = _run_python(cli_env, workdir, 8)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = _run_main(cli_env, workdir)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "fedora: resuming after round 8 of 12" in proc.stderr
+  assert "local: resuming after round 8 of 12" in proc.stderr
+  _assert_same_results(workdir, straight)
+  # Started by the command line (finished, here), read back from Python: nothing to train.
+  workdir = tmp_path / "cli_first"
+  shutil.copytree(straight, workdir)
+  proc = _run_python(cli_env, workdir, 12)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "fedora: resuming after round 12 of 12" in proc.stderr
+  _assert_same_results(workdir, straight)
 
 
 def test_killed_run_resumes_to_the_same_results(straight, cli_env, tmp_path):
@@ -321,8 +414,9 @@ def test_nokeep_checkpoints_deletes_them_once_finished(straight, cli_env, tmp_pa
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--lr=0.1"], "holds a run with other settings: lr=0.005 (now 0.1)"),
-    (["--fedora_variant=paper"], "other settings: fedora_variant='authors' (now 'paper')"),
+    (["--lr=0.1"], "holds a run with other settings: algorithm.config.lr=0.005 (now 0.1),"
+     " train.lr=0.005 (now 0.1)"),
+    (["--fedora_variant=paper"], "other settings: algorithm.config.alpha=4.0 (now 1.0)"),
     (["--rounds=8"], "trained for 12 rounds; --rounds=8 cannot shorten it"),
 ])
 def test_workdir_of_another_run_is_refused(straight, cli_env, extra, message):

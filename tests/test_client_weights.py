@@ -11,7 +11,8 @@ from fedora_jax import algorithms, tree
 from fedora_jax.algorithms import fedavg, local
 from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.simulation import TrainConfig, run_algorithm
-from fedora_jax.train import ExperimentConfig, _train_info, check_config, config_identity
+from fedora_jax.config import AlgorithmConfig, ExperimentConfig, identity
+from fedora_jax.train import _train_info, check_config
 from tiny import run_rounds, tiny_data, tiny_model, tiny_trainer
 
 
@@ -69,11 +70,14 @@ def test_uniform_weights_are_over_the_round_s_sampled_clients():
 def test_results_record_client_weights_only_when_uniform_and_bad_values_are_refused():
   assert "client_weights" not in _train_info(TrainConfig())
   assert _train_info(TrainConfig(client_weights="uniform"))["client_weights"] == "uniform"
-  config = ExperimentConfig(dataset="rmnist", algorithm="fedavg",
+  config = ExperimentConfig(algorithm=AlgorithmConfig("fedavg"),
                             train=TrainConfig(client_weights="uniform"))
-  assert config_identity(config, "fedavg")["train"]["client_weights"] == "uniform"
-  assert "client_weights" not in config_identity(
-      dataclasses.replace(config, train=TrainConfig()), "fedavg")["train"]
+  assert identity(config)["train"]["client_weights"] == "uniform"
+  assert identity(dataclasses.replace(config, train=TrainConfig()))["train"][
+      "client_weights"] == "samples"
+  # LOCAL averages nothing: one run serves either weighting.
+  local = dataclasses.replace(config, algorithm=AlgorithmConfig("local"))
+  assert identity(local) == identity(dataclasses.replace(local, train=TrainConfig()))
   with pytest.raises(FieldError, match="client_weights must be one of samples, uniform"):
     check_config(dataclasses.replace(config, train=TrainConfig(client_weights="size")))
 
@@ -82,10 +86,10 @@ def test_a_training_field_an_algorithm_repeats_has_one_source():
   """Ditto's config repeats the client lr: built without the run's TrainConfig, a
   different value is an error, not silently Ditto's own."""
   train = TrainConfig(lr=0.01)
-  conflicting = ExperimentConfig(algorithm="ditto", train=train,
-                                 algorithm_config=algorithms.default_config("ditto"))
+  conflicting = ExperimentConfig(
+      algorithm=AlgorithmConfig("ditto", algorithms.default_config("ditto")), train=train)
   with pytest.raises(ConfigError, match=r"ditto config's lr=0.005 differs from train.lr=0.01"):
     check_config(conflicting)
   check_config(dataclasses.replace(
-      conflicting, algorithm_config=algorithms.default_config("ditto", train)))
-  check_config(dataclasses.replace(conflicting, algorithm_config=None))  # the default
+      conflicting, algorithm=AlgorithmConfig("ditto", algorithms.default_config("ditto", train))))
+  check_config(dataclasses.replace(conflicting, algorithm=AlgorithmConfig("ditto")))  # default

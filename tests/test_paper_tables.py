@@ -333,7 +333,7 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   flag_values(["reproduce", "--rows=local,fedavg", f"--workdir={tmp_path}", "--lr=0.1",
                *TINY])
   try:
-    with pytest.raises(ConfigError, match=r"holds a run with other settings: lr=0.01 \(now"
+    with pytest.raises(ConfigError, match=r"holds a run with other settings: train.lr=0.01 \(now"
                        r" 0.1\)") as error:
       reproduce.reproduce()
   finally:

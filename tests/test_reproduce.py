@@ -1,6 +1,7 @@
 """`python -m experiments.reproduce`: a tiny table end to end, extended, and its errors."""
 
 import csv
+import dataclasses
 import fcntl
 import json
 import os
@@ -15,7 +16,8 @@ import pytest
 from experiments import flags as run_flags
 from experiments import main as main_lib
 from experiments import reproduce
-from fedora_jax import algorithms
+from fedora_jax import algorithms, settings
+from fedora_jax import config as config_lib
 from fedora_jax.algorithms import fedora as fedora_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError
@@ -228,17 +230,18 @@ def test_table_3_averages_uniformly_and_local_serves_either_weighting():
     flag_values(["reproduce", "--table=fedora3", *args])
     try:
       assert reproduce.use_column_flags("fedora3", flag_values.dataset) == chosen
-      assert run_flags.train_config().client_weights == weights
-      weighted = run_flags.run_identity("fedavg")
-      local_identity = run_flags.run_identity("local")
+      config = run_flags.experiment_config()
     finally:
       flag_values.unparse_flags()
-    assert weighted["client_weights"] == weights
-    assert "client_weights" not in local_identity  # LOCAL averages nothing
+    assert config.train.client_weights == weights
+    assert config_lib.identity(config)["train"]["client_weights"] == weights
+    local = config_lib.reference_config(config)  # LOCAL averages nothing: either serves
+    assert config_lib.identity(local) == config_lib.identity(dataclasses.replace(
+        local, train=dataclasses.replace(local.train, client_weights="samples")))
   flag_values(["reproduce", "--table=fedora1", "--dataset=rmnist"])
   try:  # Table 1's clients are all one size: nothing to set
     assert reproduce.use_column_flags("fedora1", "rmnist") == {}
-    assert "client_weights" not in run_flags.run_identity("fedavg")
+    assert run_flags.experiment_config().train.client_weights == "samples"
   finally:
     flag_values.unparse_flags()
 
@@ -247,14 +250,15 @@ def test_a_sweep_from_before_the_default_changed_is_refused_before_training(tmp_
   # Until 2026-11-26 the fedora row ran the printed equations.
   old_row = tmp_path / "seed0" / "fedora"
   old_row.mkdir(parents=True)
-  (old_row / "run_config.json").write_text(json.dumps(
-      {"algorithm": "fedora", "fedora_variant": "paper"}))
+  paper = settings.from_settings({"fedora_variant": "paper", "num_clients": 4, "rounds": 2,
+                                  "local_epochs": 1, "hidden": ["16"]})
+  (old_row / "run_config.json").write_text(json.dumps(config_lib.record(paper)))
   (old_row / "results.json").write_text("{}")
   proc = run_reproduce("--table=fedora1", "--rows=fedora", f"--workdir={tmp_path}", *FAST)
   assert proc.returncode == 1
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith(f"error: --workdir {old_row} holds a run with other settings")
-  assert "fedora_variant='paper' (now 'authors')" in last
+  assert "algorithm.config.pull='prox' (now 'decoupled')" in last
   assert not (tmp_path / "seed0" / "local").exists()  # nothing trained
   proc = run_reproduce("--fedora_variant=paper", f"--workdir={tmp_path}", *FAST)
   assert proc.returncode == 1 and "leave out --fedora_variant" in proc.stderr
@@ -318,8 +322,8 @@ def test_each_ablation_row_is_the_fedora_row_with_its_own_flags(tmp_path):
   try:
     def row_config(row):
       reproduce._use_row(row, 0, str(tmp_path), None)
-      return (run_flags.algorithm_config("fedora", run_flags.train_config()),
-              run_flags.run_identity("fedora"))
+      config = run_flags.experiment_config()
+      return config.algorithm.config, config_lib.identity(config)
 
     fedora_row, fedora_identity = row_config("fedora")
     assert fedora_row == fedora_lib.config_for_variant("authors", lr=flag_values.lr)
@@ -332,16 +336,15 @@ def test_each_ablation_row_is_the_fedora_row_with_its_own_flags(tmp_path):
       config, identity = row_config(row)
       assert config == fedora_row._replace(**fields), row
       # The run's identity (run_config.json) names what the row changed, and only that.
-      assert {k: v for k, v in identity.items() if fedora_identity[k] != v} == {
-          f"fedora_{field}": value for field, value in fields.items()}, row
+      assert {**identity, "algorithm": None} == {**fedora_identity, "algorithm": None}, row
+      row_fields, base = identity["algorithm"]["config"], fedora_identity["algorithm"]["config"]
+      assert {k: v for k, v in row_fields.items() if base[k] != v} == fields, row
     # Back to the plain row: nothing left over from the ablations.
     assert row_config("fedora") == (fedora_row, fedora_identity)
     # A constant without the constant rule is an error, not silently ignored.
-    reproduce._use_row("fedora", 0, str(tmp_path), None)
-    flag_values.fedora_lambda_value = 0.1
     with pytest.raises(ConfigError, match="--fedora_lambda_value only acts with"
                        " --fedora_lambda_rule=constant; this run's is authors"):
-      run_flags.algorithm_config("fedora", run_flags.train_config())
+      settings.from_settings({"fedora_lambda_value": 0.1})
   finally:
     flag_values.unparse_flags()
 

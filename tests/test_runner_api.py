@@ -122,11 +122,13 @@ def test_a_host_takes_the_plugins_by_declaring_their_fields():
 
 def test_new_clients_need_an_algorithm_that_serves_them():
   with pytest.raises(FieldError, match="fedavg does not; use it with fedora"):
-    train.check_config(train.ExperimentConfig(algorithm="fedavg", new_clients=2))
+    train.check_config(train.ExperimentConfig(algorithm=train.AlgorithmConfig("fedavg"),
+                                              new_clients=train.NewClientsConfig(2)))
   random_similarity = fedora.config_for_variant(similarity="random")
   with pytest.raises(FieldError, match="principal_angles"):
-    train.check_config(train.ExperimentConfig(algorithm="fedora", new_clients=2,
-                                              algorithm_config=random_similarity))
+    train.check_config(train.ExperimentConfig(
+        algorithm=train.AlgorithmConfig("fedora", random_similarity),
+        new_clients=train.NewClientsConfig(2)))
 
 
 def test_a_run_s_variant_is_read_from_its_recorded_config():

@@ -52,10 +52,13 @@ class Registered(NamedTuple):
   # ExperimentConfig.new_clients): its check of the config that does (one-line error);
   # None: it does not.
   new_clients: Callable[[Any], None] | None = None
+  # Training fields the algorithm never reads (LOCAL averages nothing: client_weights);
+  # a run's identity holds them at their defaults, so one run serves every value.
+  ignores: tuple[str, ...] = ()
 
 
 REGISTRY: dict[str, Registered] = {
-    "local": Registered(local.LocalConfig, local.local),
+    "local": Registered(local.LocalConfig, local.local, ignores=("client_weights",)),
     "fedavg": Registered(fedavg.FedAvgConfig, fedavg.fedavg),
     "fedora": Registered(fedora.FedoraConfig, fedora.fedora, fedora.FLAG_HELP,
                          presets=fedora.PRESETS, default_preset=fedora.DEFAULT_VARIANT,
