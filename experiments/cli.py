@@ -14,7 +14,10 @@ from absl import logging as absl_logging
 import jax
 
 from experiments import flags as run_flags
+from fedora_jax import algorithms
 from fedora_jax import progress as progress_lib
+from fedora_jax import results as results_lib
+from fedora_jax import sweep
 from fedora_jax import watchdog as watchdog_lib
 from fedora_jax.engine import sharding
 from fedora_jax.errors import ConfigError, FedoraError, FieldError, RunInterrupted
@@ -134,6 +137,59 @@ def watching(on_stall: Callable[[str], None] = exit_on_stall
     return
   with watchdog_lib.Watchdog(limits, on_stall) as watchdog:
     yield watchdog
+
+
+def fail_row_and_go_on(row: sweep.Row, message: str) -> None:
+  """A sweep's answer to a stalled row: recorded as failed in its workdir, and the sweep
+  started again in this process (a stalled runtime cannot be recovered in place), which
+  reads the finished rows, leaves this one out and runs the rest."""
+  try:
+    sweep.record_stall(row.workdir, message)
+  except OSError as e:  # unrecorded, it would stall again on every restart
+    exit_on_stall(f"{message} (and the row could not be recorded as failed: {e})")
+  sys.stdout.flush()
+  sys.stderr.write(("\n" if sys.stderr.isatty() else "")  # below a progress bar
+                   + f"error: {row.name}: {message}; the row is left out as failed and the"
+                   " sweep goes on (a later run of the same command retries it)\n")
+  sys.stderr.flush()
+  os.execv(sys.executable, sys.orig_argv)
+
+
+def sweep_options(finished_only: bool = False) -> sweep.Options:
+  """How the commands run a sweep's rows: a bar or log lines each, the watchdog the flags
+  ask for, and a stalled row left out as failed (a multi-process run, whose processes
+  run each row together, ends with one line instead)."""
+  on_stall = ((lambda row, message: exit_on_stall(message)) if jax.process_count() > 1
+              else fail_row_and_go_on)
+  return sweep.Options(train=not finished_only, progress=progress_reporter,
+                       watching=watching, on_stall=on_stall)
+
+
+def print_algorithm_help(name: str) -> None:
+  """--help_algorithm=NAME: the algorithm's flags, or one error line and exit status 1."""
+  try:
+    print(run_flags.algorithm_help(name))
+  except FedoraError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+def report_run(results: dict, workdir: str) -> None:
+  """Writes flags.txt beside the run's results (and its LOCAL reference's) and prints
+  its summary (--per_client: each client's scores first)."""
+  own = workdir if jax.process_index() == 0 else os.path.join(
+      workdir, f"process{jax.process_index()}")
+  for directory in (own, os.path.join(own, algorithms.REFERENCE)):
+    if os.path.isfile(os.path.join(directory, "results.json")):
+      with open(os.path.join(directory, "flags.txt"), "w") as f:
+        f.write(FLAGS.flags_into_string())
+  if FLAGS.per_client:
+    print(results_lib.format_clients(results))
+  print(results_lib.format_summary(results))
+  if "new_clients" in results:
+    print(results_lib.format_new_clients(results["new_clients"]))
+  print(f"results in {own}" + ("" if FLAGS.per_client else
+                                " (each client's in clients.csv, or with --per_client)"))
 
 
 def run_command(argv, run_fn: Callable[[], object], resume_hint: str | None = None,

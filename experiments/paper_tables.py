@@ -65,14 +65,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from experiments import cli
 from experiments import flags as run_flags
-from experiments import main as main_lib
 from fedora_jax import algorithms
 from fedora_jax import settings as settings_lib
 from fedora_jax import metrics
 from fedora_jax import plots
 from fedora_jax import results as results_lib
-from fedora_jax import train as train_lib
+from fedora_jax import sweep
 from fedora_jax.errors import ConfigError
 from fedora_jax.models import MODELS
 
@@ -250,42 +250,36 @@ def pick_rows(table_name: str, table: dict, wanted: list[str]) -> list[str]:
   return [REFERENCE_ROW] + [r for r in known if r in chosen and r != REFERENCE_ROW]
 
 
-def check_command_line(table_name: str, table: dict) -> dict[str, object]:
-  """The run flags the command line gives that override the table's settings (flag ->
-  value); a one-line ConfigError for a flag that picks a column or a row."""
-  given = [name for name in COLUMN_FLAGS + ROW_FLAGS if FLAGS[name].present]
-  if given:
+def check_command_line(table_name: str, table: dict, given: dict) -> dict[str, object]:
+  """The settings the command line gives (`given`) that override the table's (name ->
+  value); a one-line ConfigError for one that picks a column or a row."""
+  named = [name for name in COLUMN_FLAGS + ROW_FLAGS if name in given]
+  if named:
     raise ConfigError(
-        f"--table={table_name} sets {', '.join('--' + n for n in given)} itself, per column"
+        f"--table={table_name} sets {', '.join('--' + n for n in named)} itself, per column"
         " and row; pick columns with --columns (its columns:"
         f" {', '.join(table['columns'])}) and rows with --rows")
-  if FLAGS.eval_every > 1:
+  if given.get("eval_every", 1) > 1:
     raise ConfigError(
         f"--eval_every: --table={table_name}'s metric is the best test accuracy over the"
         " rounds, so every round scores test; leave --eval_every at 1")
-  return {name: FLAGS[name].value for name in owned_flags(table)
-          if name not in COLUMN_FLAGS + ROW_FLAGS and FLAGS[name].present}
+  return {name: given[name] for name in owned_flags(table)
+          if name not in COLUMN_FLAGS + ROW_FLAGS and name in given}
 
 
-def other_given_flags(table: dict) -> dict[str, object]:
-  """Run flags on the command line that the table does not set (flag -> value): each
+def other_given_flags(table: dict, given: dict) -> dict[str, object]:
+  """Settings the command line gives that the table does not set (name -> value): each
   changes every row (say --hidden, --data_fraction where the paper uses all the data)."""
   owned = set(owned_flags(table))
-  return {flag.name: flag.value for flag in run_flags.run_flags()
-          if flag.present and flag.name not in owned and not neutral(flag.name)}
+  return {name: value for name, value in given.items()
+          if name not in owned and not neutral(name)}
 
 
-def use_row(table: dict, column: str, row: str, seed: int, workdir: str,
-            reference: str | None, overrides: dict[str, object],
-            defaults: dict[str, object]) -> None:
-  """Sets the flags of one row's experiments.main run in one cell: every flag the table
-  owns back to its default, then the cell's, the row's, and the command line's."""
-  values = {**defaults, **cell_flags(table, column), **row_flags(table, column, row),
-            **overrides}
-  for name, value in values.items():
-    setattr(FLAGS, name, value)
-  FLAGS.seed, FLAGS.reference = seed, reference
-  FLAGS.workdir = row_workdir(workdir, column, seed, row)
+def row_config(table: dict, column: str, row: str, seed: int, base: dict, given: dict):
+  """One row's config in one cell: the flags' settings (`base`), the cell's, the row's,
+  then the command line's (`given`), and this seed."""
+  return settings_lib.from_settings({**base, **cell_flags(table, column),
+                                     **row_flags(table, column, row), **given, "seed": seed})
 
 
 def local_settings(table: dict, column: str, row: str) -> tuple:
@@ -295,27 +289,27 @@ def local_settings(table: dict, column: str, row: str) -> tuple:
   return tuple(flags.get(name) for name in results_lib.REFERENCE_FLAGS)
 
 
-def row_reference(table: dict, column: str, row: str,
-                  trained_locals: dict[tuple, str]) -> str | None:
-  """The row's --reference: a finished LOCAL run of the cell and seed (`trained_locals`:
-  local_settings -> its results.json) with the settings the row must share. That is the
-  cell's LOCAL, or for a row that changes such a setting (the coaching tables' FedBN on
-  coaching_cnn_bn, the PFLlib tables' FedRep and FedPAC at 2 local epochs) the LOCAL an
-  earlier row's run trained with the same settings, so FedRep, FedPAC and their plug-in
-  rows train one between them. None for LOCAL itself, or when no such LOCAL is trained
-  yet: the run then trains its own (experiments.main without --reference), so R-Acc
-  always compares like with like."""
+def row_references(table: dict, column: str, row: str, rows: list[str], seed: int,
+                   workdir: str) -> tuple[str, ...]:
+  """The LOCAL runs the row may be scored against (sweep.Row.references: the first
+  finished by then serves), those of the cell and seed with the settings the row must
+  share (local_settings): the cell's LOCAL, and the LOCAL an earlier row of `rows` with
+  those settings trained beside it. So a row that changes such a setting (the coaching
+  tables' FedBN on coaching_cnn_bn, the PFLlib tables' FedRep and FedPAC at 2 local
+  epochs) trains its own LOCAL once, and FedRep, FedPAC and their plug-in rows share one.
+  None for LOCAL itself; none finished: the row trains its own, so R-Acc always compares
+  like with like."""
   if row == REFERENCE_ROW:
-    return None
-  return trained_locals.get(local_settings(table, column, row))
-
-
-def trained_local(workdir: str, row: str) -> str | None:
-  """The results.json of the LOCAL run a finished row's directory holds: the row itself
-  for LOCAL, else the one its run trained beside it (<workdir>/local/), if any."""
-  beside = os.path.join(workdir, algorithms.REFERENCE)
-  path = os.path.join(workdir if row == REFERENCE_ROW else beside, "results.json")
-  return path if os.path.isfile(path) else None
+    return ()
+  mine = local_settings(table, column, row)
+  found = []
+  for earlier in rows[:rows.index(row)]:
+    if local_settings(table, column, earlier) == mine:
+      directory = row_workdir(workdir, column, seed, earlier)
+      if earlier != REFERENCE_ROW:
+        directory = os.path.join(directory, algorithms.REFERENCE)
+      found.append(os.path.join(directory, "results.json"))
+  return tuple(found)
 
 
 def row_workdir(workdir: str, column: str, seed: int, row: str) -> str:
@@ -585,17 +579,6 @@ def command_line() -> str:
   return " ".join(["python -m experiments.reproduce", *sys.argv[1:]])
 
 
-def check_before_the_sweep(table: dict, plan: list[tuple[str, int, str]], workdir: str,
-                           overrides: dict, defaults: dict) -> None:
-  """Bad hyperparameters and row directories holding runs with other settings fail now,
-  before anything trains."""
-  for column, seed, row in plan:
-    use_row(table, column, row, seed, workdir, None, overrides, defaults)
-    config = run_flags.experiment_config()
-    train_lib.check_config(config)
-    train_lib.check_workdir(FLAGS.workdir, config)
-
-
 class CellRuns(NamedTuple):
   """column -> row -> its runs, one per seed; and, with --finished_only, column -> row ->
   what its seeds not finished are instead ("seed 1: not started")."""
@@ -603,28 +586,43 @@ class CellRuns(NamedTuple):
   unfinished: dict[str, dict[str, list[str]]]
 
 
-def run_cells(table: dict, plan: list[tuple[str, int, str]], workdir: str,
-              overrides: dict, defaults: dict, scored_clients: str,
-              finished_only: bool) -> CellRuns:
-  """Each row of `plan` run, or read where it is finished; with `finished_only`, only
-  read, and a row not finished has no run but says why."""
-  runs = {c: {r: [] for _, _, r in plan} for c, _, _ in plan}
-  unfinished = {c: {r: [] for _, _, r in plan} for c, _, _ in plan}
-  trained_locals = {(c, s): {} for c, s, _ in plan}
-  for number, (column, seed, row) in enumerate(plan, 1):
-    locals_here = trained_locals[(column, seed)]
-    reference = row_reference(table, column, row, locals_here)
-    use_row(table, column, row, seed, workdir, reference, overrides, defaults)
-    label = f"{column} row {number}/{len(plan)} {row} seed {seed}"
-    outcome = main_lib.run_or_read(label, label, train=not finished_only)
+class Planned(NamedTuple):
+  column: str
+  seed: int
+  row: str
+  run: sweep.Row
+
+
+def plan_rows(table: dict, columns: list[str], rows: list[str], first_seed: int,
+              seeds: int, workdir: str, base: dict, given: dict) -> list[Planned]:
+  """Every row in every cell, LOCAL first in each."""
+  keys = [(c, s, r) for c in columns for s in range(first_seed, first_seed + seeds)
+          for r in rows]
+  planned = []
+  for number, (column, seed, row) in enumerate(keys, 1):
+    label = f"{column} row {number}/{len(keys)} {row} seed {seed}"
+    planned.append(Planned(column, seed, row, sweep.Row(
+        label, row_config(table, column, row, seed, base, given),
+        row_workdir(workdir, column, seed, row),
+        row_references(table, column, row, rows, seed, workdir))))
+  return planned
+
+
+def run_cells(table: dict, plan: list[Planned], scored_clients: str,
+              options: sweep.Options) -> CellRuns:
+  """Each row of `plan` run, or read where it is finished; with options.train False,
+  only read, and a row not finished has no run but says why."""
+  runs: dict[str, dict[str, list[RowRun]]] = {p.column: {q.row: [] for q in plan}
+                                              for p in plan}
+  unfinished: dict[str, dict[str, list[str]]] = {p.column: {q.row: [] for q in plan}
+                                                 for p in plan}
+  for column, seed, row, row_run in plan:
+    outcome = sweep.run_or_read(row_run, options)
     if outcome.results is None:  # --finished_only: not finished
       unfinished[column][row].append(seed_unfinished(seed, outcome.unfinished))
       continue
-    own_local = trained_local(FLAGS.workdir, row)
-    if own_local:
-      locals_here.setdefault(local_settings(table, column, row), own_local)
     spec = table["columns"][column]
-    runs[column][row].append(read_row_run(FLAGS.workdir, table["metric"]["clients"],
+    runs[column][row].append(read_row_run(row_run.workdir, table["metric"]["clients"],
                                           spec["sample_every"], scored_clients))
   return CellRuns(runs, unfinished)
 
@@ -636,17 +634,15 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
   With `finished_only` it trains nothing: the table of the rows finished in the workdir
   (a sweep in progress), leaving out the columns with none."""
   table = load_tables()[table_name]
-  overrides = check_command_line(table_name, table)
+  base, given = run_flags.settings(), run_flags.given_settings()
+  overrides = check_command_line(table_name, table, given)
   columns = pick_columns(table_name, table, wanted_columns)
   rows = pick_rows(table_name, table, wanted_rows)
   workdir = FLAGS.workdir or os.path.join("runs", f"reproduce_{table_name}")
   first_seed = FLAGS.seed
-  defaults = {name: FLAGS[name].default for name in owned_flags(table)}
-  plan = [(c, s, r) for c in columns for s in range(first_seed, first_seed + seeds)
-          for r in rows]
-  check_before_the_sweep(table, plan, workdir, overrides, defaults)
-  runs, unfinished = run_cells(table, plan, workdir, overrides, defaults, scored_clients,
-                               finished_only)
+  plan = plan_rows(table, columns, rows, first_seed, seeds, workdir, base, given)
+  sweep.check_rows([p.run for p in plan])
+  runs, unfinished = run_cells(table, plan, scored_clients, cli.sweep_options(finished_only))
   columns = [c for c in columns if any(runs[c].values())]
   if not columns:
     raise ConfigError(f"--finished_only: no row of --table={table_name} is finished in"
@@ -656,8 +652,8 @@ def reproduce(table_name: str, wanted_columns: list[str], wanted_rows: list[str]
   summary = {c: summarize_cell(table, c, runs[c], seeds, unfinished[c]) for c in columns}
   rounds = {c: len(next(r for r in runs[c].values() if r)[0].per_round) for c in columns}
   title = table_title(table_name, table, columns)
-  settings = setting_lines(table, overrides, other_given_flags(table), first_seed, seeds,
-                           scored_clients, finished_only)
+  settings = setting_lines(table, overrides, other_given_flags(table, given), first_seed,
+                           seeds, scored_clients, finished_only)
   document = {"table": table_name, "title": title, "settings": settings,
               "seeds": list(range(first_seed, first_seed + seeds)),
               "command": command_line(), "metric": table["metric"],

@@ -54,7 +54,6 @@ import csv
 import json
 import os
 import sys
-from typing import NamedTuple
 
 from absl import app, flags
 
@@ -62,13 +61,13 @@ import numpy as np
 
 from experiments import cli
 from experiments import flags as run_flags
-from experiments import main as main_lib
 from experiments import paper_tables
 from fedora_jax.algorithms import REFERENCE
 from fedora_jax import metrics
 from fedora_jax import plots
 from fedora_jax import results as results_lib
-from fedora_jax import train as train_lib
+from fedora_jax import settings as settings_lib
+from fedora_jax import sweep
 from fedora_jax.errors import ConfigError
 
 FLAGS = run_flags.FLAGS
@@ -87,38 +86,32 @@ def load_paper_tables() -> dict:
 TABLES = tuple(sorted(load_paper_tables()))
 
 
-class RowRun(NamedTuple):
-  """How a row runs here: the registry algorithm, and the variant of a FEDORA row with
-  the FEDORA flags it sets (flag -> value; the other _ROW_FLAGS stay at their default)."""
-  algorithm: str
-  fedora_variant: str | None = None
-  fedora_flags: tuple[tuple[str, object], ...] = ()
-
-
-# The FEDORA flags an ablation row sets; reproduce owns them (the command leaves them out).
+# The FEDORA settings an ablation row sets; reproduce owns them (the command leaves them
+# out).
 _ROW_FLAGS = ("fedora_similarity", "fedora_lambda_rule", "fedora_lambda_value")
 
 
-def _similarity_row(measure: str) -> RowRun:
+def _similarity_row(measure: str) -> dict:
   """Table 4: the fedora row with W built from another client similarity."""
-  return RowRun("fedora", "authors", (("fedora_similarity", measure),))
+  return {"algorithm": "fedora", "fedora_variant": "authors", "fedora_similarity": measure}
 
 
-def _constant_lambda_row(value: float) -> RowRun:
+def _constant_lambda_row(value: float) -> dict:
   """Table 5: the fedora row with lambda_k = `value` for every client."""
-  return RowRun("fedora", "authors", (("fedora_lambda_rule", "constant"),
-                                      ("fedora_lambda_value", value)))
+  return {"algorithm": "fedora", "fedora_variant": "authors",
+          "fedora_lambda_rule": "constant", "fedora_lambda_value": value}
 
 
 # The paper's rows that run as one of our algorithms with its own (paper) defaults.
 _BASELINES = ("local", "fedavg", "fedavg_ft", "fedprox", "fedprox_ft", "lg_fedavg",
               "fedper", "pfedhn", "apfl", "ditto", "ifca", "fesem", "fedfomo", "fedu",
               "fedamp")
-RUNS = {**{row: RowRun(row) for row in _BASELINES},
+# Each row's own settings (fedora_jax/settings.py's names, the flags').
+RUNS = {**{row: {"algorithm": row} for row in _BASELINES},
         # The variant whose numbers the paper reports: the default of --algorithm=fedora.
-        "fedora": RowRun("fedora", "authors"),
+        "fedora": {"algorithm": "fedora", "fedora_variant": "authors"},
         # Ours, not a paper row: the equations as printed, beside the paper's FEDORA row.
-        "fedora_paper": RowRun("fedora", "paper"),
+        "fedora_paper": {"algorithm": "fedora", "fedora_variant": "paper"},
         # Table 4's similarity measures and Table 5's constant lambda_k.
         "fedora_random_similarity": _similarity_row("random"),
         "fedora_parameter_similarity": _similarity_row("parameters"),
@@ -187,16 +180,12 @@ def load_paper_rows(table: str, dataset: str) -> dict:
   return rows
 
 
-def use_column_flags(table: str, dataset: str) -> dict[str, object]:
-  """Sets the run flags that `dataset`'s column of `table` runs with (its "flags" in
-  experiments/paper/fedora_tables.json: CIFAR-10's calibrated protocol) where the command
-  line leaves them out; returns the ones it set (flag -> value)."""
+def column_settings(table: str, dataset: str, given: dict) -> dict[str, object]:
+  """The settings `dataset`'s column of `table` runs with (its "flags" in
+  experiments/paper/fedora_tables.json: CIFAR-10's calibrated protocol) that the command
+  line's `given` settings leave out."""
   column = load_paper_tables()[table]["datasets"][dataset]
-  chosen = {name: value for name, value in column.get("flags", {}).items()
-            if not FLAGS[name].present}
-  for name, value in chosen.items():
-    setattr(FLAGS, name, value)
-  return chosen
+  return {name: value for name, value in column.get("flags", {}).items() if name not in given}
 
 
 def check_rows(rows: list[str], table: str) -> list[str]:
@@ -212,15 +201,15 @@ def check_rows(rows: list[str], table: str) -> list[str]:
   return [REFERENCE] + [r for r in known if r in wanted and r != REFERENCE]
 
 
-def _use_row(row: str, seed: int, workdir: str, reference: str | None) -> None:
-  """Sets the flags of one row's experiments.main run."""
-  run = RUNS[row]
-  FLAGS.algorithm, FLAGS.seed, FLAGS.reference = run.algorithm, seed, reference
-  FLAGS.fedora_variant = run.fedora_variant or FLAGS["fedora_variant"].default
-  row_flags = dict(run.fedora_flags)
-  for name in _ROW_FLAGS:  # the last row's values must not leak into this one
-    setattr(FLAGS, name, row_flags.get(name, FLAGS[name].default))
-  FLAGS.workdir = row_workdir(workdir, seed, row)
+def row_config(table: str, row: str, seed: int, base: dict, given: dict):
+  """One row's config: the flags' settings (`base`, the command line's `given`), the
+  column's where the command line leaves them out, the row's own, the table's setting
+  and this seed."""
+  paper_table = load_paper_tables()[table]
+  dataset = given.get("dataset", base.get("dataset"))
+  return settings_lib.from_settings({
+      **base, **column_settings(table, dataset, given), **given, **RUNS[row],
+      "setting": paper_table["setting"], "seed": seed})
 
 
 def row_workdir(workdir: str, seed: int, row: str) -> str:
@@ -232,25 +221,20 @@ def row_label(row: str, seed: int, number: int, total: int) -> str:
   return f"row {number}/{total} {row} seed {seed}"
 
 
-def run_row(row: str, seed: int, workdir: str, reference: str | None,
-            label: str | None = None,
-            finished_only: bool = False) -> tuple[dict | None, str | None]:
-  """One row: experiments.main with this row's algorithm, its own workdir and LOCAL;
-  `label` names its progress (default: the algorithm). Returns its numbers, and None.
-  With `finished_only` it trains nothing, and a row not finished there gives None and
-  what it is instead ("not started": main.read_if_finished)."""
-  _use_row(row, seed, workdir, reference)
-  name = label or f"{row} seed {seed}"
-  results, read, unfinished = main_lib.run_or_read(name, label, train=not finished_only)
+def run_row(row: sweep.Row, options: sweep.Options) -> tuple[dict | None, str | None]:
+  """One row, read where finished and trained otherwise (with options.train False, only
+  read). Returns its numbers, and None; or None and what it is instead ("not started":
+  sweep.read_if_finished)."""
+  results, read, unfinished = sweep.run_or_read(row, options)
   if results is None:
     return None, unfinished
   if read:
     results = results_lib.resummarize(results)  # written before a metric changed, maybe
-  with open(os.path.join(FLAGS.workdir, "timing.json")) as f:
+  with open(os.path.join(row.workdir, "timing.json")) as f:
     timing = json.load(f)
   return {**{m: results[m] for m in METRICS},
           **results_lib.run_cost(timing, results.get("platform")),
-          "results": os.path.join(FLAGS.workdir, "results.json")}, None
+          "results": os.path.join(row.workdir, "results.json")}, None
 
 
 def _paper_entry(row: str, paper: dict) -> dict:
@@ -398,16 +382,16 @@ def command_line() -> str:
   return " ".join(["python -m experiments.reproduce", *sys.argv[1:]])
 
 
-def check_before_the_sweep(rows: list[str], workdir: str, first_seed: int) -> None:
-  """Bad hyperparameters, and a row directory holding a run with other settings (say,
-  a sweep from before FEDORA's default changed), fail now, not an hour into the sweep."""
-  for seed in range(first_seed, first_seed + FLAGS.seeds):
-    for row in rows:
-      _use_row(row, seed, workdir, None)  # --reference is not part of a run's identity
-      config = run_flags.experiment_config()
-      train_lib.check_config(config)
-      train_lib.check_workdir(FLAGS.workdir, config)
-  FLAGS.seed = first_seed
+def plan(table: str, rows: list[str], workdir: str, first_seed: int, seeds: int,
+         base: dict, given: dict) -> list[tuple[int, str, sweep.Row]]:
+  """The sweep's rows (seed, row, its run), seed by seed, LOCAL first: each scored
+  against its seed's LOCAL."""
+  plan_ = [(seed, row) for seed in range(first_seed, first_seed + seeds) for row in rows]
+  return [(seed, row, sweep.Row(
+      row_label(row, seed, number, len(plan_)), row_config(table, row, seed, base, given),
+      row_workdir(workdir, seed, row), references=() if row == REFERENCE else (
+          os.path.join(row_workdir(workdir, seed, REFERENCE), "results.json"),)))
+          for number, (seed, row) in enumerate(plan_, 1)]
 
 
 def reproduce() -> dict:
@@ -429,41 +413,36 @@ def reproduce() -> dict:
                       " ablations); leave them out")
   paper_table = load_paper_tables()[FLAGS.table]
   paper = load_paper_rows(FLAGS.table, FLAGS.dataset)
-  column_flags = use_column_flags(FLAGS.table, FLAGS.dataset)
+  base, given = run_flags.settings(), run_flags.given_settings()
+  column_flags = column_settings(FLAGS.table, FLAGS.dataset, given)
   rows = check_rows(FLAGS.rows, FLAGS.table)
-  FLAGS.setting = paper_table["setting"]
+  setting = paper_table["setting"]
   workdir = FLAGS.workdir or os.path.join("runs", f"reproduce_{FLAGS.table}_{FLAGS.dataset}")
   first_seed = FLAGS.seed
-  check_before_the_sweep(rows, workdir, first_seed)
-  runs = {row: [] for row in rows}
-  unfinished = {row: [] for row in rows}  # --finished_only: "seed 1: not started"
-  plan = [(seed, row) for seed in range(first_seed, first_seed + FLAGS.seeds) for row in rows]
-  local_of_seed = {}  # seed -> its LOCAL row's results.json, where that row finished
-  for number, (seed, row) in enumerate(plan, 1):
-    # --reference is not part of a run's identity: a row read without its LOCAL is it.
-    # A seed whose LOCAL did not finish (failed, or --finished_only) has none: its rows
-    # train their own.
-    reference = local_of_seed.get(seed) if row != REFERENCE else None
-    label = row_label(row, seed, number, len(plan))
-    run, why = run_row(row, seed, workdir, reference, label, FLAGS.finished_only)
+  planned = plan(FLAGS.table, rows, workdir, first_seed, FLAGS.seeds, base, given)
+  sweep.check_rows([row_run for _, _, row_run in planned])
+  runs: dict[str, list] = {row: [] for row in rows}
+  unfinished: dict[str, list] = {row: [] for row in rows}  # "seed 1: not started"
+  options = cli.sweep_options(FLAGS.finished_only)
+  for seed, row, row_run in planned:
+    run, why = run_row(row_run, options)
     if run is not None:
       runs[row].append(run)
-      if row == REFERENCE:
-        local_of_seed[seed] = run["results"]
     else:
       unfinished[row].append(paper_tables.seed_unfinished(seed, why))
+  train = planned[0][2].config.train
   if not any(runs.values()):
     raise ConfigError(f"--finished_only: no row of --table={FLAGS.table} is finished in"
                       f" {workdir} (for these rows and seeds)")
   summary = table_summary(FLAGS.table, runs, paper)
-  for row in summary if FLAGS.setting == "imbalanced" else []:
+  for row in summary if setting == "imbalanced" else []:
     row["r_acc_by_distance"] = r_acc_by_distance(row["results"])
   by_distance = bool(summary) and all(r.get("r_acc_by_distance") for r in summary)
   column = paper_table["datasets"][FLAGS.dataset]["column"]
   title = f"FEDORA Table {paper_table['table']} ({column}): {paper_table['caption']}"
-  settings = (f"{FLAGS.dataset}, {FLAGS.setting}, {FLAGS.seeds} seed(s) from"
-              f" {first_seed}, {FLAGS.rounds} rounds, {FLAGS.local_epochs} local epochs,"
-              f" batch {FLAGS.batch_size}, lr {FLAGS.lr}; `{command_line()}`")
+  settings = (f"{FLAGS.dataset}, {setting}, {FLAGS.seeds} seed(s) from"
+              f" {first_seed}, {train.rounds} rounds, {train.local_epochs} local epochs,"
+              f" batch {train.batch_size}, lr {train.lr}; `{command_line()}`")
   if FLAGS.finished_only:
     settings += f"; {paper_tables.FINISHED_ONLY_ROWS}"
   if column_flags:
@@ -471,7 +450,7 @@ def reproduce() -> dict:
     settings += (f"; the column's own flags: "
                  f"{' '.join(f'--{k}={v}' for k, v in column_flags.items())} ({why})")
   document = {"table": FLAGS.table, "title": title, "dataset": FLAGS.dataset,
-              "setting": FLAGS.setting, "rounds": FLAGS.rounds,
+              "setting": setting, "rounds": train.rounds,
               "seeds": list(range(first_seed, first_seed + FLAGS.seeds)),
               "command": command_line(), "rows": summary,
               "unfinished": {row: why for row, why in unfinished.items() if why}}
@@ -485,8 +464,8 @@ def reproduce() -> dict:
     f.write(markdown)
   write_csv(os.path.join(workdir, "table.csv"), summary)
   plots.plot_reproduced_table(
-      summary, f"{title}\n{FLAGS.dataset}, {FLAGS.setting}, {len(document['seeds'])}"
-      f" seed(s), {FLAGS.rounds} rounds", os.path.join(workdir, "table.png"), EXTRA_ROWS)
+      summary, f"{title}\n{FLAGS.dataset}, {setting}, {len(document['seeds'])}"
+      f" seed(s), {train.rounds} rounds", os.path.join(workdir, "table.png"), EXTRA_ROWS)
   print(markdown)
   print(f"table in {workdir}")
   return document

@@ -3,7 +3,7 @@
 # sharing the machine (and its GPU), until they finish or LIMIT seconds pass; then packs
 # the four files of every finished row (run_config.json, results.json, timing.json,
 # history.npz) into one archive. Unpacked here into the same --workdir, those rows are
-# read by `reproduce`, not run again (experiments/main.py, finished_results).
+# read by `reproduce`, not run again (fedora_jax/sweep, finished_results).
 #
 #   scripts/run_rows.sh LIMIT ARCHIVE 'FLAGS 1' ['FLAGS 2' ...]
 #
@@ -15,7 +15,7 @@
 # Commands of the other papers' tables may share a --workdir (their rows live under
 # <column>/seed<s>/); FEDORA's tables keep one per dataset. Commands that share a row
 # (LOCAL, which each runs first) train it once: the first to reach it holds it, the others
-# wait, then read it (experiments/main.py, row_claimed). A row stopped at LIMIT leaves
+# wait, then read it (fedora_jax/sweep, row_claimed). A row stopped at LIMIT leaves
 # no results.json and is not packed; the exit status is 1 if any command did not finish.
 set -uo pipefail
 

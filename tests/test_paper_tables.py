@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from experiments import flags as run_flags
-from experiments import main as main_lib
 from experiments import paper_tables
 from experiments import reproduce
-from fedora_jax import algorithms, metrics
+from fedora_jax import algorithms, metrics, sweep
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError, FedoraError
 from fedora_jax.models import MODELS
@@ -88,16 +87,17 @@ def test_every_row_passes_its_checks_in_every_column_that_can_run(name, tmp_path
   # row the table sets up wrong would stop the full table hours in (FedRep and FedPAC
   # with the PFLlib tables' 1 local epoch did, before their rows set 2).
   table = TABLES[name]
-  plan = [(column, 0, row) for column in table["columns"]
-          if not paper_tables.column_problem(table, column)
-          for row in paper_tables.table_rows(table) if paper_tables.row_problem(table, row) is None]
+  columns = [c for c in table["columns"] if not paper_tables.column_problem(table, c)]
+  rows = [r for r in paper_tables.table_rows(table) if paper_tables.row_problem(table, r) is None]
   flag_values = reproduce.FLAGS
   flag_values(["reproduce"])
-  defaults = {flag: flag_values[flag].default for flag in paper_tables.owned_flags(table)}
   try:
-    paper_tables.check_before_the_sweep(table, plan, str(tmp_path), {}, defaults)
+    plan = paper_tables.plan_rows(table, columns, rows, 0, 1, str(tmp_path),
+                                  run_flags.settings(), run_flags.given_settings())
   finally:
     flag_values.unparse_flags()
+  assert len(plan) == len(columns) * len(rows)
+  sweep.check_rows([p.run for p in plan])
 
 
 def test_a_plugin_row_runs_with_its_hosts_flags():
@@ -112,18 +112,19 @@ def test_a_plugin_row_runs_with_its_hosts_flags():
       "algorithm": "fedrod", "aggregation": "confree"}
   # At 2 local epochs FedRep cannot be scored against the cell's 1-epoch LOCAL: the first
   # of the rows at those settings trains its own, and the others share it.
-  cell_local = {paper_tables.local_settings(table, "cifar10_c20_p30", "local"): "l.json"}
-  for row in ("fedrep", "fedrep_confree", "fedpac", "fedpac_confree"):
-    assert paper_tables.row_reference(table, "cifar10_c20_p30", row, cell_local) is None
-  fedrep_local = {**cell_local, paper_tables.local_settings(table, "cifar10_c20_p30",
-                                                            "fedrep"): "fedrep/local.json"}
+  def references(table, column, row):
+    return paper_tables.row_references(table, column, row, paper_tables.table_rows(table),
+                                       0, "w")
+  cell_local = "w/cifar10_c20_p30/seed0/local/results.json"
+  fedrep_local = "w/cifar10_c20_p30/seed0/fedrep/local/results.json"
+  assert references(table, "cifar10_c20_p30", "fedrep") == ()
   for row in ("fedrep_confree", "fedpac", "fedpac_confree"):
-    assert paper_tables.row_reference(table, "cifar10_c20_p30", row,
-                                      fedrep_local) == "fedrep/local.json"
-  assert paper_tables.row_reference(table, "cifar10_c20_p30", "fedrod", fedrep_local) == "l.json"
-  fedala1_local = {paper_tables.local_settings(TABLES["fedala1"], "mnist_pat", "local"): "l.json"}
-  assert paper_tables.row_reference(TABLES["fedala1"], "mnist_pat", "pfedme",
-                                    fedala1_local) == "l.json"
+    assert references(table, "cifar10_c20_p30", row)[0] == fedrep_local, row
+    assert cell_local not in references(table, "cifar10_c20_p30", row), row
+  assert references(table, "cifar10_c20_p30", "fedrod")[0] == cell_local
+  assert fedrep_local not in references(table, "cifar10_c20_p30", "fedrod")
+  assert references(TABLES["fedala1"], "mnist_pat", "pfedme")[0] == (
+      "w/mnist_pat/seed0/local/results.json")
 
 
 def test_every_row_algorithm_and_column_model_is_registered():
@@ -183,10 +184,11 @@ def test_the_papers_numbers_as_printed():
   for table, column in (("coaching1", "mnist_0.1"), ("coaching2", "fmnist_0.3")):
     assert paper_tables.row_flags(TABLES[table], column, "fedbn") == {
         "algorithm": "fedbn", "model": "coaching_cnn_bn"}
-    cell_local = {paper_tables.local_settings(TABLES[table], column, "local"): "l.json"}
-    assert paper_tables.row_reference(TABLES[table], column, "fedbn", cell_local) is None
-    assert paper_tables.row_reference(TABLES[table], column, "fedavg", cell_local) == "l.json"
-    assert paper_tables.row_reference(TABLES[table], column, "local", cell_local) is None
+    rows = paper_tables.table_rows(TABLES[table])
+    assert paper_tables.row_references(TABLES[table], column, "fedbn", rows, 0, "w") == ()
+    assert paper_tables.row_references(TABLES[table], column, "fedavg", rows, 0, "w")[0] == (
+        f"w/{column}/seed0/local/results.json")
+    assert paper_tables.row_references(TABLES[table], column, "local", rows, 0, "w") == ()
   assert paper_tables.row_flags(TABLES["coaching1"], "cifar10_0.1", "fedbn") == {
       "algorithm": "fedbn"}  # ResNet-18 has BatchNorm of its own
   assert {k: paper_tables.cell_flags(TABLES["confree2"], "cifar10_c60_p30")[k]
@@ -371,7 +373,7 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   # --finished_only trains nothing: the rows finished so far, in every column that has
   # one. Another process is running fedavg now (it holds its lock), so it is left out;
   # fedprox, seed 1 and MNIST alpha 0.1 have no finished row.
-  held = open(tmp_path / "mnist_0.3" / "seed0" / "fedavg" / main_lib.ROW_LOCK, "a")
+  held = open(tmp_path / "mnist_0.3" / "seed0" / "fedavg" / sweep.ROW_LOCK, "a")
   fcntl.flock(held, fcntl.LOCK_EX)
   flag_values(["reproduce", "--finished_only", "--seeds=2", "--rows=local,fedavg,fedprox",
                f"--workdir={tmp_path}", TINY[0], "--columns=mnist_0.1,mnist_0.3", *TINY[2:]])

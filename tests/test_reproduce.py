@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 from experiments import flags as run_flags
-from experiments import main as main_lib
 from experiments import reproduce
-from fedora_jax import algorithms, settings
+from fedora_jax import algorithms, settings, sweep
 from fedora_jax import config as config_lib
 from fedora_jax.algorithms import fedora as fedora_lib
 from fedora_jax.data import datasets, partitions
@@ -103,12 +102,14 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   # says where it stopped; fedavg's checkpoints were removed above.
   for row, why in (("local", "stopped after round 2 of 3"),
                    ("fedavg", "not finished, no checkpoint saved")):
-    reproduce.FLAGS(["reproduce", *common, f"--workdir={tmp_path / 'seed0' / row}",
-                     "--rounds=3"])
+    reproduce.FLAGS(["reproduce", *common, "--rounds=3"])
     try:
-      assert main_lib.read_if_finished(row) == (None, True, why)
+      [(_, _, row_run)] = reproduce.plan("fedora1", [row], str(tmp_path), 0, 1,
+                                         run_flags.settings(), run_flags.given_settings())
     finally:
       reproduce.FLAGS.unparse_flags()
+    assert row_run.workdir == str(tmp_path / "seed0" / row)
+    assert sweep.read_if_finished(row_run) == (None, True, why)
 
 
 def _line(markdown: str, row: str) -> str:
@@ -151,7 +152,7 @@ def test_paper_data_has_every_row_of_every_table_with_finite_numbers():
         assert other["setting"] == table["setting"]
         assert other["datasets"][dataset]["values"]["fedora"] == column["values"]["fedora"]
   for run in reproduce.RUNS.values():
-    assert run.algorithm in algorithms.REGISTRY
+    assert run["algorithm"] in algorithms.REGISTRY
 
 
 @pytest.mark.parametrize("table", reproduce.TABLES)
@@ -208,17 +209,20 @@ def test_rows_tables_and_datasets_are_checked():
     # A flag on the command line wins over the column's.
     (["--dataset=cifar10", "--fixed_train_size=20", "--ifca_num_clusters=3"],
      {"split": "authors", "data_seed": 42, "fesem_num_clusters": 5}, ("authors", 42, 20)),
-    (["--dataset=rmnist"], {}, (None, None, None)),
+    (["--dataset=rmnist"], {}, ("ours", None, None)),
 ])
 def test_a_column_runs_its_own_flags_unless_the_command_line_gives_them(args, column_flags,
                                                                         values):
   flag_values = reproduce.FLAGS
   flag_values(["reproduce", "--table=fedora1", *args])
   try:
-    assert reproduce.use_column_flags("fedora1", flag_values.dataset) == column_flags
-    assert (flag_values.split, flag_values.data_seed, flag_values.fixed_train_size) == values
+    given = run_flags.given_settings()
+    assert reproduce.column_settings("fedora1", flag_values.dataset, given) == column_flags
+    config = reproduce.row_config("fedora1", "fedavg", 0, run_flags.settings(), given)
   finally:
     flag_values.unparse_flags()
+  partition = config.data.partition
+  assert (partition.split, config.data.data_seed, partition.train_per_client) == values
 
 
 def test_table_3_averages_uniformly_and_local_serves_either_weighting():
@@ -229,8 +233,9 @@ def test_table_3_averages_uniformly_and_local_serves_either_weighting():
       (["--dataset=rfmnist", "--client_weights=samples"], {}, "samples")):
     flag_values(["reproduce", "--table=fedora3", *args])
     try:
-      assert reproduce.use_column_flags("fedora3", flag_values.dataset) == chosen
-      config = run_flags.experiment_config()
+      given = run_flags.given_settings()
+      assert reproduce.column_settings("fedora3", flag_values.dataset, given) == chosen
+      config = reproduce.row_config("fedora3", "fedavg", 0, run_flags.settings(), given)
     finally:
       flag_values.unparse_flags()
     assert config.train.client_weights == weights
@@ -240,8 +245,10 @@ def test_table_3_averages_uniformly_and_local_serves_either_weighting():
         local, train=dataclasses.replace(local.train, client_weights="samples")))
   flag_values(["reproduce", "--table=fedora1", "--dataset=rmnist"])
   try:  # Table 1's clients are all one size: nothing to set
-    assert reproduce.use_column_flags("fedora1", "rmnist") == {}
-    assert run_flags.experiment_config().train.client_weights == "samples"
+    given = run_flags.given_settings()
+    assert reproduce.column_settings("fedora1", "rmnist", given) == {}
+    assert reproduce.row_config("fedora1", "fedavg", 0, run_flags.settings(),
+                                given).train.client_weights == "samples"
   finally:
     flag_values.unparse_flags()
 
@@ -321,8 +328,8 @@ def test_each_ablation_row_is_the_fedora_row_with_its_own_flags(tmp_path):
   flag_values(["reproduce", "--table=fedora5"])
   try:
     def row_config(row):
-      reproduce._use_row(row, 0, str(tmp_path), None)
-      config = run_flags.experiment_config()
+      config = reproduce.row_config("fedora5", row, 0, run_flags.settings(),
+                                    run_flags.given_settings())
       return config.algorithm.config, config_lib.identity(config)
 
     fedora_row, fedora_identity = row_config("fedora")
@@ -384,22 +391,22 @@ def test_imbalanced_tables_break_r_acc_down_by_distance_from_the_large_client(tm
 
 def test_a_row_another_process_holds_is_waited_for(tmp_path):
   # Another process running the row holds its lock (flock: any other open of the file).
-  held = open(tmp_path / main_lib.ROW_LOCK, "a")
+  held = open(tmp_path / sweep.ROW_LOCK, "a")
   fcntl.flock(held, fcntl.LOCK_EX)
   entered = threading.Event()
 
   def claim():
-    with main_lib.row_claimed(str(tmp_path)):
+    with sweep.row_claimed(str(tmp_path)):
       entered.set()
 
   waiter = threading.Thread(target=claim)
   waiter.start()
   assert not entered.wait(0.5)  # still waiting while the row is held
-  with main_lib.row_claimed(str(tmp_path), wait=False) as claimed:
+  with sweep.row_claimed(str(tmp_path), wait=False) as claimed:
     assert not claimed  # --finished_only's read: at once, without the row
   fcntl.flock(held, fcntl.LOCK_UN)
   held.close()
   waiter.join(10)
   assert entered.is_set()
-  with main_lib.row_claimed(str(tmp_path)) as claimed:  # released again: taken at once
+  with sweep.row_claimed(str(tmp_path)) as claimed:  # released again: taken at once
     assert claimed

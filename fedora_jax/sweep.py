@@ -1,0 +1,245 @@
+"""Sweeps: many runs, each in its own workdir, read where finished and trained otherwise.
+
+  configs = sweep.configs({"dataset": "rmnist", "rounds": 50},
+                          [{"algorithm": "fedavg"}, {"algorithm": "fedprox", "fedprox_mu": 0.1}])
+  rows = [sweep.Row(f"row {i}", c, f"runs/sweep/{i}") for i, c in enumerate(configs)]
+  outcomes = sweep.run_configs(rows)     # each row's results document (None: not finished)
+
+A row's workdir holds one run (run_config.json records its config). Rerun, a sweep reads
+the rows finished there (results.json of the row's rounds, timing.json and history.npz:
+what a table reads, so a row brought back from another machine without its checkpoints
+counts) and trains the others, resuming from their checkpoints. Several processes may
+share a workdir: the process running or reading a row holds its lock (flock), and one
+reaching a held row waits, then reads it. `check_rows` refuses, before anything trains,
+a row whose workdir holds a run with other settings. A row may be scored against a LOCAL
+run another row trained (`Row.references`). The paper tables are sweeps
+(fedora_jax/tables/).
+"""
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, ContextManager, Iterator, Mapping, NamedTuple, Sequence
+import uuid
+
+import jax
+
+from fedora_jax import checkpoint as checkpoint_lib
+from fedora_jax import results as results_lib
+from fedora_jax import settings as settings_lib
+from fedora_jax import train as train_lib
+from fedora_jax.config import ExperimentConfig
+from fedora_jax.watchdog import Watchdog
+
+logger = logging.getLogger("fedora_jax")
+
+# What a finished row leaves that a sweep reads: the row's numbers, its timing and, for
+# the best-round metric of the other papers' tables, its per-round history.
+FINISHED_RUN_FILES = ("results.json", "timing.json", "history.npz")
+# Held (flock) by the process running or reading a row in its workdir.
+ROW_LOCK = ".row.lock"
+# A row that stalled (the watchdog): recorded in its workdir with the sweep's id, so the
+# sweep, started again (a stalled runtime cannot be recovered in place), leaves it out
+# as failed and goes on; a later sweep (another id) retries it.
+STALLED_ROW = "stalled.json"
+SWEEP_ENV = "FEDORA_JAX_SWEEP_ID"
+
+
+class Row(NamedTuple):
+  """One run of a sweep."""
+  name: str                     # how the log names it: "row 2/3 fedavg seed 0"
+  config: ExperimentConfig
+  workdir: str
+  # LOCAL runs' results.json it may be scored against: the first one finished (at its
+  # rounds at least) when it trains; none finished: it trains its own LOCAL beside it.
+  references: tuple[str, ...] = ()
+  label: str | None = None      # its progress's label (default: its name)
+
+
+class RowOutcome(NamedTuple):
+  """A row's results document, or None where it is not finished (--finished_only) or
+  failed; whether it was read rather than trained here; and, not finished, what it is
+  instead ("not started", "stopped after round 30 of 50", "running in another
+  process", "failed: ...")."""
+  results: dict | None
+  read: bool
+  unfinished: str | None = None
+
+
+def _auto_progress(label: str) -> Any:
+  del label
+  return "auto"
+
+
+def _no_watchdog(on_stall: Callable[[str], None]) -> ContextManager[Watchdog | None]:
+  del on_stall
+  return contextlib.nullcontext(None)
+
+
+def _raise_stall(row: Row, message: str) -> None:
+  raise RuntimeError(f"{row.name}: {message}")
+
+
+class Options(NamedTuple):
+  """How a sweep's rows run. The commands give a bar or log lines per row, a watchdog,
+  and a stalled row recorded as failed (experiments/cli.py)."""
+  train: bool = True  # False (--finished_only): read the finished rows, train none
+  progress: Callable[[str], Any] = _auto_progress  # a row's label -> its progress
+  # on_stall -> the watchdog watching a row's run, entered (yields None: none).
+  watching: Callable[[Callable[[str], None]], ContextManager[Watchdog | None]] = _no_watchdog
+  on_stall: Callable[[Row, str], None] = _raise_stall  # told on the watchdog's thread
+
+
+def configs(base: Mapping[str, Any], overrides: Sequence[Mapping[str, Any]]
+            ) -> list[ExperimentConfig]:
+  """One config per override: flat settings (fedora_jax/settings.py) on top of `base`."""
+  return [settings_lib.from_settings({**base, **override}) for override in overrides]
+
+
+def check_rows(rows: Sequence[Row]) -> None:
+  """Bad hyperparameters, and a row's workdir holding a run with other settings (say,
+  from before a default changed), fail now, not an hour into the sweep."""
+  for row in rows:
+    train_lib.check_config(row.config)
+    train_lib.check_workdir(row.workdir, row.config)
+
+
+def finished_results(row: Row) -> dict | None:
+  """The results document in the row's workdir if it holds the row's run finished: its
+  run_config.json records the row's config, its results.json the row's rounds, and its
+  timing and history are there. None otherwise; a ConfigError if the workdir holds a run
+  with other settings."""
+  if not all(os.path.isfile(os.path.join(row.workdir, f)) for f in FINISHED_RUN_FILES):
+    return None
+  try:
+    with open(os.path.join(row.workdir, "results.json")) as f:
+      results = json.load(f)
+  except (OSError, ValueError):
+    return None  # half-written: the run writes it again
+  if not isinstance(results, dict) or results.get("rounds") != row.config.train.rounds:
+    return None
+  if not train_lib.check_workdir(row.workdir, row.config):
+    return None
+  return results
+
+
+@contextlib.contextmanager
+def row_claimed(workdir: str, wait: bool = True) -> Iterator[bool]:
+  """Holds `workdir`'s row for this process, yielding True. Another process sharing the
+  workdir waits here until this one is done, then reads the finished row instead of
+  training it a second time; with wait=False it gets False at once instead. A
+  multi-process run's processes run each row together, so they take no lock."""
+  if jax.process_count() > 1:
+    yield True
+    return
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, ROW_LOCK), "a") as lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      if not wait:
+        yield False
+        return
+      logger.info("%s: another process is running this row; waiting for it", workdir)
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield True
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def sweep_id() -> str:
+  """This sweep's id, the same in its re-executions (SWEEP_ENV)."""
+  return os.environ.setdefault(SWEEP_ENV, uuid.uuid4().hex)
+
+
+def stall_record(workdir: str) -> dict | None:
+  try:
+    with open(os.path.join(workdir, STALLED_ROW)) as f:
+      record = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return record if isinstance(record, dict) and "message" in record else None
+
+
+def record_stall(workdir: str, message: str) -> None:
+  """Records the row in `workdir` as stalled in this sweep (raises OSError if it cannot)."""
+  record = {"sweep": sweep_id(), "message": message,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+  temporary = os.path.join(workdir, STALLED_ROW + ".tmp")
+  with open(temporary, "w") as f:
+    json.dump(record, f)
+  os.replace(temporary, os.path.join(workdir, STALLED_ROW))
+
+
+def _reference(row: Row) -> str | None:
+  """The first of the row's LOCAL references finished at its rounds or more."""
+  for path in row.references:
+    try:
+      with open(path) as f:
+        if json.load(f).get("rounds", 0) >= row.config.train.rounds:
+          return path
+    except (OSError, ValueError):
+      continue
+  return None
+
+
+def run_or_read(row: Row, options: Options = Options()) -> RowOutcome:
+  """The row, read if it is finished in its workdir and trained otherwise, the row
+  claimed meanwhile (row_claimed); with options.train False, only read (read_if_finished)."""
+  if not options.train:
+    return read_if_finished(row)
+  with row_claimed(row.workdir):
+    results = finished_results(row)
+    if results is not None:
+      logger.info("%s: finished in %s, read", row.name, row.workdir)
+      return RowOutcome(results, read=True)
+    stalled = stall_record(row.workdir)
+    if stalled is not None and stalled.get("sweep") == sweep_id():
+      why = f"failed: {stalled['message']}"
+      logger.info("%s: %s; left out", row.name, why)
+      return RowOutcome(None, read=True, unfinished=why)
+    logger.info("%s -> %s", row.name, row.workdir)
+    config = dataclasses.replace(row.config, reference=_reference(row))
+    with options.watching(lambda message: options.on_stall(row, message)) as watchdog:
+      results = train_lib.train_and_evaluate(config, row.workdir,
+                                             options.progress(row.label or row.name),
+                                             watchdog)
+    logger.info("%s: %s  (%s)", row.name, results_lib.format_row(results), row.workdir)
+    if stalled is not None:  # an earlier sweep's failure, retried and finished now
+      os.remove(os.path.join(row.workdir, STALLED_ROW))
+    return RowOutcome(results, read=False)
+
+
+def read_if_finished(row: Row) -> RowOutcome:
+  """The row if it is finished in its workdir; trains nothing. A row not there, not
+  finished, or held by a process running it now (its files may be half written) has no
+  results, and `unfinished` says which."""
+  results, why = None, "not started"
+  if os.path.isdir(row.workdir):
+    with row_claimed(row.workdir, wait=False) as claimed:
+      if not claimed:
+        why = "running in another process"
+      else:
+        results = finished_results(row)
+        saved = None if results else checkpoint_lib.rounds_saved(row.workdir)
+        if saved is not None:  # a run of fewer rounds than the row's is stopped short
+          why = f"stopped after round {saved} of {row.config.train.rounds}"
+        elif checkpoint_lib.holds_a_run(row.workdir):
+          why = "not finished, no checkpoint saved"
+        stalled = None if results else stall_record(row.workdir)
+        if stalled is not None:
+          why = f"failed: {stalled['message']}"
+  logger.info("%s: %s", row.name, f"finished in {row.workdir}, read" if results
+              else f"{why}; left out")
+  return RowOutcome(results, read=True, unfinished=None if results else why)
+
+
+def run_configs(rows: Sequence[Row], options: Options = Options()) -> list[RowOutcome]:
+  """Every row, in order (a row's references are earlier rows' LOCAL runs), read where
+  finished and trained otherwise: the one place a sweep's configs become runs."""
+  return [run_or_read(row, options) for row in rows]
