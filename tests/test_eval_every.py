@@ -92,8 +92,9 @@ def test_due_for_test(round_number, mean_val, best, lower, due):
 def test_a_round_without_test_is_left_out_of_logs_and_curves(every_third):
   history = every_third.history
   skipped = next(r for r in range(ROUNDS) if np.isnan(history.test_score[r]).all())
-  metrics = type(history)(*[getattr(history, f)[skipped] for f in history._fields[:-1]],
-                          extra={})
+  metrics = history._replace(**{f: getattr(history, f)[skipped] for f in history._fields
+                                if f != "extra" and getattr(history, f) is not None},
+                             extra={})
   scalars = metric_writer.round_scalars(metrics, "fedavg")
   assert "val/accuracy" in scalars and "test/accuracy" not in scalars
   assert format_mean(metrics.test_score) == "n/a"
