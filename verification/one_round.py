@@ -186,6 +186,9 @@ class Reference(NamedTuple):
   # The model in our personalized_params that `personal` is compared with, where they
   # hold more than a model (GPFL: its valve and conditional input beside it).
   our_personal: Callable[[Any], Any] = lambda personal: personal
+  # The clients of the check where the algorithm needs others than real_clients' (FedGC:
+  # clients that lack classes): setting -> clients.
+  clients: Callable[[Setting], list[Client]] | None = None
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -784,6 +787,278 @@ def _pcl_accuracy(client, data: Client) -> float:
   return correct / count
 
 
+def _gen_draws(key: jax.Array, steps: int, class_weights, batch_size: int, noise_dim: int):
+  """Our FedGen's generated batches, step s from fold_in(key, s) (fedgen's clients and
+  server): [(labels, noise)]."""
+  from fedora_jax.models.generator import draw_inputs  # pylint: disable=import-outside-toplevel
+  return [tuple(np.asarray(a) for a in draw_inputs(jax.random.fold_in(key, s), class_weights,
+                                                   batch_size, noise_dim))
+          for s in range(steps)]
+
+
+@contextlib.contextmanager
+def _drawing(draws):
+  """PFLlib's FedGen drawing our batches: np.random.choice its labels, torch.rand (in its
+  Generative.forward) its noise, in turn."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from unittest import mock  # pylint: disable=import-outside-toplevel
+  queue = iter(draws)
+  current: list = []
+
+  def choice(_, size):
+    current[:] = next(queue)
+    assert len(current[0]) == size, (len(current[0]), size)
+    return current[0].astype(np.int64)
+
+  def rand(shape, device=None):
+    del device
+    assert tuple(shape) == current[1].shape, (shape, current[1].shape)
+    return torch.from_numpy(current[1].copy())
+  with mock.patch.object(np.random, "choice", choice), mock.patch.object(torch, "rand", rand):
+    yield
+  assert next(queue, None) is None, "a generated batch was left undrawn"
+
+
+def _gen_load_initial(server, state) -> None:
+  """Our initial generator into PFLlib's (fc1's Linear and BatchNorm, fc), and what its
+  clients and server need to draw our batches: p(y), the server's key, our run's keys."""
+  import torch  # pylint: disable=import-outside-toplevel
+  generator = jax.tree.map(np.asarray, state.server.generator["params"])
+  model = server.generative_model
+  with torch.no_grad():
+    for linear, ours in ((model.fc1[0], generator["Dense_0"]), (model.fc, generator["Dense_1"])):
+      linear.weight.copy_(torch.from_numpy(ours["kernel"].T.copy()))
+      linear.bias.copy_(torch.from_numpy(ours["bias"].copy()))
+    model.fc1[1].weight.copy_(torch.from_numpy(generator["scale"].copy()))
+    model.fc1[1].bias.copy_(torch.from_numpy(generator["offset"].copy()))
+  server.gen_state = state.server
+  for client in server.clients:
+    client.gen_server = server
+
+
+def _gen_train(client) -> None:
+  """One PFLlib FedGen client's train() drawing our client's batches: from the second
+  half of its round key (fedgen.client_update), one per step."""
+  server = client.gen_server
+  round_index = getattr(client, "gen_round", 0)
+  client.gen_round = round_index + 1
+  setting = server.gen_setting
+  keys = client_keys(jax.random.fold_in(root_keys(setting.seed)["train"], round_index),
+                     len(server.clients))
+  steps = setting.local_epochs * setting.train_size // setting.batch_size
+  draws = _gen_draws(jax.random.split(keys[client.id])[1], steps,
+                     server.gen_state.class_weights, setting.batch_size, server.noise_dim)
+  with _drawing(draws):
+    client.train()
+
+
+def _gen_prepare(server, setting: Setting, clients: list[Client]) -> None:
+  del clients
+  server.gen_setting = setting
+  server.noise_dim = server.generative_model.noise_dim
+
+
+def _gen_server_step(server) -> None:
+  """train_generator drawing our server's batches (fedgen.aggregate: its key folded with
+  the round, then with the step), then the FedAvg."""
+  round_index = getattr(server, "gen_round", 0)
+  server.gen_round = round_index + 1
+  key = jax.random.fold_in(jax.random.wrap_key_data(server.gen_state.key), round_index)
+  draws = _gen_draws(key, server.server_epochs, server.gen_state.class_weights,
+                     server.batch_size, server.noise_dim)
+  with _drawing(draws):
+    server.train_generator()
+  server.aggregate_parameters()
+
+
+# The generator compared by its output on a fixed batch (PROBE_SIZE labels in turn,
+# uniform noise from PROBE_SEED): its parameters under a ReLU that no sample opens, and its
+# hidden bias under the BatchNorm, get gradients of rounding only, which Adam turns into
+# steps of +-lr in each code, its own way, and which change no output.
+PROBE_SIZE, PROBE_SEED = 20, 7
+
+
+def _gen_probe(noise_dim: int) -> tuple[np.ndarray, np.ndarray]:
+  labels = np.arange(PROBE_SIZE) % 10
+  noise = np.asarray(jax.random.uniform(jax.random.key(PROBE_SEED), (PROBE_SIZE, noise_dim)))
+  return labels, noise
+
+
+def _gen_ours_generator(algorithm, state):
+  """Our generator's output on the probe [B, d], as a Dense kernel [d, B] (zero bias),
+  every client's (the one it receives)."""
+  from fedora_jax.algorithms import fedgen  # pylint: disable=import-outside-toplevel
+  del algorithm
+  generator = state.server.generator
+  head = state.server.params["params"]["Dense_1"]
+  noise_dim = generator["params"]["Dense_0"]["kernel"].shape[0] - head["kernel"].shape[-1]
+  labels, noise = _gen_probe(noise_dim)
+  module = fedgen.generator_for(head, generator["params"]["Dense_0"]["kernel"].shape[1])
+  outputs = np.asarray(module.apply(generator, jnp.asarray(noise), jnp.asarray(labels)))
+  count = state.clients.shape[0]
+  return {"params": {"Dense_0": {
+      "kernel": np.broadcast_to(outputs.T, (count,) + outputs.T.shape),
+      "bias": np.zeros((count, PROBE_SIZE), np.float32)}}}
+
+
+def _gen_generator(client):
+  """The output on the probe of the generator the client received, as a Linear's weight."""
+  import torch  # pylint: disable=import-outside-toplevel
+  generator = client.generative_model
+  labels, noise = _gen_probe(generator.noise_dim)
+  with _drawing([(labels, noise)]):
+    np.random.choice(None, PROBE_SIZE)
+    with torch.no_grad():
+      outputs = generator(torch.from_numpy(labels.astype(np.int64)))
+  layer = torch.nn.Linear(outputs.shape[1], PROBE_SIZE)
+  with torch.no_grad():
+    layer.weight.copy_(outputs)
+    layer.bias.zero_()
+  return layer
+
+
+def fedgen_divergence(server_epochs: int, shift: float = 1e-6,
+                      setting: Setting = Setting()) -> dict[str, tuple[float, float]]:
+  """Why FedGen's row runs fewer generator steps than PFLlib's 1000: for the global model
+  after the row's two rounds and for the generator's output on the probe, (PFLlib beside
+  itself with the generator's hidden bias moved by `shift`, which its BatchNorm takes
+  out in exact arithmetic; ours beside PFLlib), as max relative errors, at
+  `server_epochs` Adam steps a round."""
+  import torch  # pylint: disable=import-outside-toplevel
+  reference = REFERENCES["fedgen"]
+  reference = reference._replace(
+      config={**reference.config, "server_epochs": server_epochs},
+      args={**reference.args, "server_epochs": server_epochs})
+  clients = real_clients(setting)
+  result, initial, batches, compared = _our_round("fedgen", setting, clients, reference)
+  loaded = _our_initial_state("fedgen", setting, clients, reference)
+  runs = []
+  for moved in (0.0, shift):
+    def load(server, state, moved=moved):
+      _gen_load_initial(server, state)
+      with torch.no_grad():
+        server.generative_model.fc1[0].bias.add_(moved)
+    runs.append(_pfllib_round(reference._replace(load_initial=load), setting, clients,
+                              bridges.dense_stack_to_torch(initial), batches, None, loaded))
+  ours = bridges.dense_stack_to_torch(jax.tree.map(np.asarray,
+                                                   result.final_state.algorithm.server.params))
+  (server, scored, _), (moved_server, moved_scored, _) = runs
+  return {"model": (relative_error(_flat(moved_server), _flat(server)),
+                    relative_error(_flat(ours), _flat(server))),
+          "generator": (relative_error(_flat(moved_scored[-1]), _flat(scored[-1])),
+                        relative_error(_flat(compared[-1]), _flat(scored[-1])))}
+
+
+def _cross_attach_server(server, state) -> None:
+  """Each PFLlib client reaches its server and our deal of the middleware models."""
+  server.cross_key = np.asarray(state.server.key)
+  for client in server.clients:
+    client.cross_server = server
+
+
+def _cross_train(client) -> None:
+  """FedCross's round for one client (servercross.py's train()): the middleware model of
+  the slot our server deals it, trained, written back to that slot."""
+  from fedora_jax.algorithms import fedcross  # pylint: disable=import-outside-toplevel
+  server = client.cross_server
+  round_index = getattr(client, "cross_round", 0)
+  client.cross_round = round_index + 1
+  slots = fedcross.round_slots(server.cross_key, round_index,
+                               jnp.ones(len(server.clients), bool))
+  slot = int(slots[client.id])
+  client.set_parameters(server.w_locals[slot])
+  client.train()
+  client.clone_model(client.model, server.w_locals[slot])
+
+
+def _cross_server_step(server) -> None:
+  """FedCross's server after receive_models: the FedAvg of the uploads, the similarities,
+  the cross-aggregation (its first stage never: bound 0)."""
+  round_index = getattr(server, "cross_round", 0)
+  server.cross_round = round_index + 1
+  server.aggregate_parameters()
+  similarity, _ = server.calculate_similarity()
+  server.w_locals = server.cross_aggregation(round_index, similarity)
+
+
+def _cross_ours_slots(algorithm, state):
+  del algorithm
+  return state.server.models
+
+
+def _cross_slot(client):
+  """Middleware slot k beside our slot k (PFLlib's DNN: its Linear layers)."""
+  return client.cross_server.w_locals[client.id]
+
+
+def _class_subset_clients(setting: Setting) -> list[Client]:
+  """Clients of five classes each, client k classes 2k .. 2k + 4 (mod 10): some classes
+  held by several clients, each lacking others. Disjoint samples of the official splits,
+  taken in order; tests of the client's classes only."""
+  mnist = load_mnist()
+  taken_train = np.zeros(len(mnist.y_train), bool)
+  taken_test = np.zeros(len(mnist.y_test), bool)
+  clients = []
+
+  def take(labels, taken, classes, count):
+    chosen = np.flatnonzero(np.isin(labels, classes) & ~taken)[:count]
+    taken[chosen] = True
+    return chosen
+  for k in range(setting.clients):
+    classes = (2 * k + np.arange(5)) % 10
+    train = take(mnist.y_train, taken_train, classes, setting.train_size)
+    val = take(mnist.y_train, taken_train, classes, 20)
+    test = take(mnist.y_test, taken_test, classes, setting.test_size)
+    clients.append(Client(mnist.x_train[train], mnist.y_train[train], mnist.x_train[val],
+                          mnist.y_train[val], mnist.x_test[test], mnist.y_test[test]))
+  return clients
+
+
+def _gc_load_initial(server, state) -> None:
+  """Our initial heads (each client's classes' columns) into PFLlib's clients' bias-free
+  heads and its server's copies (theirs: torch's own draws)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  kernels = np.asarray(state.server.heads["params"]["Dense_1"]["kernel"])
+  held = np.asarray(state.server.held)
+  with torch.no_grad():
+    for client in server.clients:
+      rows = torch.from_numpy(kernels[client.id][:, held[client.id]].T.copy())
+      client.model.head.weight.copy_(rows)
+      server.client_heads[client.id].weight.copy_(rows)
+
+
+def _gc_personalized(client):
+  """The client's model with its head all classes wide: its rows at its classes, zeros
+  elsewhere, a zero bias."""
+  import torch  # pylint: disable=import-outside-toplevel
+  weight = client.model.head.weight
+  head = torch.nn.Linear(weight.shape[1], 10)
+  with torch.no_grad():
+    head.weight.zero_()
+    head.bias.zero_()
+    head.weight[client.classes_index] = weight
+  return torch.nn.ModuleList([copy.deepcopy(client.model.base), head])
+
+
+def _gc_ours_personal(personal):
+  """Our scored models with the columns of the classes a client lacks zeroed."""
+  params = personal.model["params"]
+  held = np.asarray(personal.held)[:, None, :]
+  head = {"kernel": np.asarray(params["Dense_1"]["kernel"]) * held,
+          "bias": np.asarray(params["Dense_1"]["bias"])}
+  return {"params": {**params, "Dense_1": head}}
+
+
+def _gc_accuracy(client, data: Client) -> float:
+  """PFLlib's own FedGC scoring (clientgc.test_metrics: over the client's classes)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  client.load_test_data = lambda batch_size=None: [
+      (torch.from_numpy(bridges.model_inputs(data.x_test)),
+       torch.from_numpy(data.y_test.astype(np.int64)))]
+  correct, count, _ = client.test_metrics()
+  return correct / count
+
+
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
 REFERENCES = {
     "local": Reference("serverlocal.Local", "clientavg.py", ("train",), _own_key,
@@ -1080,6 +1355,47 @@ REFERENCES = {
                         server_steps=(_pcl_server_step,), loads=_pcl_loads,
                         prepare=_pcl_prepare, accuracy=_pcl_accuracy,
                         our_personal=_pcl_ours_body, also=(_pcl_ours_sets, _pcl_sets)),
+    # FedGen with PFLlib's generator (noise 512, hidden 512, Adam at 0.005) for 20 steps a
+    # round (PFLlib's 1000 part PFLlib from itself: fedgen_divergence) and its ensemble
+    # weighted by samples (--fedgen_ensemble=samples); every generated batch ours
+    # (np.random.choice and torch.rand fed our draws), our initial generator loaded. Two
+    # rounds: the first trains the clients under the initial generator. Compared: the
+    # global model and the generator's output on a fixed batch.
+    "fedgen": Reference("servergen.FedGen", "clientgen.py", (_gen_train,),
+                        lambda key: [jax.random.split(key)[0]], aggregates=True,
+                        personal="model", config={"ensemble": "samples", "server_epochs": 20},
+                        args={"noise_dim": 512, "hidden_dim": 512,
+                              "generator_learning_rate": 0.005, "server_epochs": 20,
+                              "localize_feature_extractor": False},
+                        split=True, rounds=2, server_steps=(_gen_server_step,),
+                        server_model=lambda server: server.params,
+                        prepare=_gen_prepare, load_initial=_gen_load_initial,
+                        also=(_gen_ours_generator, _gen_generator)),
+    # FedCross in PFLlib's form (--fedcross_similarity=layers --fedcross_global_model=
+    # uploads; alpha 0.99, lowest similarity), every client sampled, the middleware
+    # models dealt as our server deals them. Two rounds: the second from cross-aggregated
+    # models. Compared: the global model (every client's) and each middleware slot.
+    "fedcross": Reference("servercross.FedCross", "clientcross.py", (_cross_train,),
+                          _own_key, aggregates=True,
+                          personal=lambda client: client.cross_server.global_model,
+                          config={"similarity": "layers", "global_model": "uploads"},
+                          args={"first_stage_bound": 0, "fedcross_alpha": 0.99,
+                                "collaberative_model_select_strategy": 1},
+                          rounds=2, sends=False, server_steps=(_cross_server_step,),
+                          server_model=lambda server: server.global_model,
+                          load_initial=_cross_attach_server,
+                          also=(_cross_ours_slots, _cross_slot)),
+    # FedGC (lambda 1) on clients of five classes each, our initial heads loaded into its
+    # bias-free ones. Two rounds: the second from corrected heads. Compared: the global
+    # body and each client's model (its head all classes wide, zero where it lacks one);
+    # scored by PFLlib's test_metrics, over the client's classes.
+    "fedgc": Reference("servergc.FedGC", "clientgc.py", ("train",), _own_key,
+                       aggregates=True, personal=_gc_personalized, config={"lam": 1.0},
+                       args={"lamda": 1.0}, split=True, rounds=2,
+                       server_steps=("aggregate_parameters", "reg_train"),
+                       server_model=lambda server: server.body,
+                       load_initial=_gc_load_initial, accuracy=_gc_accuracy,
+                       our_personal=_gc_ours_personal, clients=_class_subset_clients),
 }
 
 
@@ -1274,7 +1590,7 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
   reference gets each epoch's batches in another order: a check that cannot tell is no
   check."""
   reference = REFERENCES[name]
-  clients = real_clients(setting)
+  clients = (reference.clients or real_clients)(setting)
   result, initial, batches, compared = _our_round(name, setting, clients, reference)
   if control:
     batches = [[[[np.roll(epoch, 1, axis=0) for epoch in training] for training in client]

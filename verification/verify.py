@@ -29,6 +29,7 @@ COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg",
 COVERED += ("fedala_round1", "fedala_round2", "fedala", "fedala_converging", "fedcp")
 COVERED += ("fedfomo",)  # in PFLlib's form (one_round.py)
 COVERED += ("fedkd", "fedmtl", "fedpcl")  # issue 52's, in PFLlib's forms (one_round.py)
+COVERED += ("fedgen", "fedcross", "fedgc")  # issue 52's, PFLlib's forms (one_round.py)
 
 
 def missing() -> str | None:
@@ -120,6 +121,11 @@ def main(argv: list[str]) -> int:
                           " last-batch loss) over one, two and three rounds, and with"
                           " threshold 3e-5 over two; FedCP (lambda 5, tau 1, our initial"
                           " CPN and contexts, our Gumbel noise, two rounds)")
+  document["setting"] += ("; FedGen (PFLlib's generator, 20 Adam steps a round, its"
+                          " sample-weighted ensemble, our generated batches), FedCross"
+                          " (alpha 0.99, lowest similarity, PFLlib's per-layer similarity"
+                          " and global model, our deal) and FedGC (lambda 1, clients of five"
+                          " classes each), two rounds each")
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(document, f, indent=2)
