@@ -306,10 +306,11 @@ def _wrapped_title(fig: Figure, title: str) -> None:
 
 def paper_cells_figure(cells: Mapping[str, list[Mapping]], labels: Mapping[str, str],
                        title: str = "") -> Figure:
-  """experiments/paper_tables.py's table as a picture: one panel per column run (a
-  dataset and partition, or a client count and participation), each row's accuracy in %
+  """The other papers' tables (fedora_jax/sweep/paper_tables.py) as a picture: one panel
+  per column run (a dataset and partition, or a client count and participation), each
+  row's accuracy in %
   ours (mean over seeds, error bar: their std, dots: each seed) beside the paper's.
-  `cells`: column -> its rows (paper_tables.summarize_cell); `labels`: column -> title."""
+  `cells`: column -> its rows (sweep.paper_render.summarize_cell); `labels`: column -> title."""
   columns = list(cells)
   fig = Figure(figsize=(max(7.0, 0.5 * max(len(r) for r in cells.values()) + 2.5),
                         3.2 * len(columns) + 1.2), layout="constrained")

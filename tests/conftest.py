@@ -62,7 +62,7 @@ SLOW_MODULES = frozenset((
     "test_algorithm_matrix", "test_sharding", "test_golden_results", "test_reproduce",
     "test_paper_tables", "test_checkpoint", "test_watchdog", "test_notebook",
     "test_benchmark", "test_main", "test_plots", "test_download", "test_loaders_fixtures",
-    "test_dp_run",
+    "test_dp_run", "test_sweep",
     # The CNN, ResNet and BatchNorm models' tests: compiling them is most of a cold run.
     "test_batch_norm", "test_fedbn", "test_cifar", "test_layerwise_cnn", "test_split_layers"))
 # Started first, so that two workers end together (each takes minutes).

@@ -1,4 +1,4 @@
-"""The other seed papers' tables (experiments/paper_tables.py): their numbers as data, a
+"""The other seed papers' tables (fedora_jax/sweep/paper_*.py): their numbers as data, a
 tiny table end to end, the best-round metric, and the refused requests."""
 
 import csv
@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from experiments import flags as run_flags
-from experiments import paper_tables
 from experiments import reproduce
 from fedora_jax import algorithms, metrics, sweep
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError, FedoraError
+from fedora_jax.sweep import fedora_tables, paper_render, paper_specs, paper_tables
 from fedora_jax.models import MODELS
 from test_main import ROOT
 
-TABLES = paper_tables.load_tables()
+TABLES = paper_specs.load_tables()
 SHAPES = {  # rows, columns, columns with the paper's numbers
     "coaching1": (10, 8, 8), "coaching2": (10, 8, 8), "fedala1": (14, 8, 8),
     "fedala_ala": (18, 3, 3), "confree2": (12, 12, 8)}
@@ -29,7 +29,7 @@ SHAPES = {  # rows, columns, columns with the paper's numbers
 def test_the_tables_and_their_shapes():
   assert paper_tables.TABLES == ("coaching1", "coaching2", "fedala1", "fedala_ala",
                                  "confree2")
-  assert set(reproduce.FLAGS["table"].parser.enum_values) == set(reproduce.TABLES) | set(TABLES)
+  assert set(reproduce.FLAGS["table"].parser.enum_values) == set(fedora_tables.TABLES) | set(TABLES)
   for name, (rows, columns, with_numbers) in SHAPES.items():
     table = TABLES[name]
     assert len(table["rows"]) == rows and len(table["columns"]) == columns, name
@@ -48,12 +48,12 @@ def test_every_row_and_column_is_well_formed(name):
     assert spec["label"] and spec["algorithm"] and first <= spec["line"] <= last, row
     for flag in spec.get("flags", {}):  # the plug-ins, the row's own fields, a run flag
       assert flag in run_flags.FLAGS, (row, flag)
-    if set(spec.get("flags", {})) - set(paper_tables.ROW_FLAGS):
+    if set(spec.get("flags", {})) - set(paper_specs.ROW_FLAGS):
       assert spec.get("note"), row  # a row off the table's or its algorithm's defaults says why
     if "improves" in spec:  # a host with a plug-in: its host is a row, without the plug-in
       host = table["rows"][spec["improves"]]
       assert host["algorithm"] == spec["algorithm"], row
-      assert not set(paper_tables.ROW_FLAGS) & set(host.get("flags", {})), row
+      assert not set(paper_specs.ROW_FLAGS) & set(host.get("flags", {})), row
   assert set(table["default_columns"]) <= set(table["columns"])
   for column, spec in table["columns"].items():
     assert spec["label"] and spec["paper_column"] and spec["sample_every"] >= 1, column
@@ -64,7 +64,7 @@ def test_every_row_and_column_is_well_formed(name):
       assert setting["setting"] and setting["source"], (column, setting)
       if "flag" in setting:  # every value a run uses is a flag's
         assert setting["flag"] in run_flags.FLAGS, setting
-    flags = paper_tables.cell_flags(table, column)
+    flags = paper_specs.cell_flags(table, column)
     if spec["dataset"] is not None:  # a column that runs where its data is
       assert flags["partition"] in partitions.KINDS and flags["rounds"] >= 1, column
     for row, value in spec["values"].items():
@@ -87,8 +87,8 @@ def test_every_row_passes_its_checks_in_every_column_that_can_run(name, tmp_path
   # row the table sets up wrong would stop the full table hours in (FedRep and FedPAC
   # with the PFLlib tables' 1 local epoch did, before their rows set 2).
   table = TABLES[name]
-  columns = [c for c in table["columns"] if not paper_tables.column_problem(table, c)]
-  rows = [r for r in paper_tables.table_rows(table) if paper_tables.row_problem(table, r) is None]
+  columns = [c for c in table["columns"] if not paper_specs.column_problem(table, c)]
+  rows = [r for r in paper_specs.table_rows(table) if paper_specs.row_problem(table, r) is None]
   flag_values = reproduce.FLAGS
   flag_values(["reproduce"])
   try:
@@ -102,18 +102,18 @@ def test_every_row_passes_its_checks_in_every_column_that_can_run(name, tmp_path
 
 def test_a_plugin_row_runs_with_its_hosts_flags():
   table = TABLES["confree2"]
-  host = paper_tables.row_flags(table, "cifar10_c20_p30", "fedrep")
+  host = paper_specs.row_flags(table, "cifar10_c20_p30", "fedrep")
   assert host == {"algorithm": "fedrep", "local_epochs": 2, "fedrep_head_epochs": 1}
-  assert paper_tables.row_flags(table, "cifar10_c20_p30", "fedrep_confree") == {
+  assert paper_specs.row_flags(table, "cifar10_c20_p30", "fedrep_confree") == {
       **host, "aggregation": "confree"}
-  assert paper_tables.row_flags(table, "cifar10_c20_p30", "apfl_confree") == {
+  assert paper_specs.row_flags(table, "cifar10_c20_p30", "apfl_confree") == {
       "algorithm": "apfl", "apfl_alpha": 1.0, "apfl_mixing": "pfllib", "aggregation": "confree"}
-  assert paper_tables.row_flags(table, "cifar10_c20_p30", "fedrod_confree") == {
+  assert paper_specs.row_flags(table, "cifar10_c20_p30", "fedrod_confree") == {
       "algorithm": "fedrod", "aggregation": "confree"}
   # At 2 local epochs FedRep cannot be scored against the cell's 1-epoch LOCAL: the first
   # of the rows at those settings trains its own, and the others share it.
   def references(table, column, row):
-    return paper_tables.row_references(table, column, row, paper_tables.table_rows(table),
+    return paper_tables.row_references(table, column, row, paper_specs.table_rows(table),
                                        0, "w")
   cell_local = "w/cifar10_c20_p30/seed0/local/results.json"
   fedrep_local = "w/cifar10_c20_p30/seed0/fedrep/local/results.json"
@@ -133,9 +133,9 @@ def test_every_row_algorithm_and_column_model_is_registered():
   missing = sorted({f"algorithm {spec['algorithm']}" for table in TABLES.values()
                     for spec in table["rows"].values()
                     if spec["algorithm"] not in algorithms.REGISTRY}
-                   | {f"model {paper_tables.cell_flags(table, c)['model']}"
+                   | {f"model {paper_specs.cell_flags(table, c)['model']}"
                       for table in TABLES.values() for c in table["columns"]
-                      if paper_tables.cell_flags(table, c).get("model", "mlp") not in MODELS})
+                      if paper_specs.cell_flags(table, c).get("model", "mlp") not in MODELS})
   assert not missing
 
 
@@ -164,48 +164,48 @@ def test_the_papers_numbers_as_printed():
   confree = TABLES["confree2"]["columns"]
   assert confree["flowers102_c60_p30"]["values"]["apfl_confree"] == {"mean": 49.30, "imp": 3.42}
   # Its CIFAR-10 cells print the poster's CIFAR-100 gains at the same C and P.
-  cell = paper_tables.summarize_cell(TABLES["confree2"], "cifar10_c60_p30", {})
+  cell = paper_render.summarize_cell(TABLES["confree2"], "cifar10_c60_p30", {})
   assert {e["row"]: e.get("paper_imp") for e in cell if "improves" in e} == {
       f"{h}_confree": confree["cifar100_c60_p30"]["values"][f"{h}_confree"]["imp"]
       for h in ("apfl", "fedrod", "fedrep", "fedcp", "fedala", "fedpac")}
   assert all(e["paper_acc"] is None for e in cell)
   assert confree["cifar100_c20_p30"]["values"]["fedpac"] == {"mean": 61.45}
   # Each cell's settings, as the papers (or, where they are silent, the code) give them.
-  assert {k: paper_tables.cell_flags(TABLES["coaching2"], "cifar100_0.1")[k]
+  assert {k: paper_specs.cell_flags(TABLES["coaching2"], "cifar100_0.1")[k]
           for k in ("num_clients", "participation", "rounds", "model")} == {
       "num_clients": 100, "participation": 0.1, "rounds": 200, "model": "resnet18"}
   assert TABLES["coaching2"]["columns"]["cifar10_0.3"]["sample_every"] == 5
-  assert paper_tables.row_flags(TABLES["coaching1"], "fmnist_0.3", "coaching") == {
+  assert paper_specs.row_flags(TABLES["coaching1"], "fmnist_0.3", "coaching") == {
       "algorithm": "coaching", "coach_beta": 1.0}
-  assert paper_tables.row_flags(TABLES["fedala_ala"], "cifar10_dir", "ditto_ala") == {
+  assert paper_specs.row_flags(TABLES["fedala_ala"], "cifar10_dir", "ditto_ala") == {
       "algorithm": "ditto", "ala": True}
   # FedBN runs on the CNN with BatchNorm where the paper's CNN has none; its R-Acc
   # would compare it with a LOCAL on another model, so it has no --reference.
   for table, column in (("coaching1", "mnist_0.1"), ("coaching2", "fmnist_0.3")):
-    assert paper_tables.row_flags(TABLES[table], column, "fedbn") == {
+    assert paper_specs.row_flags(TABLES[table], column, "fedbn") == {
         "algorithm": "fedbn", "model": "coaching_cnn_bn"}
-    rows = paper_tables.table_rows(TABLES[table])
+    rows = paper_specs.table_rows(TABLES[table])
     assert paper_tables.row_references(TABLES[table], column, "fedbn", rows, 0, "w") == ()
     assert paper_tables.row_references(TABLES[table], column, "fedavg", rows, 0, "w")[0] == (
         f"w/{column}/seed0/local/results.json")
     assert paper_tables.row_references(TABLES[table], column, "local", rows, 0, "w") == ()
-  assert paper_tables.row_flags(TABLES["coaching1"], "cifar10_0.1", "fedbn") == {
+  assert paper_specs.row_flags(TABLES["coaching1"], "cifar10_0.1", "fedbn") == {
       "algorithm": "fedbn"}  # ResNet-18 has BatchNorm of its own
-  assert {k: paper_tables.cell_flags(TABLES["confree2"], "cifar10_c60_p30")[k]
+  assert {k: paper_specs.cell_flags(TABLES["confree2"], "cifar10_c60_p30")[k]
           for k in ("num_clients", "participation", "partition", "classes_per_client")} == {
       "num_clients": 60, "participation": 0.3, "partition": "pathological",
       "classes_per_client": 2}
 
 
 def test_coaching_cells_carry_the_papers_settings():
-  flags = paper_tables.cell_flags(TABLES["coaching1"], "mnist_0.3")
+  flags = paper_specs.cell_flags(TABLES["coaching1"], "mnist_0.3")
   assert {k: flags[k] for k in ("num_clients", "participation", "data_fraction",
                                 "local_epochs", "lr", "partition", "dirichlet_alpha",
                                 "model", "rounds", "dataset")} == {
       "num_clients": 10, "participation": 1.0, "data_fraction": 0.1, "local_epochs": 5,
       "lr": 0.01, "partition": "dirichlet", "dirichlet_alpha": 0.3,
       "model": "coaching_cnn", "rounds": 50, "dataset": "mnist"}
-  fedala = paper_tables.cell_flags(TABLES["fedala1"], "mnist_pat")
+  fedala = paper_specs.cell_flags(TABLES["fedala1"], "mnist_pat")
   assert {k: fedala[k] for k in ("num_clients", "batch_size", "lr", "local_epochs",
                                  "model", "partition", "classes_per_client", "ala_s",
                                  "ala_p")} == {
@@ -248,16 +248,16 @@ def test_a_round_s_mean_over_its_sampled_clients_by_hand(tmp_path):
       {"clients": [{"n_test": int(n)} for n in n_test]}))
   (tmp_path / "timing.json").write_text(json.dumps({"round_seconds": 1.0,
                                                     "train_seconds": 2.0}))
-  every = paper_tables.read_row_run(str(tmp_path), "mean", 1)
-  only_sampled = paper_tables.read_row_run(str(tmp_path), "mean", 1, "sampled")
+  every = sweep.read_row_run(str(tmp_path), sweep.BestRound("mean", 1))
+  only_sampled = sweep.read_row_run(str(tmp_path), sweep.BestRound("mean", 1, "sampled"))
   np.testing.assert_allclose(every.per_round, [1.7 / 3, 1.9 / 3])
   assert (only_sampled.best_round, only_sampled.best) == (2, pytest.approx(0.5))
   np.savez(tmp_path / "history.npz", test_acc=test_acc, local_steps=np.zeros((2, 3)))
   with pytest.raises(ConfigError, match="a round trained no client"):
-    paper_tables.read_row_run(str(tmp_path), "mean", 1, "sampled")
+    sweep.read_row_run(str(tmp_path), sweep.BestRound("mean", 1, "sampled"))
   np.savez(tmp_path / "history.npz", test_acc=test_acc)
   with pytest.raises(ConfigError, match="history.npz has no local_steps"):
-    paper_tables.read_row_run(str(tmp_path), "mean", 1, "sampled")
+    sweep.read_row_run(str(tmp_path), sweep.BestRound("mean", 1, "sampled"))
 
 
 def test_a_row_without_every_round_s_test_scores_is_refused(tmp_path):
@@ -268,7 +268,7 @@ def test_a_row_without_every_round_s_test_scores_is_refused(tmp_path):
   (tmp_path / "timing.json").write_text(json.dumps({"round_seconds": 1.0,
                                                     "train_seconds": 3.0}))
   with pytest.raises(ConfigError, match="test was not scored every round"):
-    paper_tables.read_row_run(str(tmp_path), "mean", 1)
+    sweep.read_row_run(str(tmp_path), sweep.BestRound("mean", 1))
 
 
 def run_reproduce(*args):
@@ -473,9 +473,9 @@ def test_bad_tables_columns_and_rows_are_refused_in_one_line(args, message):
 def test_columns_of_data_not_held_here_run_where_it_is(tmp_path, table_name, column, dataset,
                                                         model, missing):
   table = TABLES[table_name]
-  flags = paper_tables.cell_flags(table, column)
+  flags = paper_specs.cell_flags(table, column)
   assert flags["dataset"] == dataset and flags["model"] == model
-  assert paper_tables.column_problem(table, column) is None
+  assert paper_specs.column_problem(table, column) is None
   assert column not in table["default_columns"]  # shared/data does not hold it
   assert paper_tables.pick_columns(table_name, table, [column]) == [column]
   # Asked for without its files: the loader's one-line error, before anything trains.
@@ -497,25 +497,25 @@ def test_rows_this_build_cannot_run_say_why():
                                    "flags": {"ala": True}}},
            "columns": {"c": {"dataset": "mnist", "settings": [], "values": {}}},
            "settings": []}
-  assert paper_tables.row_problem(table, "nope") == "nope is not registered in this build"
-  assert paper_tables.row_problem(table, "local_ala").startswith(
+  assert paper_specs.row_problem(table, "nope") == "nope is not registered in this build"
+  assert paper_specs.row_problem(table, "local_ala").startswith(
       "--ala needs an algorithm that sends a global model; local does not")
-  assert paper_tables.row_problem(table, "fedavg_ala") is None
+  assert paper_specs.row_problem(table, "fedavg_ala") is None
   assert paper_tables.pick_rows("t", table, []) == ["local", "fedavg_ala"]
   with pytest.raises(ConfigError, match="^--table=t row nope cannot run here: nope is not"):
     paper_tables.pick_rows("t", table, ["nope"])
   # A model this build lacks keeps its column to the paper's numbers.
   table["columns"]["c"]["settings"] = [{"setting": "model", "paper": "x", "source": "y",
                                         "flag": "model", "value": "no_such_model"}]
-  assert paper_tables.column_problem(table, "c") == (
+  assert paper_specs.column_problem(table, "c") == (
       "needs --model=no_such_model, which this build does not register")
 
 
 def test_a_table_s_rounds_are_named_for_whose_they_are():
   # Coaching's paper states its rounds; FedALA's and ConFREE's come from their code.
-  assert paper_tables._rounds_note(TABLES["coaching1"], "mnist_0.1", 2) == (
+  assert paper_render.rounds_note(TABLES["coaching1"], "mnist_0.1", 2) == (
       "2 rounds, FEWER than the paper's 50")
-  assert paper_tables._rounds_note(TABLES["fedala1"], "mnist_pat", 10) == (
+  assert paper_render.rounds_note(TABLES["fedala1"], "mnist_pat", 10) == (
       "10 rounds, FEWER than the authors' code's 1000")
-  assert paper_tables._rounds_note(TABLES["confree2"], "cifar10_c20_p30", 2000) == (
+  assert paper_render.rounds_note(TABLES["confree2"], "cifar10_c20_p30", 2000) == (
       "2000 rounds (the authors' code's: 2000)")

@@ -20,6 +20,7 @@ from fedora_jax import config as config_lib
 from fedora_jax.algorithms import fedora as fedora_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError
+from fedora_jax.sweep import fedora_render, fedora_tables
 from test_main import FAST, ROOT
 
 
@@ -56,7 +57,7 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   fedora = json.loads((tmp_path / "seed0" / "fedora" / "results.json").read_text())
   assert fedora["fedora"]["pull"] == "decoupled" and fedora["fedora"]["top_k"] == 2
   # The paper's numbers come from the data file, with where they were printed.
-  paper = reproduce.load_paper_rows("fedora1", "rmnist")
+  paper = fedora_tables.load_paper_rows("fedora1", "rmnist")
   for name, row in rows.items():
     assert row["paper_acc"] == paper[name]["acc"]
     assert row["paper_source"] == f"Table 1, {paper[name]['label']} row, Rotated MNIST"
@@ -69,7 +70,7 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
   with open(tmp_path / "table.csv", newline="") as f:
     csv_rows = list(csv.DictReader(f))
   assert [r["algorithm"] for r in csv_rows] == list(rows)
-  assert list(csv_rows[0]) == list(reproduce.CSV_COLUMNS)
+  assert list(csv_rows[0]) == list(fedora_render.CSV_COLUMNS)
   for line in csv_rows:
     row = rows[line["algorithm"]]
     for column in ("acc", "r_acc", "ptr", "paper_acc", "round_seconds", "wall_seconds"):
@@ -104,7 +105,7 @@ def test_table_rows_run_and_a_rerun_adds_rows_keeping_finished_ones(tmp_path):
                    ("fedavg", "not finished, no checkpoint saved")):
     reproduce.FLAGS(["reproduce", *common, "--rounds=3"])
     try:
-      [(_, _, row_run)] = reproduce.plan("fedora1", [row], str(tmp_path), 0, 1,
+      [(_, _, row_run)] = fedora_tables.plan("fedora1", [row], str(tmp_path), 0, 1,
                                          run_flags.settings(), run_flags.given_settings())
     finally:
       reproduce.FLAGS.unparse_flags()
@@ -118,7 +119,7 @@ def _line(markdown: str, row: str) -> str:
 
 
 def test_paper_data_has_every_row_of_every_table_with_finite_numbers():
-  tables = reproduce.load_paper_tables()
+  tables = fedora_tables.load_paper_tables()
   assert {name: t["table"] for name, t in tables.items()} == {
       "fedora1": 1, "fedora3": 3, "fedora4": 4, "fedora5": 5}
   expected_rows = {"fedora1": 16, "fedora3": 16, "fedora4": 4, "fedora5": 5}
@@ -127,7 +128,7 @@ def test_paper_data_has_every_row_of_every_table_with_finite_numbers():
                       "fedora5": ["rmnist"]}
   for name, table in tables.items():
     assert table["caption"] and table["setting"] in partitions.SETTINGS
-    assert table["metrics"] == list(reproduce.METRICS)
+    assert table["metrics"] == list(fedora_tables.METRICS)
     assert len(table["rows"]) == expected_rows[name]
     assert list(table["datasets"]) == expected_columns[name]
     for dataset, column in table["datasets"].items():
@@ -135,7 +136,7 @@ def test_paper_data_has_every_row_of_every_table_with_finite_numbers():
       assert column["num_clients"] == datasets.get_spec(dataset).num_clients
       assert list(column["values"]) == list(table["rows"])  # every row, in its order
       for row, values in column["values"].items():
-        assert set(values) == set(reproduce.METRICS)
+        assert set(values) == set(fedora_tables.METRICS)
         assert 0.0 < values["acc"] < 1.0
         if row == "local":  # the reference: the paper prints "-"
           assert values["r_acc"] is None and values["ptr"] is None
@@ -146,30 +147,29 @@ def test_paper_data_has_every_row_of_every_table_with_finite_numbers():
         assert clients == pytest.approx(round(clients), abs=0.01), (name, dataset, row)
       # Every row runs as one of ours.
       for row in table["rows"]:
-        assert row in reproduce.RUNS, row
+        assert row in fedora_tables.RUNS, row
       if "local" not in column["values"]:  # LOCAL's numbers from a table of its setting
         other = tables[column["local_from"]["table"]]
         assert other["setting"] == table["setting"]
         assert other["datasets"][dataset]["values"]["fedora"] == column["values"]["fedora"]
-  for run in reproduce.RUNS.values():
+  for run in fedora_tables.RUNS.values():
     assert run["algorithm"] in algorithms.REGISTRY
 
 
-@pytest.mark.parametrize("table", reproduce.TABLES)
+@pytest.mark.parametrize("table", fedora_tables.TABLES)
 def test_every_row_of_every_table_prints_the_papers_numbers(table):
-  for dataset in reproduce.load_paper_tables()[table]["datasets"]:
-    paper = reproduce.load_paper_rows(table, dataset)
-    runs = {row: [{"acc": 0.5, "r_acc": 0.01, "ptr": 0.5, "round_seconds": 0.1,
-                   "wall_seconds": 1.0, "machine": "cpu x1, 1 cores",
-                   "results": "r"}]
-            for row in reproduce.check_rows([], table)}
-    summary = reproduce.table_summary(table, runs, paper)
-    markdown = reproduce.format_markdown("T", "settings", summary)
+  for dataset in fedora_tables.load_paper_tables()[table]["datasets"]:
+    paper = fedora_tables.load_paper_rows(table, dataset)
+    runs = {row: [sweep.RowRun(acc=0.5, r_acc=0.01, ptr=0.5, round_seconds=0.1,
+                               wall_seconds=1.0, machine="cpu x1, 1 cores", results="r")]
+            for row in fedora_tables.check_rows([], table)}
+    summary = fedora_tables.table_summary(table, runs, paper)
+    markdown = fedora_render.format_markdown("T", "settings", summary)
     # Every row the paper prints, LOCAL (run as the reference) and our fedora_paper.
-    assert [r["algorithm"] for r in summary] == reproduce.table_rows(table)
+    assert [r["algorithm"] for r in summary] == fedora_tables.table_rows(table)
     assert {r["algorithm"] for r in summary} >= set(paper)
-    for row in reproduce.table_rows(table):
-      values = paper[reproduce.EXTRA_ROWS.get(row, row)]
+    for row in fedora_tables.table_rows(table):
+      values = paper[fedora_tables.EXTRA_ROWS.get(row, row)]
       line = _line(markdown, row)
       cells = [c.strip() for c in line.split("|")[5:8]]  # paper_acc, paper_r_acc, paper_ptr
       assert cells[0] == f"{values['acc']:.4f}", (table, dataset, row)
@@ -180,24 +180,24 @@ def test_every_row_of_every_table_prints_the_papers_numbers(table):
 
 def test_rows_tables_and_datasets_are_checked():
   with pytest.raises(ConfigError, match="--table=fedora1 has no row nope; its rows: local,"):
-    reproduce.check_rows(["fedavg", "nope"], "fedora1")
-  assert reproduce.check_rows(["fedora", "fedavg"], "fedora1") == ["local", "fedavg", "fedora"]
+    fedora_tables.check_rows(["fedavg", "nope"], "fedora1")
+  assert fedora_tables.check_rows(["fedora", "fedavg"], "fedora1") == ["local", "fedavg", "fedora"]
   # By default every row of the table, in its order, LOCAL first.
-  assert reproduce.check_rows([], "fedora1")[-2:] == ["fedora", "fedora_paper"]
-  assert len(reproduce.check_rows([], "fedora1")) == 17
-  assert reproduce.check_rows([], "fedora4") == [
+  assert fedora_tables.check_rows([], "fedora1")[-2:] == ["fedora", "fedora_paper"]
+  assert len(fedora_tables.check_rows([], "fedora1")) == 17
+  assert fedora_tables.check_rows([], "fedora4") == [
       "local", "fedora_random_similarity", "fedora_parameter_similarity",
       "fedora_gradient_similarity", "fedora", "fedora_paper"]
-  assert reproduce.check_rows([], "fedora5") == [
+  assert fedora_tables.check_rows([], "fedora5") == [
       "local", "fedora_lambda_0.01", "fedora_lambda_0.1", "fedora_lambda_1",
       "fedora_lambda_10", "fedora", "fedora_paper"]
-  assert reproduce.check_rows(["fedora_lambda_10", "fedora"], "fedora5") == [
+  assert fedora_tables.check_rows(["fedora_lambda_10", "fedora"], "fedora5") == [
       "local", "fedora_lambda_10", "fedora"]
   with pytest.raises(ConfigError, match="Table 3 reports rmnist, rfmnist, not cifar10"):
-    reproduce.load_paper_rows("fedora3", "cifar10")
-  assert reproduce.load_paper_rows("fedora1", "cifar10")["fedora"]["acc"] == 0.8570
+    fedora_tables.load_paper_rows("fedora3", "cifar10")
+  assert fedora_tables.load_paper_rows("fedora1", "cifar10")["fedora"]["acc"] == 0.8570
   # Table 5 prints no LOCAL row: Table 3's, whose FEDORA row it repeats, with a note.
-  local = reproduce.load_paper_rows("fedora5", "rmnist")["local"]
+  local = fedora_tables.load_paper_rows("fedora5", "rmnist")["local"]
   assert local["acc"] == 0.7736 and "Table 5 prints no LOCAL row" in local["note"]
 
 
@@ -217,8 +217,8 @@ def test_a_column_runs_its_own_flags_unless_the_command_line_gives_them(args, co
   flag_values(["reproduce", "--table=fedora1", *args])
   try:
     given = run_flags.given_settings()
-    assert reproduce.column_settings("fedora1", flag_values.dataset, given) == column_flags
-    config = reproduce.row_config("fedora1", "fedavg", 0, run_flags.settings(), given)
+    assert fedora_tables.column_settings("fedora1", flag_values.dataset, given) == column_flags
+    config = fedora_tables.row_config("fedora1", "fedavg", 0, run_flags.settings(), given)
   finally:
     flag_values.unparse_flags()
   partition = config.data.partition
@@ -234,8 +234,8 @@ def test_table_3_averages_uniformly_and_local_serves_either_weighting():
     flag_values(["reproduce", "--table=fedora3", *args])
     try:
       given = run_flags.given_settings()
-      assert reproduce.column_settings("fedora3", flag_values.dataset, given) == chosen
-      config = reproduce.row_config("fedora3", "fedavg", 0, run_flags.settings(), given)
+      assert fedora_tables.column_settings("fedora3", flag_values.dataset, given) == chosen
+      config = fedora_tables.row_config("fedora3", "fedavg", 0, run_flags.settings(), given)
     finally:
       flag_values.unparse_flags()
     assert config.train.client_weights == weights
@@ -246,8 +246,8 @@ def test_table_3_averages_uniformly_and_local_serves_either_weighting():
   flag_values(["reproduce", "--table=fedora1", "--dataset=rmnist"])
   try:  # Table 1's clients are all one size: nothing to set
     given = run_flags.given_settings()
-    assert reproduce.column_settings("fedora1", "rmnist", given) == {}
-    assert reproduce.row_config("fedora1", "fedavg", 0, run_flags.settings(),
+    assert fedora_tables.column_settings("fedora1", "rmnist", given) == {}
+    assert fedora_tables.row_config("fedora1", "fedavg", 0, run_flags.settings(),
                                 given).train.client_weights == "samples"
   finally:
     flag_values.unparse_flags()
@@ -280,31 +280,31 @@ def test_bad_row_hyperparameters_fail_before_the_sweep(tmp_path):
 
 
 def test_seeds_give_mean_and_population_std_beside_the_paper():
-  runs = [{"acc": 0.70, "r_acc": 0.01, "ptr": 0.5, "round_seconds": 0.2,
-           "wall_seconds": 10.0, "machine": "NVIDIA H200 x1", "results": "a"},
-          {"acc": 0.80, "r_acc": 0.03, "ptr": None, "round_seconds": 0.4,
-           "wall_seconds": 30.0, "machine": "cpu x2, 2 cores", "results": "b"}]
+  runs = [sweep.RowRun(acc=0.70, r_acc=0.01, ptr=0.5, round_seconds=0.2,
+                       wall_seconds=10.0, machine="NVIDIA H200 x1", results="a"),
+          sweep.RowRun(acc=0.80, r_acc=0.03, ptr=None, round_seconds=0.4,
+                       wall_seconds=30.0, machine="cpu x2, 2 cores", results="b")]
   paper = {"fedora": {"acc": 0.8251, "r_acc": 0.0806, "ptr": 1.0, "label": "FEDORA",
                       "source": "Table 1"}}
-  row = reproduce.summarize("fedora", runs, paper)
+  row = fedora_tables.summarize("fedora", runs, paper)
   assert row["acc"] == pytest.approx(0.75) and row["acc_std"] == pytest.approx(0.05)
   assert row["r_acc"] == pytest.approx(0.02) and row["r_acc_std"] == pytest.approx(0.01)
   assert row["ptr"] == pytest.approx(0.5)  # a missing value is left out, not taken as 0
   assert row["paper_acc"] == 0.8251 and row["paper_source"] == "Table 1"
   assert row["round_seconds"] == pytest.approx(0.3) and row["wall_seconds"] == 40.0
   assert row["acc_seeds"] == [0.70, 0.80] and row["ptr_seeds"] == [0.5, None]
-  markdown = reproduce.format_markdown("T", "settings", [row])
+  markdown = fedora_render.format_markdown("T", "settings", [row])
   assert "| fedora | 0.7500 ± 0.0500 | +0.0200 ± 0.0100 |" in markdown
 
 
 def test_table_csv_has_a_line_per_row_with_ours_the_papers_and_timing(tmp_path):
-  runs = [{"acc": 0.70, "r_acc": 0.01, "ptr": 0.5, "round_seconds": 0.2,
-           "wall_seconds": 10.0, "machine": "NVIDIA H200 x1", "results": "a"},
-          {"acc": 0.80, "r_acc": 0.03, "ptr": 1.0, "round_seconds": 0.4,
-           "wall_seconds": 30.0, "machine": "cpu x2, 2 cores", "results": "b"}]
-  paper = reproduce.load_paper_rows("fedora1", "rmnist")
-  rows = reproduce.table_summary("fedora1", {"local": runs, "fedora_paper": runs}, paper)
-  reproduce.write_csv(str(tmp_path / "table.csv"), rows)
+  runs = [sweep.RowRun(acc=0.70, r_acc=0.01, ptr=0.5, round_seconds=0.2,
+                       wall_seconds=10.0, machine="NVIDIA H200 x1", results="a"),
+          sweep.RowRun(acc=0.80, r_acc=0.03, ptr=1.0, round_seconds=0.4,
+                       wall_seconds=30.0, machine="cpu x2, 2 cores", results="b")]
+  paper = fedora_tables.load_paper_rows("fedora1", "rmnist")
+  rows = fedora_tables.table_summary("fedora1", {"local": runs, "fedora_paper": runs}, paper)
+  fedora_render.write_csv(str(tmp_path / "table.csv"), rows)
   lines = (tmp_path / "table.csv").read_text().splitlines()
   assert lines[0] == ("algorithm,seeds,acc,acc_std,r_acc,r_acc_std,ptr,ptr_std,paper_acc,"
                       "paper_r_acc,paper_ptr,round_seconds,wall_seconds,machine,"
@@ -318,9 +318,9 @@ def test_table_csv_has_a_line_per_row_with_ours_the_papers_and_timing(tmp_path):
 
 
 def test_cells_round_to_four_places_without_negative_zero():
-  assert reproduce._cell(-0.00001, signed=True) == "+0.0000"
-  assert reproduce._cell(0.08056, 0.01, signed=True) == "+0.0806 ± 0.0100"
-  assert reproduce._cell(None) == "—"
+  assert fedora_render._cell(-0.00001, signed=True) == "+0.0000"
+  assert fedora_render._cell(0.08056, 0.01, signed=True) == "+0.0806 ± 0.0100"
+  assert fedora_render._cell(None) == "—"
 
 
 def test_each_ablation_row_is_the_fedora_row_with_its_own_flags(tmp_path):
@@ -328,7 +328,7 @@ def test_each_ablation_row_is_the_fedora_row_with_its_own_flags(tmp_path):
   flag_values(["reproduce", "--table=fedora5"])
   try:
     def row_config(row):
-      config = reproduce.row_config("fedora5", row, 0, run_flags.settings(),
+      config = fedora_tables.row_config("fedora5", row, 0, run_flags.settings(),
                                     run_flags.given_settings())
       return config.algorithm.config, config_lib.identity(config)
 
@@ -376,17 +376,17 @@ def test_imbalanced_tables_break_r_acc_down_by_distance_from_the_large_client(tm
 
   # Distances from the large client's 0 degrees: 20 (near), 60 (middle), 180 (far).
   seeds = [results_file("s0", [0.0, 0.1, None, -0.2]), results_file("s1", [0.0, 0.3, 0.2, 0.0])]
-  by_distance = reproduce.r_acc_by_distance(seeds)
+  by_distance = fedora_render.r_acc_by_distance(seeds)
   assert by_distance == {"near": [1, pytest.approx(0.2)], "middle": [1, pytest.approx(0.2)],
                          "far": [1, pytest.approx(-0.1)]}  # seed 0's undefined is left out
   rows = [{"algorithm": "local", "r_acc_by_distance": by_distance},
           {"algorithm": "ditto", "r_acc_by_distance": by_distance}]
-  section = reproduce.format_distance_section(rows)
+  section = fedora_render.format_distance_section(rows)
   assert "| algorithm | near (1 clients) | middle (1 clients) | far (1 clients) |" in section
   assert "| ditto | +0.2000 | +0.2000 | -0.1000 |" in section and "| local |" not in section
   no_angles = tmp_path / "dirichlet.json"
   no_angles.write_text(json.dumps({"clients": [{"n_train": 5, "r_acc": 0.0}]}))
-  assert reproduce.r_acc_by_distance([str(no_angles)]) is None
+  assert fedora_render.r_acc_by_distance([str(no_angles)]) is None
 
 
 def test_a_row_another_process_holds_is_waited_for(tmp_path):

@@ -1,9 +1,10 @@
 """Sweeps: many runs, each in its own workdir, read where finished and trained otherwise.
 
-  configs = sweep.configs({"dataset": "rmnist", "rounds": 50},
-                          [{"algorithm": "fedavg"}, {"algorithm": "fedprox", "fedprox_mu": 0.1}])
-  rows = [sweep.Row(f"row {i}", c, f"runs/sweep/{i}") for i, c in enumerate(configs)]
-  outcomes = sweep.run_configs(rows)     # each row's results document (None: not finished)
+  rows = sweep.grid({"dataset": "rmnist", "rounds": 50},
+                    {"local": {"algorithm": "local"}, "fedavg": {"algorithm": "fedavg"},
+                     "fedprox": {"algorithm": "fedprox", "fedprox_mu": 0.1}},
+                    "runs/sweep", seeds=(0, 1))   # <workdir>/seed<s>/<name>
+  outcomes = sweep.run_configs(rows)   # each row's results document (None: not finished)
 
 A row's workdir holds one run (run_config.json records its config). Rerun, a sweep reads
 the rows finished there (results.json of the row's rounds, timing.json and history.npz:
@@ -12,8 +13,8 @@ counts) and trains the others, resuming from their checkpoints. Several processe
 share a workdir: the process running or reading a row holds its lock (flock), and one
 reaching a held row waits, then reads it. `check_rows` refuses, before anything trains,
 a row whose workdir holds a run with other settings. A row may be scored against a LOCAL
-run another row trained (`Row.references`). The paper tables are sweeps
-(fedora_jax/tables/).
+run another row trained (`Row.references`). The paper tables are sweeps (papers.py:
+a table's specification, experiments/paper/*.json, -> rows -> the table's files).
 """
 
 import contextlib
@@ -28,11 +29,15 @@ import uuid
 
 import jax
 
+from fedora_jax import algorithms
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import results as results_lib
 from fedora_jax import settings as settings_lib
 from fedora_jax import train as train_lib
 from fedora_jax.config import ExperimentConfig
+from fedora_jax.sweep.row_runs import (FINISHED_ONLY_ROWS, SCORED_CLIENTS,  # noqa: F401
+                                       BestRound, RowRun, not_finished, read_row_run,
+                                       seed_unfinished, seeds_finished, seeds_unfinished)
 from fedora_jax.watchdog import Watchdog
 
 logger = logging.getLogger("fedora_jax")
@@ -98,6 +103,24 @@ def configs(base: Mapping[str, Any], overrides: Sequence[Mapping[str, Any]]
             ) -> list[ExperimentConfig]:
   """One config per override: flat settings (fedora_jax/settings.py) on top of `base`."""
   return [settings_lib.from_settings({**base, **override}) for override in overrides]
+
+
+def grid(base: Mapping[str, Any], overrides: Mapping[str, Mapping[str, Any]], workdir: str,
+         seeds: Sequence[int] = (0,)) -> list[Row]:
+  """One row per seed and named override (flat settings on top of `base`), seed by seed
+  in the overrides' order, in <workdir>/seed<s>/<name>; a LOCAL row ("algorithm":
+  "local") listed first is the reference of the seed's other rows."""
+  rows = []
+  for seed in seeds:
+    local = None
+    for name, override in overrides.items():
+      config = settings_lib.from_settings({**base, **override, "seed": seed})
+      directory = os.path.join(workdir, f"seed{seed}", name)
+      rows.append(Row(f"{name} seed {seed}", config, directory,
+                      () if local is None else (os.path.join(local, "results.json"),)))
+      if local is None and config.algorithm.name == algorithms.REFERENCE:
+        local = directory
+  return rows
 
 
 def check_rows(rows: Sequence[Row]) -> None:
