@@ -249,7 +249,8 @@ def run_algorithm(algorithm: AlgorithmSource, model, data: FederatedData,
                   on_round: Callable[[int, RoundMetrics], None] | None = None,
                   checkpointer: Checkpointer | None = None, mesh=None,
                   progress: Progress | None | str = "auto",
-                  watchdog: Watchdog | None = None) -> RunResult:
+                  watchdog: Watchdog | None = None,
+                  on_state: Callable[[int, RoundState], None] | None = None) -> RunResult:
   """Trains `algorithm` (an Algorithm, or algorithms.make(name, config)) for
   train.rounds rounds; returns per-round per-client metrics.
 
@@ -259,7 +260,9 @@ def run_algorithm(algorithm: AlgorithmSource, model, data: FederatedData,
   bar in a terminal or notebook, else a line every train.log_every rounds; None:
   nothing). A `watchdog` (fedora_jax/watchdog.py, already entered) is told each stage,
   compiling and every round, with its time limit. Ctrl-C raises RunInterrupted, saying
-  where the run was and which checkpoint is kept.
+  where the run was and which checkpoint is kept. `on_state(round, state)` sees the
+  state after each round (a diagnostic's: verification/long.py compares models round by
+  round); it must copy what it keeps, as the next round reuses the state's buffers.
   """
   trainer = client_trainer(model, data, train)
   algorithm = build_algorithm(algorithm, trainer)
@@ -269,7 +272,7 @@ def run_algorithm(algorithm: AlgorithmSource, model, data: FederatedData,
   stages = _StageReporter(name, train.rounds, watchdog, checkpointer)
   try:
     return _train(algorithm, trainer, model, data, train, on_round, checkpointer, mesh,
-                  progress, stages)
+                  progress, stages, on_state)
   except RunInterrupted:
     raise
   except KeyboardInterrupt as e:  # Ctrl-C: say where, and what is kept
@@ -336,7 +339,8 @@ def _best_mean(history: list[RoundMetrics], lower_is_better: bool,
 
 
 def _train(algorithm: Algorithm, trainer: ClientTrainer, model, data, train, on_round,
-           checkpointer, mesh, progress: Progress, stages: _StageReporter) -> RunResult:
+           checkpointer, mesh, progress: Progress, stages: _StageReporter,
+           on_state=None) -> RunResult:
   name = algorithm.name
   stages.compiling()
   prepared = _prepare(algorithm, trainer, model, data, train, mesh)
@@ -373,6 +377,8 @@ def _train(algorithm: Algorithm, trainer: ClientTrainer, model, data, train, on_
     history.append(metrics)
     if on_round is not None:
       on_round(r + 1, metrics)
+    if on_state is not None:
+      on_state(r + 1, state)
     if checkpointer is not None and checkpointer.due(r + 1, train.rounds):
       checkpointer.save(state, history)
       stages.saved(r + 1)

@@ -3,6 +3,7 @@ weights in PyTorch's layout, the batches of clients padded in their bucket, the 
 table rendered from the committed results, and its one line where the references are
 missing. The twenty-round runs themselves are make verify-long's (PyTorch, by hand)."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -14,8 +15,10 @@ import optax
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
+from fedora_jax import algorithms
 from fedora_jax.models import build_model
 from fedora_jax.rounds import client_keys
+from fedora_jax.simulation import TrainConfig, run_algorithm
 from tiny import tiny_data, tiny_model, tiny_trainer
 from verification import bridges, long, stand_ins
 
@@ -129,3 +132,63 @@ def test_absent_modules_get_stand_ins_that_fail_when_called(monkeypatch):
     with pytest.raises(RuntimeError, match="not installed"):
       call()
   assert getattr(h5py, "__file__", None) is None  # what inspect asks every module
+
+
+def test_on_state_sees_the_state_after_each_round():
+  data, _ = tiny_data([12, 10, 12], seed=3)
+  train = TrainConfig(rounds=3, local_epochs=1, batch_size=4, lr=0.3, log_every=0)
+  make = lambda: algorithms.make("fedavg", algorithms.default_config("fedavg", train))
+  seen = []
+  result = run_algorithm(make(), tiny_model(), data, train, progress=None,
+                         on_state=lambda r, state: seen.append(
+                             (r, jax.tree.map(np.array, state.algorithm.server))))
+  assert [r for r, _ in seen] == [1, 2, 3]
+  two = run_algorithm(make(), tiny_model(), data, dataclasses.replace(train, rounds=2),
+                      progress=None)
+  for kept, final in ((seen[1][1], two.final_state), (seen[2][1], result.final_state)):
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(final.algorithm.server)):
+      np.testing.assert_array_equal(a, b)
+  assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(seen[0][1]),
+                                            jax.tree.leaves(seen[2][1])))
+
+
+def _side(accuracy: list[float], models) -> dict:
+  return {"accuracy": accuracy, "client_accuracy": [accuracy[-1]],
+          "initial_logits": [[1.0, -2.0]], "server_models": models, "machine": "test",
+          "train_sizes": [10], "round_seconds": 0.0, "compile_seconds": 0.0, "seconds": 0.0}
+
+
+def test_the_server_models_are_compared_round_by_round(tmp_path):
+  rng = np.random.default_rng(0)
+  theirs = [[rng.normal(size=(3, 2)).astype(np.float32), rng.normal(size=3)]
+            for _ in range(2)]
+  ours = [[w * (1 + 1e-3 * r), b.copy()] for r, (w, b) in enumerate(theirs)]
+  # A side's server models travel beside its JSON (--jobs: one process a side).
+  long.write_part(str(tmp_path / "fedavg.ours"), _side([0.5, 0.6], ours))
+  back = long.read_part(str(tmp_path / "fedavg.ours"))
+  for kept, model in zip(back["server_models"], ours):
+    for a, b in zip(kept, model):
+      np.testing.assert_array_equal(a, b)
+  # 814 and 809 right answers of 1,000 (ours a float32 mean): 0.5 point, read 0.500001.
+  back["accuracy"] = [0.5, float(np.float32(0.814))]
+  row = long.merge("fedavg", 2, back, _side([0.5, 0.809], theirs), long.Setting(),
+                   {"command": "test"})
+  assert row["server_model_error"][0] == 0.0
+  assert row["server_model_error"][1] == pytest.approx(1e-3, rel=1e-3)
+  assert row["final_gap_points"] > 0.5 and long.verdict(row) == "within 0.5 point"
+  assert long.verdict({**row, "final_gap_points": 0.6}) == "DIFFERS"
+  assert "| fedavg | ours, PFLlib | 0.0e+00 | 1.0e-03 | 81.40, 80.90 |" in (
+      long.render_model_errors([row]))
+  # Beside PFLlib in float64 (--float64_reference): each float32 side against it.
+  exact = [[w.astype(np.float64) * (1 + 2e-3), b.astype(np.float64)] for w, b in theirs]
+  row = long.merge("fedavg", 2, back, _side([0.5, 0.809], theirs), long.Setting(),
+                   {"command": "test"}, _side([0.5, 0.81], exact))
+  assert row["float64_run"]["accuracy"] == [0.5, 0.81]
+  assert row["server_model_error_float64"]["reference"] == pytest.approx([2e-3 / 1.002] * 2)
+  table = long.render_model_errors([row])
+  assert "| fedavg | PFLlib, PFLlib float64 | 2.0e-03 | 2.0e-03 | 80.90, 81.00 |" in table
+  assert "| fedavg | ours, PFLlib float64 | 2.0e-03 | 1.0e-03 | 81.40, 81.00 |" in table
+  # Without server models (LOCAL, or a server holding a part), no errors.
+  none = long.merge("local", 2, _side([0.5, 0.6], None), _side([0.5, 0.6], None),
+                    long.Setting(), {"command": "test"})
+  assert none["server_model_error"] is None and long.render([none], "x").count("round 1") == 0

@@ -102,6 +102,15 @@ def load_torch_layers(torch_model, layers: Sequence[tuple[np.ndarray, np.ndarray
       module.bias.copy_(torch.from_numpy(bias))
 
 
+def torch_layers(torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
+  """`torch_model`'s nn.Conv2d and nn.Linear layers in registration order (cnn_to_torch's
+  layout), copied to the host."""
+  import torch  # pylint: disable=import-outside-toplevel
+  return [(m.weight.detach().cpu().numpy().copy(), m.bias.detach().cpu().numpy().copy())
+          for m in torch_model.modules()
+          if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+
+
 # ---------------------------------------------------------------- batches
 
 def client_batches(train_key: jax.Array, round_index: int, data: FederatedData,

@@ -24,12 +24,20 @@ split as PFLlib's main.py splits FedAvgCNN (the last Linear the head). Scored ea
 where PFLlib's evaluate() scores (after the next send_models where check (a) reads it
 there), as FedALA's metric: the test images right over all clients, over their count.
 
-Writes <out>/<algorithm>.json as each algorithm finishes (both curves, the final gap),
-<out>/curves.png, <out>/table.md and, with --pack, one .tgz of <out>. With --jobs=N,
-N processes at once, each one side of one algorithm (ours with JAX alone; PFLlib's with
-PyTorch, its JAX on the CPU for the batches and the initial model), so that JAX's
-compilations and PFLlib's Python-bound steps run side by side; --time_budget stops
-what would end too late (a lent GPU's one command). The references come from
+Each round, where the server averages a whole model (check (a)'s compared server), its
+model here and in PFLlib is compared too: the max relative error (over its tensors, max
+|ours - PFLlib's| / max |PFLlib's|) after every round, in the JSON, the table and
+<out>/model_errors.png. With --float64_reference PFLlib also runs in float64 (its model
+and inputs), the arithmetic that both float32 runs round, and each side's server model
+is compared with that run's too: a gap that float32 rounding makes shows between each
+side and it alike, one in what the code computes only on one side (docs/verification.md).
+
+Writes <out>/<algorithm>.json as each algorithm finishes (both curves, the final gap,
+the server model's errors), <out>/curves.png, <out>/table.md and, with --pack, one .tgz
+of <out>. With --jobs=N, N processes at once, each one side of one algorithm (ours with
+JAX alone; PFLlib's with PyTorch, its JAX on the CPU for the batches and the initial
+model), so that JAX's compilations and PFLlib's Python-bound steps run side by side;
+--time_budget stops what would end too late (a lent GPU's one command). The references come from
 --references (default ../shared/references); where scikit-learn or h5py is missing,
 PFLlib's imports of them get stand-ins (never called here). Without the references, or
 without PyTorch, says so in one line and exits 0. Exits 1 when a final gap exceeds half
@@ -51,6 +59,7 @@ import importlib
 import importlib.util
 import json
 import math
+import random
 import sys
 import tarfile
 import tempfile
@@ -171,23 +180,42 @@ def train_config(setting: Setting, rounds: int, epochs: int) -> TrainConfig:
                      eval_batch_size=default_eval_batch_size(MODEL, platform))
 
 
+def compares_server(reference) -> bool:
+  """Whether the server's model is compared round by round: where the server averages
+  a whole model (check (a)'s rule)."""
+  return reference.aggregates and reference.compare_server
+
+
+def flat_layers(layers) -> list[np.ndarray]:
+  return [array for layer in layers for array in layer]
+
+
 def run_ours(name: str, split: Split, setting: Setting, rounds: int) -> dict:
   """Our run: the weighted test accuracy after every round, each client's last, the
-  initial model's logits on the first client's test images, the times."""
+  initial model's logits on the first client's test images, the server's model after
+  every round in PyTorch's layout (None where it is not compared), the times."""
   start = time.perf_counter()
   reference = long_reference(name, rounds)
   train = train_config(setting, rounds, reference.our_epochs or setting.local_epochs)
   model = build_model(MODEL, split.data.num_classes)
   initial = initial_model(model, split.data, root_keys(setting.seed)["init"])
   config = algorithms.default_config(name, train, **reference.config)
+  server_models: list[list[np.ndarray]] = []
+
+  def keep_server_model(_, state) -> None:
+    server = reference.server_model(state.algorithm.server)
+    server_models.append(flat_layers(bridges.cnn_to_torch(jax.tree.map(np.asarray,
+                                                                       server))))
   result = run_algorithm(algorithms.make(name, config), model, split.data, train,
-                         progress=None)
+                         progress=None,
+                         on_state=keep_server_model if compares_server(reference) else None)
   scores = np.asarray(result.history.test_score, np.float64)  # [R, K]
   tests = split.data.split_sizes("test").astype(np.float64)
   return {"accuracy": [float(a) for a in scores @ tests / tests.sum()],
           "client_accuracy": [float(a) for a in scores[-1]],
           "initial_logits": np.asarray(model.apply(initial, split.clients[0].x_test)
                                        ).tolist(),
+          "server_models": server_models if compares_server(reference) else None,
           "compile_seconds": result.compile_seconds, "round_seconds": result.round_seconds,
           "seconds": time.perf_counter() - start,
           "machine": f"JAX on {jax.devices()[0].device_kind}"}
@@ -195,9 +223,10 @@ def run_ours(name: str, split: Split, setting: Setting, rounds: int) -> dict:
 
 # ---------------------------------------------------------------- PFLlib's side
 
-def torch_model(split: bool, device: str, layers):
+def torch_model(split: bool, device: str, layers, float64: bool = False):
   """PFLlib's FedAvgCNN with our initial weights, split as its main.py splits it where
-  the algorithm takes a head (BaseHeadSplit: fc the head), on `device`."""
+  the algorithm takes a head (BaseHeadSplit: fc the head), on `device`; in float64 with
+  `float64`."""
   import torch  # pylint: disable=import-outside-toplevel
   from flcore.trainmodel import models  # pylint: disable=import-outside-toplevel
   model = models.FedAvgCNN(in_features=1, num_classes=10, dim=1024)
@@ -206,7 +235,7 @@ def torch_model(split: bool, device: str, layers):
     head = copy.deepcopy(model.fc)
     model.fc = torch.nn.Identity()
     model = models.BaseHeadSplit(model, head)
-  return model.to(device)
+  return (model.double() if float64 else model).to(device)
 
 
 def correct(model, x, y) -> int:
@@ -216,10 +245,12 @@ def correct(model, x, y) -> int:
 
 
 def run_reference(name: str, split: Split, setting: Setting, rounds: int,
-                  device: str) -> dict:
+                  device: str, float64: bool = False) -> dict:
   """PFLlib's run from our initial model and batches: its weighted test accuracy after
   every round, each client's last, its initial model's logits on the first client's
-  test images, the times."""
+  test images, its server's model where each round is scored (None where it is not
+  compared), the times. With `float64`, its model and inputs in float64 (its code makes
+  its other tensors alike, zeros_like): the arithmetic both float32 runs round."""
   import torch  # pylint: disable=import-outside-toplevel
   from verification import one_round  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
@@ -229,36 +260,44 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
   keys = root_keys(setting.seed)
   initial = bridges.cnn_to_torch(initial_model(build_model(MODEL, split.data.num_classes),
                                                split.data, keys["init"]))
+  inputs = (lambda x: nchw(x).astype(np.float64)) if float64 else nchw
   with torch.no_grad():
-    initial_logits = torch_model(False, device, initial)(
-        torch.from_numpy(nchw(split.clients[0].x_test)).to(device)).cpu().numpy()
+    initial_logits = torch_model(False, device, initial, float64)(
+        torch.from_numpy(inputs(split.clients[0].x_test)).to(device)).cpu().numpy()
   torch.manual_seed(setting.seed)
+  # PFLlib's receive_models takes the uploads in random.sample's order, so its server
+  # sums them in another order each run: seeded, one run rounds as the next.
+  random.seed(setting.seed)
   warnings.filterwarnings("ignore", category=UserWarning, module="flcore")
   check_a = one_round.Setting(clients=setting.clients, batch_size=setting.batch_size,
                               local_epochs=setting.local_epochs, lr=setting.lr,
                               seed=setting.seed)
   args = one_round._pfllib_args(  # pylint: disable=protected-access
-      check_a, class_name, torch_model(reference.split, device, initial),
+      check_a, class_name, torch_model(reference.split, device, initial, float64),
       **{**reference.args, "device": device, "global_rounds": rounds})
   with tempfile.TemporaryDirectory() as folder:
     system = bridges.write_pfllib_split(split.clients, folder, args.dataset,
-                                        inputs=nchw)
+                                        inputs=inputs)
     with (one_round._working_directory(system),  # pylint: disable=protected-access
           contextlib.redirect_stdout(open(os.devnull, "w"))):
       server = server_class(args, 0)
   if reference.prepare is not None:
     reference.prepare(server, check_a, split.clients)
   server.selected_clients = list(server.clients)
-  tests = [(torch.from_numpy(nchw(c.x_test)).to(device),
+  tests = [(torch.from_numpy(inputs(c.x_test)).to(device),
             torch.from_numpy(c.y_test.astype(np.int64)).to(device)) for c in split.clients]
-  train_x = [nchw(c.x_train) for c in split.clients]
+  train_x = [inputs(c.x_train) for c in split.clients]
   train_y = [c.y_train.astype(np.int64) for c in split.clients]
   epochs = reference.our_epochs or setting.local_epochs
   # Where PFLlib's evaluate() reads a round: after the next send_models (its next
   # round's start), or right after training where check (a) reads it there.
   after_send = reference.aggregates and reference.sends and reference.scored_after_send
 
+  server_models: list[list[np.ndarray]] = []
+
   def score() -> list[int]:
+    if compares_server(reference):
+      server_models.append(flat_layers(bridges.torch_layers(server.global_model)))
     return [correct(one_round._scored_model(reference, c, server), x, y)  # pylint: disable=protected-access
             for c, (x, y) in zip(server.clients, tests)]
 
@@ -293,9 +332,11 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
   sizes = np.asarray([len(c.y_test) for c in split.clients], np.float64)
   machine = (f"PyTorch on {torch.cuda.get_device_name(0)}" if device == "cuda"
              else f"PyTorch on a {os.cpu_count()}-core CPU")
+  machine += ", float64" if float64 else ""
   return {"accuracy": [float(a) for a in counts.sum(1) / sizes.sum()],
           "client_accuracy": [float(a) for a in counts[-1] / sizes],
           "initial_logits": initial_logits.tolist(),
+          "server_models": server_models if compares_server(reference) else None,
           "round_seconds": float(np.median(round_seconds)),
           "seconds": time.perf_counter() - start, "machine": machine,
           "train_sizes": [int(n) for n in split.data.split_sizes("train")]}
@@ -304,14 +345,26 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
 # ---------------------------------------------------------------- the comparison
 
 def merge(name: str, rounds: int, ours: dict, theirs: dict, setting: Setting,
-          extra: dict) -> dict:
-  """One algorithm's row: both runs (their initial logits replaced by the largest
-  relative difference between them), the gaps in percentage points, `extra`."""
+          extra: dict, exact: dict | None = None) -> dict:
+  """One algorithm's row: both runs (their initial logits and server models replaced by
+  the largest relative differences between them), the gaps in percentage points,
+  `extra`; with `exact` (PFLlib's run in float64), its accuracies and each float32
+  side's server model errors against it."""
   from verification import one_round  # pylint: disable=import-outside-toplevel
   reference = long_reference(name, rounds)
   ours, theirs = dict(ours), dict(theirs)
   ours_logits = np.asarray(ours.pop("initial_logits"))
   their_logits = np.asarray(theirs.pop("initial_logits"))
+  ours_servers, their_servers = ours.pop("server_models"), theirs.pop("server_models")
+  server_errors = model_errors(ours_servers, their_servers)
+  control = {}
+  if exact is not None:
+    exact = dict(exact)
+    exact.pop("initial_logits")
+    exact_servers = exact.pop("server_models")
+    control = {"float64_run": exact, "server_model_error_float64": {
+        "ours": model_errors(ours_servers, exact_servers),
+        "reference": model_errors(their_servers, exact_servers)}}
   sizes = np.asarray(theirs["train_sizes"])
   gaps = np.abs(np.asarray(ours["accuracy"]) - np.asarray(theirs["accuracy"])) * 100
   server_file = reference.server.split(".")[0] + ".py"
@@ -325,11 +378,22 @@ def merge(name: str, rounds: int, ours: dict, theirs: dict, setting: Setting,
       "ours": ours, "reference_run": theirs,
       "initial_logit_error": float(np.max(np.abs(ours_logits - their_logits))
                                    / np.max(np.abs(their_logits))),
+      # After each round, the max over tensors of max |ours - PFLlib's| / max |PFLlib's|.
+      "server_model_error": server_errors, **control,
       "final_gap_points": float(gaps[-1]), "largest_gap_points": float(gaps.max()),
       "best_gap_points": float(abs(max(ours["accuracy"]) - max(theirs["accuracy"])) * 100),
       "setting": describe(setting, sizes, rounds), "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"),
       "machine": f"{theirs['machine']}, {ours['machine']}", **extra}
+
+
+def model_errors(ours: list | None, theirs: list | None) -> list[float] | None:
+  """Each round's max over tensors of max |ours - theirs| / max |theirs|; None where a
+  side has no server models."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  if ours is None or theirs is None:
+    return None
+  return [one_round.relative_error(o, t) for o, t in zip(ours, theirs)]
 
 
 def _plain(value: Any) -> Any:
@@ -349,7 +413,9 @@ def summary(row: dict) -> str:
 # ---------------------------------------------------------------- outputs
 
 def verdict(row: dict) -> str:
-  return "within 0.5 point" if row["final_gap_points"] <= GAP_POINTS else "DIFFERS"
+  # Rounded: our accuracy is a float32 mean, so 5 images of 1,000 read 0.5000007 point.
+  return ("within 0.5 point" if round(row["final_gap_points"], 4) <= GAP_POINTS
+          else "DIFFERS")
 
 
 def read_rows(out: str) -> list[dict]:
@@ -384,7 +450,42 @@ def render(rows: list[dict], out: str) -> str:
   lines.append(f"\n{first['setting']}. {first['date']}, {first['machine']};"
                f" `{first['command']}`.{smoke} Seconds a round, ours / PFLlib's"
                f" (after compiling): {times}.")
+  compared = [row for row in rows if row.get("server_model_error")]
+  if compared:
+    lines.append("\n" + render_model_errors(compared))
   return "\n".join(lines)
+
+
+def error_rounds(rounds: int) -> list[int]:
+  return [r for r in (1, 2, 3, 5, 10) if r < rounds] + [rounds]
+
+
+def render_model_errors(rows: list[dict]) -> str:
+  """The server's model after some rounds, ours against PFLlib's (and, where PFLlib also
+  ran in float64, each against that): the max over tensors of max |a - b| / max |b|."""
+  rounds = error_rounds(max(row["rounds"] for row in rows))
+  lines = ["| algorithm | compared | " + " | ".join(f"round {r}" for r in rounds)
+           + " | final accuracy |", "|---|---|" + "---|" * (len(rounds) + 1)]
+
+  def line(name: str, compared: str, errors: list[float], accuracy: str) -> str:
+    return (f"| {name} | {compared} | " + " | ".join(
+        f"{errors[r - 1]:.1e}" if r <= len(errors) else "" for r in rounds)
+            + f" | {accuracy} |")
+  for row in rows:
+    final = lambda run: f"{100 * run['accuracy'][-1]:.2f}"
+    lines.append(line(row["algorithm"], "ours, PFLlib", row["server_model_error"],
+                      f"{final(row['ours'])}, {final(row['reference_run'])}"))
+    exact = row.get("server_model_error_float64")
+    if exact and exact["ours"] and exact["reference"]:
+      lines.append(line(row["algorithm"], "ours, PFLlib float64", exact["ours"],
+                        f"{final(row['ours'])}, {final(row['float64_run'])}"))
+      lines.append(line(row["algorithm"], "PFLlib, PFLlib float64", exact["reference"],
+                        f"{final(row['reference_run'])}, {final(row['float64_run'])}"))
+  return ("The server's model after a round, where the server averages a whole model:"
+          " the max relative error of the first against the second (the largest over"
+          " its tensors of max |a - b| / max |b|); PFLlib float64 is PFLlib's run with"
+          " its model and inputs in float64 (`--float64_reference`), the arithmetic"
+          " both float32 runs round:\n\n" + "\n".join(lines))
 
 
 def draw(rows: list[dict], path: str) -> None:
@@ -402,6 +503,9 @@ def draw(rows: list[dict], path: str) -> None:
     ax.plot(rounds, 100 * np.asarray(row["ours"]["accuracy"]), label="fedora_jax")
     ax.plot(rounds, 100 * np.asarray(row["reference_run"]["accuracy"]), "--",
             label="PFLlib")
+    if "float64_run" in row:
+      ax.plot(rounds, 100 * np.asarray(row["float64_run"]["accuracy"]), ":",
+              label="PFLlib float64")
     ax.set_title(f"{row['algorithm']} (gap {row['final_gap_points']:.2f})", fontsize=9)
     ax.set_xlabel("round", fontsize=8)
     ax.set_ylabel("test accuracy (%)", fontsize=8)
@@ -415,11 +519,41 @@ def draw(rows: list[dict], path: str) -> None:
   plt.close(figure)
 
 
+def draw_model_errors(rows: list[dict], path: str) -> None:
+  """The server model's relative error after each round, one line an algorithm."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
+  figure, ax = plt.subplots(figsize=(6.4, 4.0))
+  for row in rows:
+    errors = row["server_model_error"]
+    rounds = np.arange(1, len(errors) + 1)
+    drawn = ax.semilogy(rounds, errors, marker=".",
+                        label=f"{row['algorithm']}: ours, PFLlib")[0]
+    exact = row.get("server_model_error_float64")
+    if exact and exact["ours"] and exact["reference"]:
+      ax.semilogy(rounds, exact["ours"], "--", color=drawn.get_color(),
+                  label=f"{row['algorithm']}: ours, PFLlib float64")
+      ax.semilogy(rounds, exact["reference"], ":", color=drawn.get_color(),
+                  label=f"{row['algorithm']}: PFLlib, PFLlib float64")
+  ax.set_xlabel("round")
+  ax.set_ylabel("server model: max relative error")
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.legend(fontsize=7, ncol=2)
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+
+
 def write_outputs(out: str, pack: str | None) -> list[dict]:
   """The figure and table of every result in `out`, and `out` packed."""
   rows = read_rows(out)
   if rows:
     draw(rows, os.path.join(out, "curves.png"))
+    compared = [row for row in rows if row.get("server_model_error")]
+    if compared:
+      draw_model_errors(compared, os.path.join(out, "model_errors.png"))
     with open(os.path.join(out, "table.md"), "w") as f:
       f.write(render(rows, out) + "\n")
   if pack:
@@ -482,12 +616,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--precision", default="highest", choices=("highest", "default"),
                       help="float32 matmuls and convolutions in full float32 on both"
                            " sides (no TF32 on GPUs), or each library's default")
+  parser.add_argument("--float64_reference", action="store_true",
+                      help="also run PFLlib with its model and inputs in float64, the"
+                           " arithmetic both float32 runs round: a gap that float32"
+                           " rounding makes shows between each side and it alike")
   parser.add_argument("--torch_threads", type=int, default=1,
                       help="PyTorch's CPU threads (default: %(default)s)")
   parser.add_argument("--render", action="store_true",
                       help="no training: render --out's table into --doc")
   parser.add_argument("--doc", default=os.path.join(bridges.ROOT, "docs", "verification.md"))
-  parser.add_argument("--side", default=None, choices=SIDES, help=argparse.SUPPRESS)
+  parser.add_argument("--side", default=None, choices=SIDES + (EXACT,),
+                      help=argparse.SUPPRESS)
   parser.add_argument("--parts", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   unknown = [a for a in args.algorithms.split(",") if a not in DEFAULT]
@@ -502,6 +641,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 SIDES = ("ours", "reference")
+EXACT = "reference64"  # PFLlib in float64 (--float64_reference)
 COMMAND = "VERIFY_LONG_COMMAND"  # the command a child records: its parent's
 
 
@@ -566,13 +706,36 @@ def run_side(args: argparse.Namespace) -> int:
   """A child's work: one side of one algorithm, written to <parts>/<name>.<side>.json."""
   setting, name = Setting(), args.algorithms
   prepare_jax(args)
-  device = prepare_torch(args) if args.side == "reference" else None
+  device = prepare_torch(args) if args.side != "ours" else None
   split = build_split(setting, args.data_dir)
   part = (run_ours(name, split, setting, args.rounds) if args.side == "ours"
-          else run_reference(name, split, setting, args.rounds, device))
-  with open(os.path.join(args.parts, f"{name}.{args.side}.json"), "w") as f:
-    json.dump(part, f)
+          else run_reference(name, split, setting, args.rounds, device,
+                             float64=args.side == EXACT))
+  write_part(os.path.join(args.parts, f"{name}.{args.side}"), part)
   return 0
+
+
+def write_part(path: str, part: dict) -> None:
+  """A side's result as <path>.json, its server models (arrays) as <path>.npz."""
+  part = dict(part)
+  models = part.pop("server_models")
+  if models is not None:
+    np.savez(path + ".npz", **{f"{r}_{i}": a for r, model in enumerate(models)
+                               for i, a in enumerate(model)})
+  with open(path + ".json", "w") as f:
+    json.dump({**part, "server_models": None if models is None else len(models)}, f)
+
+
+def read_part(path: str) -> dict:
+  """write_part's side, its server models read back."""
+  part = read_json(path + ".json")
+  rounds = part["server_models"]
+  if rounds is not None:
+    with np.load(path + ".npz") as arrays:
+      tensors = len(arrays.files) // max(rounds, 1)
+      part["server_models"] = [[arrays[f"{r}_{i}"] for i in range(tensors)]
+                               for r in range(rounds)]
+  return part
 
 
 def run_here(args: argparse.Namespace, names: list[str], extra: dict) -> list[str]:
@@ -604,13 +767,15 @@ def run_here(args: argparse.Namespace, names: list[str], extra: dict) -> list[st
       else:
         ours = run_ours(name, split, setting, args.rounds)
         theirs = run_reference(name, split, setting, args.rounds, device)
+      exact = (run_reference(name, split, setting, args.rounds, device, float64=True)
+               if args.float64_reference else None)
     except Exception:  # pylint: disable=broad-except
       # One algorithm's failure leaves the others' results (a one-shot run on a lent GPU).
       log(f"{name}: failed\n{traceback.format_exc()}")
       failures.append(name)
       continue
     row = merge(name, args.rounds, ours, theirs, setting,
-                {**extra, "overlap": overlap, "jobs": 1})
+                {**extra, "overlap": overlap, "jobs": 1}, exact)
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
       json.dump(row, f, indent=1)
     durations.append(time.perf_counter() - began)
@@ -635,7 +800,8 @@ def run_in_children(args: argparse.Namespace, names: list[str], extra: dict) -> 
   forwarded += [f"--{flag}={getattr(args, flag)}" for flag in ("device", "data_dir")
                 if getattr(args, flag) is not None]
   environment = {**os.environ, COMMAND: extra["command"]}
-  pending = [(name, side) for name in names for side in SIDES]
+  sides = SIDES + ((EXACT,) if args.float64_reference else ())
+  pending = [(name, side) for name in names for side in sides]
   running: dict[tuple[str, str], tuple[Any, float]] = {}
   durations: list[float] = []
   failures: list[str] = []
@@ -650,7 +816,7 @@ def run_in_children(args: argparse.Namespace, names: list[str], extra: dict) -> 
            and not (args.time_budget and elapsed + estimate > args.time_budget)):
       name, side = task = pending.pop(0)
       child_environment = dict(environment)
-      if side == "reference":
+      if side != "ours":
         child_environment["JAX_PLATFORMS"] = "cpu"
       command = [sys.executable, "-m", "verification.long", f"--algorithms={name}",
                  f"--side={side}"] + forwarded
@@ -680,11 +846,12 @@ def run_in_children(args: argparse.Namespace, names: list[str], extra: dict) -> 
         log(f"{name}: its {side} side failed (exit {process.returncode})")
         failures.append(name)
         continue
-      files = [os.path.join(parts, f"{name}.{s}.json") for s in SIDES]
-      if name not in merged and all(os.path.exists(f) for f in files):
+      files = [os.path.join(parts, f"{name}.{s}") for s in sides]
+      if name not in merged and all(os.path.exists(f + ".json") for f in files):
         merged.add(name)
-        ours, theirs = (read_json(f) for f in files)
-        row = merge(name, args.rounds, ours, theirs, setting, {**extra, "jobs": args.jobs})
+        ours, theirs, *exact = (read_part(f) for f in files)
+        row = merge(name, args.rounds, ours, theirs, setting, {**extra, "jobs": args.jobs},
+                    exact[0] if exact else None)
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
           json.dump(row, f, indent=1)
         write_outputs(args.out, args.pack)
