@@ -29,10 +29,10 @@ from fedora_jax.algorithms import (apple, coaching, confree, fedala, fedavg_c, f
 from fedora_jax.algorithms import (fedavgm, feddyn, fedlc, fednova, fedntd, fedopt,
                                    scaffold)
 from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml, gpfl, pflda
+from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
-from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError
