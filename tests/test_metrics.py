@@ -1,9 +1,15 @@
 """Acc, R-Acc, PTR and best-validation selection against hand-computed values."""
 
+import types
+
 import numpy as np
 import pytest
 
 from fedora_jax import metrics, results
+
+# A run whose history counted no bytes: results.json's bytes_up / bytes_down are null.
+_UNCOUNTED_RUN = types.SimpleNamespace(
+    history=types.SimpleNamespace(bytes_up=None, bytes_down=None))
 
 
 def test_summary_by_hand():
@@ -64,8 +70,9 @@ def test_r_acc_is_undefined_where_local_scored_zero_and_shown_so():
                                best_val=np.array([0.0, 0.1, 0.4]), best_round=1)
   info = {"dataset": "tiny", "algorithm": "fedavg", "setting": "balanced",
           "num_clients": 3, "seed": 0, "rounds": 2}
-  report = results.build_results(info, None, ours, local, {"n_train": np.array([5, 6, 7])})
+  report = results.build_results(info, _UNCOUNTED_RUN, ours, local, {"n_train": np.array([5, 6, 7])})
   assert [c["r_acc"] for c in report["clients"]] == [None, 1.0, -0.25]
+  assert report["bytes_up"] is None and report["bytes_down"] is None
   assert report["r_acc"] == 0.375 and report["ptr"] == pytest.approx(2 / 3, abs=1e-6)
   table = results.format_table(report)
   assert "nan" not in table
@@ -73,7 +80,7 @@ def test_r_acc_is_undefined_where_local_scored_zero_and_shown_so():
   assert table.count("R-Acc +0.3750 (over 2 of 3 clients; LOCAL scored 0 on the others)") == 2
   # Nowhere defined: no mean at all, not NaN.
   assert metrics.summarize(np.array([0.5, 0.0]), np.array([0.0, 0.0])).r_acc is None
-  nowhere = results.build_results(info, None, ours._replace(final=np.zeros(3)),
+  nowhere = results.build_results(info, _UNCOUNTED_RUN, ours._replace(final=np.zeros(3)),
                                   local._replace(final=np.zeros(3)),
                                   {"n_train": np.array([5, 6, 7])})
   assert "R-Acc n/a (over 0 of 3 clients" in results.format_table(nowhere)
@@ -123,7 +130,7 @@ def test_the_summary_names_plug_ins_and_participation_and_clients_print_apart():
   info = {"dataset": "rmnist", "algorithm": "fedavg", "setting": "balanced",
           "num_clients": 2, "seed": 3, "rounds": 5, "train": {"participation": 0.5},
           "plugins": {"ala": {"eta": 1.0}, "aggregation": None}}
-  report = results.build_results(info, None, ours, local, {"n_train": np.array([5, 6])})
+  report = results.build_results(info, _UNCOUNTED_RUN, ours, local, {"n_train": np.array([5, 6])})
   summary = results.format_summary(report).splitlines()
   assert summary[0] == ("fedavg+ala on rmnist (balanced, 2 clients, seed 3, participation"
                         " 0.5), 5 rounds:")
