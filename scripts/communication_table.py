@@ -106,6 +106,18 @@ def table(rows: list[dict], conditions: list[str]) -> str:
           f" (scripts/communication_table.py):\n\n" + "\n".join(lines) + "\n")
 
 
+def render(out: str, rounds: int) -> str:
+  """table_r<rounds>.md again from the per-run summaries in `out` (nothing trained)."""
+  rows = []
+  for condition in CONDITIONS:
+    for algorithm in ALGORITHMS:
+      path = os.path.join(out, f"{algorithm}_{condition}_r{rounds}.json")
+      if os.path.exists(path):
+        with open(path) as f:
+          rows.append(json.load(f))
+  return table(rows, [c for c in CONDITIONS if any(r["condition"] == c for r in rows)])
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--data_dir", default=os.path.join(ROOT, "..", "shared", "data"))

@@ -566,16 +566,21 @@ def write_outputs(out: str, pack: str | None) -> list[dict]:
 BEGIN, END = "<!-- verification.long: begin -->", "<!-- verification.long: end -->"
 
 
+def doc_block(out: str) -> str:
+  """The block, BEGIN to END, that docs/verification.md holds for the results in `out`."""
+  relative = os.path.relpath(os.path.abspath(out), bridges.ROOT)
+  return (f"{BEGIN}\nRendered from `{relative}/` by `python -m verification.long --render"
+          f" --out={relative}`:\n\n{render(read_rows(out), relative)}\n\n"
+          f"![the curves side by side](../{relative}/curves.png)\n{END}")
+
+
 def render_into(doc: str, out: str) -> str:
   """Replaces the block between BEGIN and END in `doc` with the table of `out`."""
   with open(doc) as f:
     text = f.read()
   if BEGIN not in text or END not in text:
     raise SystemExit(f"verify-long: {doc} has no {BEGIN} ... {END} block to render into")
-  relative = os.path.relpath(os.path.abspath(out), bridges.ROOT)
-  block = (f"{BEGIN}\nRendered from `{relative}/` by `python -m verification.long --render"
-           f" --out={relative}`:\n\n{render(read_rows(out), relative)}\n\n"
-           f"![the curves side by side](../{relative}/curves.png)\n{END}")
+  block = doc_block(out)
   head, rest = text.split(BEGIN, 1)
   with open(doc, "w") as f:
     f.write(head + block + rest.split(END, 1)[1])

@@ -1,0 +1,153 @@
+"""The docs' result tables, rendered from results/ (issue 47).
+
+  python scripts/render_docs.py          # rewrite stale results tables and the docs' blocks
+  python scripts/render_docs.py --check  # change nothing; name each stale table or block
+
+A doc (README.md, docs/*.md) embeds a results table as a block
+
+  <!-- rendered: results/<folder>/<file>.md -->
+  ... the file's text ...
+  <!-- end rendered -->
+
+whose body is the file's text. Each embeddable file has a renderer in RENDERERS that
+makes it again from its runs' files (results.json, summaries; nothing trained), so a
+block is its runs' numbers twice removed, never typed. docs/verification.md's
+`verification.long` block is checked here too (its own command writes it).
+"""
+
+import argparse
+import os
+import re
+import sys
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+
+# pylint: disable=wrong-import-position
+import byzantine_table  # noqa: E402
+import communication_table  # noqa: E402
+
+BLOCK = re.compile(r"<!-- rendered: (?P<path>\S+) -->\n(?P<body>.*?)\n?<!-- end rendered -->",
+                   re.DOTALL)
+
+
+def _at(path: str) -> str:
+  return os.path.join(ROOT, path)
+
+
+def _leakage(measure: str) -> str:
+  import json  # pylint: disable=import-outside-toplevel
+  from experiments import leakage  # pylint: disable=import-outside-toplevel
+  with open(_at(f"results/leakage/{measure}.json")) as f:
+    report = json.load(f)
+  return (leakage.dlg_table if measure == "dlg" else leakage.membership_table)(report)
+
+
+def _verification(out: str) -> str:
+  from verification import long  # pylint: disable=import-outside-toplevel
+  return long.render(long.read_rows(_at(out)), out)
+
+
+# results file -> its text made again from its runs' files.
+RENDERERS: dict[str, Callable[[], str]] = {
+    "results/byzantine/table.md": lambda: byzantine_table.table(_at("results/byzantine")),
+    "results/communication/table_r1.md":
+        lambda: communication_table.render(_at("results/communication"), 1),
+    "results/communication/table_r30.md":
+        lambda: communication_table.render(_at("results/communication"), 30),
+    "results/leakage/dlg.md": lambda: _leakage("dlg"),
+    "results/leakage/membership.md": lambda: _leakage("membership"),
+    "results/verification/long/table.md": lambda: _verification("results/verification/long"),
+    "results/verification/long_cpu/table.md":
+        lambda: _verification("results/verification/long_cpu"),
+}
+
+
+def docs() -> list[str]:
+  """README.md and docs/*.md (not the dated log: docs/log.md, docs/measurements/)."""
+  folder = _at("docs")
+  return [_at("README.md")] + sorted(
+      os.path.join(folder, name) for name in os.listdir(folder)
+      if name.endswith(".md") and name != "log.md")
+
+
+def _read(path: str) -> str:
+  with open(path) as f:
+    return f.read().rstrip("\n")
+
+
+def stale_results() -> list[str]:
+  """The results tables whose text is not what their renderer makes now."""
+  return [path for path, render in RENDERERS.items()
+          if os.path.exists(_at(path)) and _read(_at(path)) != render().rstrip("\n")]
+
+
+def rendered(text: str, where: str) -> str:
+  """`text` with every block's body replaced by its file's text; SystemExit (one line)
+  for a block naming a file that is not a rendered results table."""
+  def body(match: re.Match) -> str:
+    path = match["path"]
+    if path not in RENDERERS:
+      raise SystemExit(f"render_docs: {where} embeds {path}, which no renderer makes"
+                       f" (known: {', '.join(RENDERERS)})")
+    if not os.path.exists(_at(path)):
+      raise SystemExit(f"render_docs: {where} embeds {path}, which does not exist")
+    return f"<!-- rendered: {path} -->\n{_read(_at(path))}\n<!-- end rendered -->"
+  return BLOCK.sub(body, text)
+
+
+def _verification_block(doc: str) -> tuple[str, str] | None:
+  """docs/verification.md's verification.long block: (as held, as rendered now)."""
+  from verification import long  # pylint: disable=import-outside-toplevel
+  with open(doc) as f:
+    text = f.read()
+  if long.BEGIN not in text:
+    return None
+  held = long.BEGIN + text.split(long.BEGIN, 1)[1].split(long.END, 1)[0] + long.END
+  return held, long.doc_block(_at("results/verification/long"))
+
+
+def problems() -> list[str]:
+  """Every stale results table and every doc block that differs from its file."""
+  found = [f"{path} differs from what its runs' files render" for path in stale_results()]
+  for doc in docs():
+    with open(doc) as f:
+      text = f.read()
+    name = os.path.relpath(doc, ROOT)
+    found += [f"{name}: the block of {match['path']} differs from the file"
+              for match in BLOCK.finditer(text)
+              if match.group(0) != rendered(match.group(0), name)]
+  verification = _verification_block(_at("docs/verification.md"))
+  if verification and verification[0] != verification[1]:
+    found.append("docs/verification.md: the verification.long block is stale"
+                 " (python -m verification.long --render --out=results/verification/long)")
+  return found
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--check", action="store_true",
+                      help="change nothing; exit 1 naming each stale table or block")
+  args = parser.parse_args()
+  if args.check:
+    found = problems()
+    print("\n".join(found) or "every rendered table matches its files")
+    return 1 if found else 0
+  for path in stale_results():
+    with open(_at(path), "w") as f:
+      f.write(RENDERERS[path]().rstrip("\n") + "\n")
+    print(f"rewrote {path}")
+  for doc in docs():
+    with open(doc) as f:
+      text = f.read()
+    new = rendered(text, os.path.relpath(doc, ROOT))
+    if new != text:
+      with open(doc, "w") as f:
+        f.write(new)
+      print(f"rewrote {os.path.relpath(doc, ROOT)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

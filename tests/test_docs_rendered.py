@@ -1,0 +1,53 @@
+"""The docs' result tables are their results files, and the files what their runs' files
+render now (scripts/render_docs.py; nothing trained, files read only)."""
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _render_docs():
+  spec = importlib.util.spec_from_file_location(
+      "render_docs", os.path.join(ROOT, "scripts", "render_docs.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+render_docs = _render_docs()
+
+
+def test_every_rendered_block_and_table_matches_its_files():
+  blocks = [match["path"] for doc in render_docs.docs()
+            for match in render_docs.BLOCK.finditer(open(doc).read())]
+  # The docs embed these tables: none may drop out unnoticed.
+  assert {"results/communication/table_r1.md", "results/communication/table_r30.md",
+          "results/byzantine/table.md", "results/leakage/dlg.md",
+          "results/leakage/membership.md"} <= set(blocks)
+  assert render_docs.problems() == []
+
+
+def test_a_stale_block_takes_its_files_text():
+  path = "results/byzantine/table.md"
+  stale = f"before\n<!-- rendered: {path} -->\n| a | b |\n|---|---|\n| 1 | 2 |\n" \
+          "<!-- end rendered -->\nafter\n"
+  with open(os.path.join(ROOT, path)) as f:
+    table = f.read().rstrip("\n")
+  assert render_docs.rendered(stale, "doc.md") == (
+      f"before\n<!-- rendered: {path} -->\n{table}\n<!-- end rendered -->\nafter\n")
+  # Rendering is a fixed point: a fresh block renders to itself.
+  fresh = render_docs.rendered(stale, "doc.md")
+  assert render_docs.rendered(fresh, "doc.md") == fresh
+
+
+@pytest.mark.parametrize("path,message", [
+    ("results/byzantine/run.sh", "which no renderer makes"),
+    ("README.md", "which no renderer makes")])
+def test_a_block_of_a_file_no_renderer_makes_is_refused(path, message):
+  text = f"<!-- rendered: {path} -->\n<!-- end rendered -->\n"
+  with pytest.raises(SystemExit, match=re.escape(f"doc.md embeds {path}, {message}")):
+    render_docs.rendered(text, "doc.md")
