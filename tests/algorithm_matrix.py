@@ -53,12 +53,14 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 # the CNN with its CPU convolutions (FedAvg's shared model, FEDORA's propagation) on 16x16
 # images, and BatchNorm (the tiny ResNet) in the algorithms whose gradient loops are their
 # own rather than the trainer's (and ALA's weight learning), run as their own rows;
-# "a,b" combines a plug-in with a model.
+# "a,b" combines a plug-in with a model. pFedSim's rounds=2 puts its warm-up's end after
+# the first round (its default row is all warm-up); a number is read as its field's type.
 OPTION_ROWS = (("fedprox", "evaluate=local"), ("apfl", "mixing=pfllib"),
                ("coaching", "fs=norm,lr_r_rule=fixed"), ("pfedla", "evaluate=local"),
                ("fedavg", "model=cnn"),
                ("fedora", "model=cnn"), ("perfedavg", "model=resnet"),
-               ("pfedme", "model=resnet"), ("fedavg", "ala,model=resnet"))
+               ("pfedme", "model=resnet"), ("fedavg", "ala,model=resnet"),
+               ("pfedsim", "rounds=2"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
 # Clients as they really are (issue 51; fedora_jax/availability.py): 30 % dropout and
@@ -136,7 +138,10 @@ def config_of(name: str, plugin: str):
   if "attack=" in plugin:
     return algorithms.Plugged(config, **byzantine_plugins(plugin))
   if "=" in plugin:
-    return config._replace(**dict(option.split("=") for option in plugin.split(",")))
+    given = dict(option.split("=") for option in plugin.split(","))
+    return config._replace(**{field: type(getattr(config, field))(value)
+                              if type(getattr(config, field)) in (int, float) else value
+                              for field, value in given.items()})
   if plugin == "ala":
     return algorithms.Plugged(config, ala=ala.AlaConfig())
   if plugin == "confree":
