@@ -24,6 +24,7 @@ from fedora_jax.algorithms import robust as robust_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.engine.precision import PRECISIONS
 from fedora_jax.errors import FieldError
+from fedora_jax.host_simulation import CLIENT_DATA
 from fedora_jax.models import MODELS
 from fedora_jax.rounds import CLIENT_WEIGHTS
 from fedora_jax.train import ExperimentConfig
@@ -192,6 +193,14 @@ flags.DEFINE_float("round_deadline", 0.0, "How long the server waits, in units o
 flags.DEFINE_enum("precision", None, list(PRECISIONS), "The model's arithmetic: float32"
                   " (default), or bfloat16 with float32 parameters, gradients and optimizer"
                   " state (fast on accelerators' bfloat16 units, slow on CPUs).")
+flags.DEFINE_enum("client_data", None, list(CLIENT_DATA), "Where the clients' data live:"
+                  " device (default), every client stacked on the device; host, in host"
+                  " memory or generated per sampled client, only a round's sampled clients"
+                  " moved to the device (FedAvg-like algorithms; the same numbers;"
+                  " docs/performance.md).")
+flags.DEFINE_integer("eval_clients", None, "With --client_data=host: clients scored a"
+                     " round, drawn from --seed (the last round scores all; default all).",
+                     lower_bound=1)
 flags.DEFINE_integer("eval_batch_size", None, "Samples a client's evaluation forwards at"
                      " once (default on CPUs: 64 for the CNNs, else 1024; see"
                      " models.default_eval_batch_size).", lower_bound=1)
@@ -369,7 +378,7 @@ _HELP_GROUPS = {
         "model", "hidden", "local_epochs", "batch_size", "lr", "momentum", "weight_decay",
         "participation", "client_weights", "eval_batch_size", "client_chunk",
         "client_dropout", "availability_trace", "stragglers", "straggler_speed",
-        "round_deadline", "precision"),
+        "round_deadline", "precision", "client_data", "eval_clients"),
     "4. output: workdir, progress, checkpoints, watchdog": (
         "workdir", "reference", "per_client", "log_every", "eval_every", "checkpoint_every",
         "keep_checkpoints", "stall_timeout", "compile_timeout", "verbose", "help_algorithm"),

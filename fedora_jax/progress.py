@@ -74,10 +74,11 @@ def _noted(note: Note | None, round_number: int) -> str:
 
 
 def format_mean(values: np.ndarray | jax.Array) -> str:
-  """The mean over clients to 4 places; "n/a" for a round that did not score it (test
-  under --eval_every)."""
-  mean = float(np.mean(values))
-  return "n/a" if np.isnan(mean) else f"{mean:.4f}"
+  """The mean over the clients scored (NaN: not scored; --eval_clients scores a sample)
+  to 4 places; "n/a" for a round that scored none (test under --eval_every)."""
+  values = np.asarray(values)
+  scored = values[~np.isnan(values)]
+  return f"{float(np.mean(scored)):.4f}" if scored.size else "n/a"
 
 
 def format_seconds(seconds: float) -> str:

@@ -13,6 +13,7 @@ from fedora_jax import availability, tree
 from fedora_jax.algorithms.base import Algorithm, InitContext
 from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
+from fedora_jax.data.host_clients import HostClients
 from fedora_jax.engine.local_training import ClientTrainer, make_client_trainer, make_optimizer
 from fedora_jax.engine import batch_stats, precision, sharding
 from fedora_jax.progress import Progress, Silent, default_progress
@@ -69,6 +70,13 @@ class TrainConfig:
   # The model's arithmetic: "float32", or "bfloat16" with float32 parameters, gradients
   # and optimizer state (engine/precision.py).
   precision: str = "float32"
+  # Where the clients' data live (host_simulation.py): "device", every client stacked on
+  # the device; "host", in host memory (or generated), only a round's sampled clients
+  # moved to the device. The same numbers either way, so outside the identity.
+  client_data: str = dataclasses.field(default="device", metadata=_OUTSIDE)
+  # Clients scored a round (host-held clients), drawn from the seed; the last round
+  # scores all. None: every client every round.
+  eval_clients: int | None = None
 
 
 # What the runner takes: an Algorithm, or a function building one around the run's client
@@ -128,11 +136,14 @@ def to_host(metrics: _Tree) -> _Tree:
   return jax.tree.map(np.asarray, jax.device_get(metrics))
 
 
-def check_finite(metrics: RoundMetrics, round_number: int) -> None:
-  """Raises TrainingDivergedError naming the round and the clients with NaN/Inf losses."""
+def check_finite(metrics: RoundMetrics, round_number: int,
+                 scored: np.ndarray | None = None) -> None:
+  """Raises TrainingDivergedError naming the round and the clients with NaN/Inf losses;
+  `scored` [K] bool: the clients the round evaluated (None: all)."""
   # Clients that sat the round out (--participation) report no train loss.
   trained = metrics.local_steps > 0
-  bad = (trained & ~np.isfinite(metrics.train_loss)) | ~np.isfinite(metrics.val_loss)
+  scored = np.ones_like(trained) if scored is None else scored
+  bad = (trained & ~np.isfinite(metrics.train_loss)) | (scored & ~np.isfinite(metrics.val_loss))
   if bad.any():
     clients = np.flatnonzero(bad).tolist()
     shown = ", ".join(map(str, clients[:10])) + (" ..." if len(clients) > 10 else "")
@@ -155,7 +166,8 @@ class PreparedRun(NamedTuple):
   test_evaluation: Any = None
 
 
-def client_trainer(model, data: FederatedData, train: TrainConfig) -> ClientTrainer:
+def client_trainer(model, data: FederatedData | HostClients,
+                   train: TrainConfig) -> ClientTrainer:
   """The run's client trainer: `model` trained by SGD as `train` says (what an Algorithm
   built outside the registry closes over, to run as the runner's own would)."""
   return make_client_trainer(

@@ -1,0 +1,106 @@
+"""Clients held on the host (issue 51): the same numbers as device-held clients, only the
+sampled clients generated and moved, a sample scored a round, one line for bad input."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from fedora_jax import algorithms
+from fedora_jax.data import host_clients, synthetic
+from fedora_jax.data.client_data import stack_clients
+from fedora_jax.errors import ConfigError
+from fedora_jax.host_rounds import sampled_ids
+from fedora_jax.host_simulation import check_settings, eval_sample, run_host
+from fedora_jax.models.mlp import MLP
+from fedora_jax.rounds import num_sampled_clients
+from fedora_jax.simulation import TrainConfig, root_keys, run_algorithm
+
+K = 12
+# 51 samples a client (41 / 5 / 5): one size bucket, the device round's slot order.
+CONFIG = synthetic.SyntheticConfig(size_mu=0.0, size_sigma=0.0)
+TRAIN = TrainConfig(rounds=3, local_epochs=1, batch_size=16, lr=0.05, participation=0.25,
+                    log_every=10**6)
+MODEL = MLP(hidden=(8,), num_outputs=synthetic.NUM_CLASSES)
+
+
+def _both(name: str, train: TrainConfig = TRAIN, **host_train):
+  clients = synthetic.make_clients(CONFIG, K, seed=3)
+  device = run_algorithm(algorithms.make(name), MODEL,
+                         stack_clients(clients, synthetic.NUM_CLASSES), train, progress=None)
+  host = run_host(algorithms.make(name), MODEL, host_clients.generated_synthetic(CONFIG, K, 3),
+                  dataclasses.replace(train, client_data="host", **host_train), progress=None)
+  return device, host
+
+
+def test_generated_clients_are_synthetics_own():
+  source = host_clients.generated_synthetic(CONFIG, 10**6, seed=3)
+  made = synthetic.make_clients(CONFIG, 3, seed=3)
+  for k in (0, 2):
+    for ours, theirs in zip(source.client(k), made[k]):
+      np.testing.assert_array_equal(ours, theirs)
+  assert source.num_clients == 10**6
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedavgm"])
+def test_host_round_equals_device_round(name):
+  device, host = _both(name)
+  for field in ("train_loss", "local_steps", "val_loss", "val_score", "test_loss",
+                "test_score", "bytes_up", "bytes_down"):
+    np.testing.assert_allclose(getattr(host.history, field), getattr(device.history, field),
+                               rtol=2e-5, atol=1e-6, err_msg=field)
+  assert (host.history.local_steps > 0).sum() == TRAIN.rounds * 3  # 3 of 12 a round
+  chex_server = jax.tree.map(np.asarray, (host.final_state.algorithm.server,
+                                          device.final_state.algorithm.server))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+               *chex_server)
+
+
+def test_only_sampled_and_scored_clients_are_generated():
+  asked: list[int] = []
+  source = host_clients.generated_synthetic(CONFIG, K, seed=3)
+  recording = dataclasses.replace(source, client=lambda k: asked.append(k) or source.client(k))
+  train = dataclasses.replace(TRAIN, client_data="host", eval_clients=2)
+  result = run_host(algorithms.make("fedavg"), MODEL, recording, train, progress=None)
+  # The last round scores every client, in order, after everything else.
+  assert asked[-K:] == list(range(K))
+  key, sampled = root_keys(train.seed)["train"], num_sampled_clients(train.participation, K)
+  expected = [k for r in range(train.rounds)
+              for k in np.asarray(sampled_ids(jax.random.fold_in(key, r), K, sampled))]
+  expected += [k for r in range(1, train.rounds)
+               for k in eval_sample(K, 2, train.seed, r)]
+  assert sorted(asked[:-K]) == sorted(expected)
+  scored = np.isfinite(result.history.val_score).sum(axis=1)
+  np.testing.assert_array_equal(scored, [2, 2, K])
+  trained = result.history.local_steps > 0
+  assert np.isnan(result.history.train_loss[~trained]).all()
+
+
+@pytest.mark.parametrize("client_data, eval_clients, message", [
+    ("gpu", None, "client_data must be one of device, host"),
+    ("host", 0, "eval_clients must be >= 1"),
+    ("device", 5, "eval_clients takes --client_data=host")])
+def test_bad_settings_are_one_line(client_data, eval_clients, message):
+  with pytest.raises(ConfigError, match=message) as raised:
+    check_settings(client_data, eval_clients)
+  assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("name, why", [
+    ("ditto", "scores a model per client"), ("scaffold", "keeps state per client"),
+    ("fedlc", "reads every client's data when it starts"),
+    ("fedcross", "broadcast deals among the sampled clients")])
+def test_algorithms_needing_per_client_state_are_refused(name, why):
+  source = host_clients.generated_synthetic(CONFIG, K, seed=3)
+  train = dataclasses.replace(TRAIN, client_data="host")
+  with pytest.raises(ConfigError, match=why) as raised:
+    run_host(algorithms.make(name), MODEL, source, train, progress=None)
+  assert "\n" not in str(raised.value) and "--client_data=host" in str(raised.value)
+
+
+def test_dropout_is_refused():
+  train = dataclasses.replace(TRAIN, client_data="host", client_dropout=0.3)
+  with pytest.raises(ConfigError, match="dropout"):
+    run_host(algorithms.make("fedavg"), MODEL,
+             host_clients.generated_synthetic(CONFIG, K, seed=3), train, progress=None)
