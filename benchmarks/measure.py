@@ -9,9 +9,10 @@ What it measures, for one algorithm on one federated dataset:
     every matmul and convolution, so an im2col or `lax.conv` CNN counts its
     convolutions; LeNet-5 on 32x32x3: 4.66 MFLOP), times 3 for each training
     sample-step (forward + backward) of the clients the round trains (round(f K) at
-    participation f), times 1 for each evaluated sample, plus FEDORA's propagation
-    product. Only real (unpadded) samples count, so this is useful work, as in MFU;
-    padding, gathers, the optimizer, activations and softmax are overhead. The model is
+    participation f), times 1 for each evaluated sample, plus what the algorithm's
+    registry entry declares beyond that (`round_cost`: FEDORA's lambda passes and
+    propagation product). Only real (unpadded) samples count, so this is useful work,
+    as in MFU; padding, gathers, the optimizer, activations and softmax are overhead. The model is
     the run's (`--model`) whatever the algorithm evaluates: where a personalised model
     is more than that (FedCP's second head and policy network), the count is a lower
     bound. Two XLA
@@ -58,7 +59,6 @@ from fedora_jax.simulation import (PreparedRun, TrainConfig, to_host, prepare_ru
 # Validation passes a round makes beyond the engine's own evaluation (one pass over
 # validation and test): FEDORA's client scores theta_k and theta_hat_k on its validation
 # split to set lambda_k. Algorithms not listed are counted with none (a lower bound).
-EXTRA_VALIDATION_PASSES = {"fedora": 2}
 
 
 def random_cifar_client(rng: np.random.Generator, n: int) -> ClientData:
@@ -167,9 +167,9 @@ class RoundWork:
   flops: int                # 3 * forward * train + forward * eval + server
 
 
-def round_work(algorithm: str, forward_flops: int, n_train: np.ndarray, n_val: np.ndarray,
-               n_test: np.ndarray, local_epochs: int, num_params: int = 0,
-               propagation_products: int = 1, num_trained: int | None = None) -> RoundWork:
+def round_work(cost: algorithms.RoundCost, forward_flops: int, n_train: np.ndarray,
+               n_val: np.ndarray, n_test: np.ndarray, local_epochs: int, num_params: int = 0,
+               num_trained: int | None = None) -> RoundWork:
   """Analytic model FLOPs of one round (see the module docstring).
 
   `num_trained`: clients trained per round (round(f K) at participation f; default
@@ -182,10 +182,9 @@ def round_work(algorithm: str, forward_flops: int, n_train: np.ndarray, n_val: n
   trained = num_clients if num_trained is None else num_trained
   share = trained / num_clients
   train = int(round(share * local_epochs * np.sum(n_train)))
-  extra_val = EXTRA_VALIDATION_PASSES.get(algorithm, 0)
-  evaluated = int(round((1 + share * extra_val) * np.sum(n_val) + np.sum(n_test)))
-  server = (2 * num_clients * num_clients * num_params * propagation_products
-            if algorithm == "fedora" else 0)
+  evaluated = int(round((1 + share * cost.extra_validation_passes) * np.sum(n_val)
+                        + np.sum(n_test)))
+  server = num_clients * num_clients * num_params * cost.server_pair_products
   flops = 3 * forward_flops * train + forward_flops * evaluated + server
   return RoundWork(train_sample_steps=train, eval_samples=evaluated,
                    forward_flops=forward_flops, server_flops=server, flops=flops)
@@ -455,16 +454,13 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   apply = batch_stats.model_apply(model.apply)  # folded BatchNorm statistics, if any
   forward = model_forward_flops(apply, one_client, first.x[0, :1])
   num_params = parameter_count(one_client, stacked=False)
-  propagation_products = 1
-  if config.algorithm == "fedora" and getattr(config.algorithm_config, "propagation_steps", 0):
-    propagation_products = config.algorithm_config.propagation_steps
   trained = num_sampled_clients(train.participation, data.num_clients)
   # With --eval_every > 1 the compiled round scores validation only (test on demand).
   scores_test = prepared.test_evaluation is None
   n_test = data.split_sizes("test") if scores_test else np.zeros(data.num_clients, int)
-  work = round_work(config.algorithm, forward, data.split_sizes("train"),
-                    data.split_sizes("val"), n_test, train.local_epochs,
-                    num_params, propagation_products, num_trained=trained)
+  cost = algorithms.get(config.algorithm).round_cost(config.algorithm_config)
+  work = round_work(cost, forward, data.split_sizes("train"), data.split_sizes("val"),
+                    n_test, train.local_epochs, num_params, num_trained=trained)
   flops_per_second = work.flops / round_seconds
   client_steps = int(np.sum(metrics.local_steps))
   xla_per_sample = xla_flops_per_sample(

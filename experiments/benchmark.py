@@ -184,9 +184,10 @@ def single_run() -> dict:
                 val_per_client=setup.val_per_client, hidden=list(setup.hidden),
                 fedora_variant=FLAGS.fedora_variant)
 
-  if _TORCH.value and FLAGS.algorithm == "fedora" and train.eval_every > 1:
+  torch_loop = _TORCH.value and algorithms.get(FLAGS.algorithm).torch_loop
+  if torch_loop and train.eval_every > 1:
     log("no PyTorch pairing under --eval_every > 1: the loop scores test every round")
-  elif _TORCH.value and FLAGS.algorithm == "fedora":
+  elif torch_loop:
     if importlib.util.find_spec("torch") is None:
       log("PyTorch not installed (pip install -e '.[bench]'): no sequential baseline")
     else:

@@ -36,24 +36,27 @@ def test_flops_of_a_tiny_mlp_in_closed_form():
   assert num_params == 4 * 5 + 5 + 5 * 3 + 3
 
   n_train, n_val, n_test = np.array([10, 6]), np.array([4, 4]), np.array([6, 6])
-  work = measure.round_work("fedora", forward, n_train, n_val, n_test,
-                                 local_epochs=2, num_params=num_params)
+  fedora = algorithms.get("fedora")
+  closed_form = fedora.round_cost(algorithms.default_config("fedora"))
+  work = measure.round_work(closed_form, forward, n_train, n_val, n_test, local_epochs=2,
+                            num_params=num_params)
   # Training: 3x forward per sample-step, 2 epochs over 16 samples. Evaluation: FEDORA
   # scores validation 3 times (theta_k, theta_hat_k, the round's own) and test once.
   # Server: one [2, 2] x [2, 43] product.
   assert work.train_sample_steps == 32 and work.eval_samples == 3 * 8 + 12
   assert work.server_flops == 2 * 2 * 2 * num_params
   assert work.flops == 3 * 70 * 32 + 70 * 36 + 2 * 2 * 2 * 43
-  local = measure.round_work("local", forward, n_train, n_val, n_test, 2, num_params)
+  local = measure.round_work(algorithms.get("local").round_cost(None), forward, n_train,
+                             n_val, n_test, 2, num_params)
   assert local.flops == 3 * 70 * 32 + 70 * (8 + 12)
   # Iterative propagation: one K x K x d product per step.
-  iterative = measure.round_work("fedora", forward, n_train, n_val, n_test, 2,
-                                      num_params, propagation_products=10)
+  steps = fedora.round_cost(algorithms.default_config("fedora", propagation_steps=10))
+  iterative = measure.round_work(steps, forward, n_train, n_val, n_test, 2, num_params)
   assert iterative.server_flops == 10 * work.server_flops
   # Participation 1/2: one client of two trains (half the training and FEDORA's own two
   # validation passes, in expectation); both are evaluated and propagated.
-  half = measure.round_work("fedora", forward, n_train, n_val, n_test, 2, num_params,
-                                 num_trained=1)
+  half = measure.round_work(closed_form, forward, n_train, n_val, n_test, 2, num_params,
+                            num_trained=1)
   assert half.train_sample_steps == 16 and half.eval_samples == (1 + 1) * 8 + 12
   assert half.server_flops == work.server_flops
   assert half.flops == 3 * 70 * 16 + 70 * 28 + 2 * 2 * 2 * 43

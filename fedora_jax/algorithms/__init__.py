@@ -34,7 +34,8 @@ from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import pfedsim
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
-from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput, InitContext,
+                                        RoundCost, no_round_cost)
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError
 
@@ -56,6 +57,10 @@ class Registered(NamedTuple):
   # Training fields the algorithm never reads (LOCAL averages nothing: client_weights);
   # a run's identity holds them at their defaults, so one run serves every value.
   ignores: tuple[str, ...] = ()
+  # Its config -> what a round computes beyond training and scoring (the benchmark's FLOPs).
+  round_cost: Callable[[Any], RoundCost] = no_round_cost
+  # Whether benchmarks/torch_loop.py replays its rounds as a sequential PyTorch loop.
+  torch_loop: bool = False
 
 
 REGISTRY: dict[str, Registered] = {
@@ -64,7 +69,8 @@ REGISTRY: dict[str, Registered] = {
     "fedora": Registered(fedora.FedoraConfig, fedora.fedora, fedora.FLAG_HELP,
                          presets=fedora.PRESETS, default_preset=fedora.DEFAULT_VARIANT,
                          preset_help=fedora.PRESET_HELP, train_fields=("lr",),
-                         only_with=fedora.ONLY_WITH, new_clients=fedora.check_new_clients),
+                         only_with=fedora.ONLY_WITH, new_clients=fedora.check_new_clients,
+                         round_cost=fedora.round_cost, torch_loop=True),
     "fedprox": Registered(fedprox.FedProxConfig, fedprox.fedprox, fedprox.FLAG_HELP),
     "fedavg_ft": Registered(fedavg_ft.FedAvgFTConfig, fedavg_ft.fedavg_ft),
     "fedprox_ft": Registered(fedprox_ft.FedProxFTConfig, fedprox_ft.fedprox_ft,
@@ -330,5 +336,5 @@ def make(name: str, config: Any = None, ala: Any = None,
 
 
 __all__ = ["Algorithm", "AlgorithmState", "ClientOutput", "InitContext", "Plugged", "REFERENCE",
-           "REGISTRY", "ala_hosts", "build", "check_plugins", "confree_hosts", "dp_hosts",
+           "REGISTRY", "RoundCost", "ala_hosts", "build", "check_plugins", "confree_hosts", "dp_hosts",
            "default_config", "get", "make", "stand_in_trainer", "variant_label"]

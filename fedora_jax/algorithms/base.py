@@ -93,6 +93,19 @@ class Algorithm(NamedTuple):
   sampled_broadcast: Callable[[PyTree, PyTree, jax.Array], PyTree] | None = None
 
 
+class RoundCost(NamedTuple):
+  """What a round computes beyond training the sampled clients and scoring every client
+  once (benchmarks/measure.py counts FLOPs from it): validation passes over a trained
+  client's data, and model-sized multiply-adds per ordered pair of clients on the server."""
+  extra_validation_passes: int = 0
+  server_pair_products: int = 0
+
+
+def no_round_cost(config: Any) -> RoundCost:
+  del config
+  return RoundCost()
+
+
 def no_broadcast(server, clients):
   """For algorithms whose server sends nothing (e.g. LOCAL)."""
   del server, clients

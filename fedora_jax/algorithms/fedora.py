@@ -76,7 +76,7 @@ import jax.numpy as jnp
 from fedora_jax import propagation, similarity
 from fedora_jax import tree
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput,
-                                        InitContext, keep_states)
+                                        InitContext, RoundCost, keep_states)
 from fedora_jax.data.client_data import ClientData, FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
 from fedora_jax.engine.local_training import ClientTrainer
@@ -161,6 +161,14 @@ def check_new_clients(config: FedoraConfig) -> None:
                      "compares a new client's data subspace with the trained clients';"
                      f" it has no {config.similarity} similarity to them (leave"
                      " FEDORA's similarity at principal_angles)")
+
+
+def round_cost(config: FedoraConfig) -> RoundCost:
+  """Beyond training and scoring: lambda's two validation passes over a trained client's
+  data (theta_k, theta_hat_k), and propagation's K x K by K x P product, 2 K^2 P FLOPs,
+  once (closed form) or once a step (propagation_steps)."""
+  return RoundCost(extra_validation_passes=2,
+                   server_pair_products=2 * max(config.propagation_steps, 1))
 
 
 def config_for_variant(variant: str = DEFAULT_VARIANT, **overrides) -> FedoraConfig:
