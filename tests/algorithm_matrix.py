@@ -69,14 +69,16 @@ MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHA
 # every client rather than on sampled slots). They cover each way a server reads its
 # clients: the fast paths (FedAvg: shared_model, uploads_unordered; with ALA), weights
 # > 0 as "took part" (SCAFFOLD, FedCAC), zero uploads (pFedHN), client state read as an
-# upload (FEDORA, FedFomo), and local-training loops of their own (Per-FedAvg, pFedMe).
+# upload (FEDORA, FedFomo), and local-training loops of their own (Per-FedAvg, pFedMe);
+# FedADMM's random epochs, a step budget inside the straggler's.
 CONDITIONS = {
     "dropout": dict(client_dropout=0.3, stragglers=0.5, straggler_speed="uniform:0.2,1"),
     "deadline": dict(client_dropout=0.3, stragglers=0.5, straggler_speed="uniform:0.2,1",
                      round_deadline=2.0)}
 CONDITION_ROWS = tuple((name, "dropout") for name in (
     "fedavg", "ditto", "fedrep", "fedala", "fedora", "pfedhn", "fedfomo", "scaffold",
-    "fedcac", "perfedavg", "pfedme")) + (("fedavg", "ala,dropout"), ("ditto", "deadline"))
+    "fedcac", "perfedavg", "pfedme", "fedadmm")) + (("fedavg", "ala,dropout"),
+                                                    ("ditto", "deadline"))
 FULL = Path(1, None, 1.0)
 # Byzantine clients and the robust aggregators (issue 50): every rule and every attack on
 # FedAvg, paired so each row has both, and one pairing on each other host of a shared

@@ -31,7 +31,7 @@ from fedora_jax.algorithms import (fedavgm, feddyn, fedlc, fednova, fedntd, fedo
 from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml, gpfl, pflda
 from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms import fedcross, fedgc, fedgen
-from fedora_jax.algorithms import pfedsim
+from fedora_jax.algorithms import fedadmm, pfedsim
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput, InitContext,
@@ -174,6 +174,7 @@ REGISTRY: dict[str, Registered] = {
     "fedgc": Registered(fedgc.FedGcConfig, fedgc.fedgc, fedgc.FLAG_HELP, train_fields=("lr",)),
     "pfedsim": Registered(pfedsim.PfedSimConfig, pfedsim.pfedsim, pfedsim.FLAG_HELP,
                           train_fields=("rounds",)),
+    "fedadmm": Registered(fedadmm.FedAdmmConfig, fedadmm.fedadmm, fedadmm.FLAG_HELP),
 }
 
 

@@ -109,6 +109,7 @@ def epoch_batches(key: jax.Array, mask: jax.Array | np.ndarray, n: jax.typing.Ar
 
 # The fraction of its real local steps the client being traced completes this round
 # (a straggler's speed), set by the round around one client's update; empty: all steps.
+# Nested budgets multiply (FedADMM's random epochs inside a straggler's speed).
 _STEP_BUDGET: list[jax.Array] = []
 
 
@@ -131,7 +132,8 @@ def within_budget(weights: jax.Array, real: jax.Array | None = None) -> jax.Arra
   if real is None:
     real = jnp.any(weights.reshape(weights.shape[0], -1) > 0, axis=1)
   # The small slack keeps a float32 fraction such as 0.7 of 10 steps at 7, not 6.
-  allowed = jnp.maximum(1, jnp.floor(_STEP_BUDGET[-1] * jnp.sum(real) + 1e-3))
+  fraction = functools.reduce(jnp.multiply, _STEP_BUDGET)
+  allowed = jnp.maximum(1, jnp.floor(fraction * jnp.sum(real) + 1e-3))
   kept = real & (jnp.cumsum(real) <= allowed)
   return jnp.where(kept.reshape((-1,) + (1,) * (weights.ndim - 1)), weights, 0)
 
