@@ -1,60 +1,186 @@
-"""The accuracy-epsilon tables of docs/privacy.md from the runs results/dp/run.sh leaves.
+"""The accuracy-epsilon tables and figure of docs/privacy.md from the runs results/dp/run.sh
+leaves (issue 50).
 
-  python scripts/dp_table.py [results/dp] > results/dp/table.md
+  python scripts/dp_table.py [results/dp]
 
-One table per client count (the runs' folder prefix: none for 36 clients, k300_ for
-300), one row per run: its privacy (epsilon at delta, or none), the noise multiplier z, the
-clip norm C, the share of updates clipped and the update norm before clipping (means
-over the run's rounds and clients), and the final and best-validation test accuracy.
+writes, in that folder, table.md (per setting: one row per algorithm, the final round's
+test Acc and R-Acc against LOCAL without DP, with clipping only and at each epsilon;
+FEDORA's row is the line its DP check stops with), details.md (per setting and
+algorithm: each run's noise multiplier z, clip norm C, share of updates clipped and
+update norm before clipping, means over the run's rounds and clients) and
+accuracy_epsilon.png (Acc against epsilon, one line per algorithm, no DP dashed). A run
+not finished is a cell "-", never a number.
 """
 
 import json
 import os
 import sys
+from typing import NamedTuple
 
-import numpy as np
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
-ROWS = (("fedavg", "no DP"), ("fedavg_clip", "clipping only"), ("fedavg_eps8", "epsilon 8"),
-        ("fedavg_eps4", "epsilon 4"), ("fedavg_eps2", "epsilon 2"),
-        ("fedavg_eps1", "epsilon 1"))
+from fedora_jax import algorithms  # noqa: E402
+from fedora_jax.algorithms import dp as dp_lib  # noqa: E402
+from fedora_jax.errors import ConfigError  # noqa: E402
 
 
-def row(root: str, name: str, label: str) -> str:
+class Setting(NamedTuple):
+  prefix: str                  # the runs' folder prefix in results/dp
+  title: str
+  algorithms: tuple[str, ...]
+  epsilons: tuple[int, ...]
+  clip_only: bool              # whether run.sh runs a clipping-only row
+
+
+SETTINGS = (
+    Setting("", "Rotated MNIST, 36 clients", ("fedavg", "ditto", "fedrep", "fedala"),
+            (8, 4, 2, 1), True),
+    Setting("k300_", "Rotated MNIST, 300 clients", ("fedavg", "ditto", "fedrep", "fedala"),
+            (8, 4, 2, 1), True),
+    Setting("pat_", "MNIST pathological (FedALA's setting), 20 clients",
+            ("fedavg", "fedala"), (8, 2), False),
+)
+NAMES = {"fedavg": "FedAvg", "ditto": "Ditto", "fedrep": "FedRep", "fedala": "FedALA",
+         "fedora": "FEDORA"}
+
+
+def load(root: str, name: str) -> dict | None:
   path = os.path.join(root, name, "results.json")
   if not os.path.exists(path):
-    return f"| {label} | not run | | | | | | |"
+    return None
   with open(path) as f:
-    results = json.load(f)
+    return json.load(f)
+
+
+def variants(setting: Setting) -> list[tuple[str, str]]:
+  """(folder suffix, column label) of a setting's runs per algorithm."""
+  out = [("", "no DP")] + ([("_clip", "clipping only")] if setting.clip_only else [])
+  return out + [(f"_eps{e}", f"epsilon {e}") for e in setting.epsilons]
+
+
+def cell(results: dict | None) -> str:
+  if results is None:
+    return "-"
+  if results.get("r_acc") is None:
+    return f"{results['acc']:.4f}"
+  return f"{results['acc']:.4f} ({results['r_acc']:+.4f})"
+
+
+def fedora_refusal() -> str:
+  """The line FEDORA's DP check stops with: the reason, from the code."""
+  try:
+    algorithms.check_plugins("fedora", dp=dp_lib.DpConfig(clip_norm=1.0))
+  except ConfigError as error:
+    line = str(error).split(" (supported:")[0]
+  else:
+    return "takes DP"
+  host = algorithms.get("fedora").factory(algorithms.default_config("fedora"),
+                                          algorithms.stand_in_trainer())
+  if host.state_upload is not None:  # what its server reads of every client
+    line += (" (it declares no Algorithm.upload_mean; its server reads each client's"
+             " whole trained model, Algorithm.state_upload, to propagate it)")
+  return line
+
+
+def summary(root: str, setting: Setting, local: dict) -> str:
+  columns = variants(setting)
+  lines = [f"{setting.title}, {local['rounds']} rounds, seed {local['seed']}, every client"
+           f" every round, delta 1e-5 (RDP): final-round test Acc (R-Acc against LOCAL,"
+           f" {local['acc']:.4f}):", "",
+           "| algorithm | " + " | ".join(label for _, label in columns) + " |",
+           "|---" * (len(columns) + 1) + "|"]
+  for algorithm in setting.algorithms:
+    cells = [cell(load(root, setting.prefix + algorithm + suffix)) for suffix, _ in columns]
+    lines.append(f"| {NAMES[algorithm]} | " + " | ".join(cells) + " |")
+  lines.append(f"| FEDORA | refuses DP: {fedora_refusal()} |" + " |" * (len(columns) - 1))
+  return "\n".join(lines)
+
+
+def detail_row(root: str, name: str, label: str) -> str:
+  results = load(root, name)
+  if results is None:
+    return f"| {label} | not run | | | | | | |"
   dp = results.get("dp")
-  history = np.load(os.path.join(root, name, "history.npz"))
   if dp is None:
     privacy, noise, clip, clipped, norm = "none", "-", "-", "-", "-"
   else:
+    history = np.load(os.path.join(root, name, "history.npz"))
     privacy = ("none (no noise)" if dp["epsilon"] is None else
                f"{dp['epsilon']:.3g} at delta {dp['delta']:g}")
-    noise, clip = f"{dp['noise_multiplier']:.3g}", f"{dp['clip_norm']:g}"
+    noise = f"{dp['noise_multiplier']:.3g}"
+    clip = (f"{dp['clip_norm']:g}" if dp.get("adaptive_clip_quantile") is None else
+            f"adaptive from {dp['clip_norm']:g}")
     clipped = f"{np.nanmean(history['dp_clipped']):.2f}"
     norm = f"{np.nanmean(history['dp_update_norm']):.3f}"
   return (f"| {label} | {privacy} | {noise} | {clip} | {clipped} | {norm}"
           f" | {results['acc']:.4f} | {results['best_val']['acc']:.4f} |")
 
 
-PREFIXES = ("", "k300_")
+def details(root: str, setting: Setting, local: dict) -> str:
+  blocks = []
+  for algorithm in setting.algorithms:
+    lines = [f"{NAMES[algorithm]}, {setting.title}, {local['rounds']} rounds, seed"
+             f" {local['seed']}:", "",
+             "| run | user-level DP | z | C | clipped | update norm | final Acc |"
+             " best-val Acc |", "|---|---|---|---|---|---|---|---|"]
+    lines += [detail_row(root, setting.prefix + algorithm + suffix, label)
+              for suffix, label in variants(setting)]
+    blocks.append("\n".join(lines))
+  return "\n\n".join(blocks)
 
 
-def table(root: str, prefix: str) -> str:
-  with open(os.path.join(root, f"{prefix}local", "results.json")) as f:
-    local = json.load(f)
-  lines = [f"FedAvg on rotated MNIST ({local['num_clients']} clients, every client every"
-           f" round), {local['rounds']} rounds, seed {local['seed']}:", "",
-           "| run | user-level DP | z | C | clipped | update norm | final Acc |"
-           " best-val Acc |", "|---|---|---|---|---|---|---|---|"]
-  lines += [row(root, prefix + name, label) for name, label in ROWS]
-  lines += ["", f"LOCAL (nothing leaves a client): final Acc {local['acc']:.4f}."]
-  return "\n".join(lines)
+def figure(root: str, settings: list[tuple[Setting, dict]], path: str) -> None:
+  fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 4), squeeze=False)
+  for ax, (setting, local) in zip(axes[0], settings):
+    for index, algorithm in enumerate(setting.algorithms):
+      color = f"C{index}"
+      points = [(e, load(root, f"{setting.prefix}{algorithm}_eps{e}"))
+                for e in setting.epsilons]
+      points = [(e, r["acc"]) for e, r in points if r is not None]
+      if points:
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, "o-", color=color, label=NAMES[algorithm])
+      no_dp = load(root, setting.prefix + algorithm)
+      if no_dp is not None:
+        ax.axhline(no_dp["acc"], color=color, linestyle="--", linewidth=1,
+                   label=f"{NAMES[algorithm]}, no DP")
+    ax.axhline(local["acc"], color="gray", linestyle=":", linewidth=1, label="LOCAL")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(setting.epsilons), [str(e) for e in sorted(setting.epsilons)])
+    ax.set_xlabel("epsilon (delta 1e-5)")
+    ax.set_ylabel("final test Acc")
+    ax.set_title(f"{setting.title}\n{local['rounds']} rounds", fontsize=9)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def finished(root: str) -> list[tuple[Setting, dict]]:
+  """The settings whose LOCAL reference has finished, with it."""
+  done = [(s, load(root, f"{s.prefix}local")) for s in SETTINGS]
+  return [(s, local) for s, local in done if local is not None]
+
+
+def table(root: str) -> str:
+  """table.md's text (scripts/render_docs.py embeds it in docs/privacy.md)."""
+  return "\n\n".join(summary(root, s, local) for s, local in finished(root))
+
+
+def detail_tables(root: str) -> str:
+  """details.md's text."""
+  return "\n\n".join(details(root, s, local) for s, local in finished(root))
+
+
+def main(root: str) -> None:
+  for name, text in (("table.md", table(root)), ("details.md", detail_tables(root))):
+    with open(os.path.join(root, name), "w") as f:
+      f.write(text + "\n")
+  figure(root, finished(root), os.path.join(root, "accuracy_epsilon.png"))
 
 
 if __name__ == "__main__":
-  root = sys.argv[1] if len(sys.argv) > 1 else os.path.join("results", "dp")
-  print("\n\n".join(table(root, prefix) for prefix in PREFIXES
-                     if os.path.exists(os.path.join(root, f"{prefix}local", "results.json"))))
+  main(sys.argv[1] if len(sys.argv) > 1 else os.path.join("results", "dp"))

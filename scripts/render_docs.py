@@ -27,6 +27,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 # pylint: disable=wrong-import-position
 import byzantine_table  # noqa: E402
 import communication_table  # noqa: E402
+import dp_table  # noqa: E402
 
 BLOCK = re.compile(r"<!-- rendered: (?P<path>\S+) -->\n(?P<body>.*?)\n?<!-- end rendered -->",
                    re.DOTALL)
@@ -56,6 +57,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
         lambda: communication_table.render(_at("results/communication"), 1),
     "results/communication/table_r30.md":
         lambda: communication_table.render(_at("results/communication"), 30),
+    "results/dp/table.md": lambda: dp_table.table(_at("results/dp")),
     "results/leakage/dlg.md": lambda: _leakage("dlg"),
     "results/leakage/membership.md": lambda: _leakage("membership"),
     "results/verification/long/table.md": lambda: _verification("results/verification/long"),
