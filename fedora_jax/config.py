@@ -125,8 +125,8 @@ def resolve(config: ExperimentConfig) -> ExperimentConfig:
       config=own if own is not None else algorithms.default_config(name, config.train))
   data = config.data
   spec = datasets.get_spec(data.dataset)
-  # Datasets whose clients are given by the data (years) have no partition.
-  partition = (None if spec.load_groups is not None else
+  # Datasets whose clients are given by the data (years, users) have no partition.
+  partition = (None if datasets.natural_users(data.dataset) else
                data.partition or datasets.default_partition(data.dataset, data.setting))
   data = dataclasses.replace(data, partition=partition, data_seed=(
       config.train.seed if data.data_seed is None else data.data_seed))

@@ -95,10 +95,12 @@ def relative_accuracy_figure(r_acc: np.ndarray, title: str = "",
 
 
 def relative_accuracy_title(results: Mapping) -> str:
-  """The run, the round, and its headline Acc / R-Acc / PTR."""
+  """The run, the round, and its headline Acc / R-Acc / PTR (R-Acc undefined, None, where
+  every client's LOCAL accuracy is 0)."""
+  r_acc = "undefined" if results["r_acc"] is None else f"{100 * results['r_acc']:+.2f}%"
   return (f"{run_label(dict(results))}, final round {results['rounds']}\n"
           f"Acc {results['acc']:.4f} (LOCAL {results['local_acc']:.4f})"
-          f"   R-Acc {100 * results['r_acc']:+.2f}%   PTR {results['ptr']:.3f}")
+          f"   R-Acc {r_acc}   PTR {results['ptr']:.3f}")
 
 
 def similarity_figure(similarity: np.ndarray, graph: np.ndarray | None = None,

@@ -58,6 +58,9 @@ def test_negative_transfer_bars_are_red_with_a_zero_line(tmp_path):
 def test_relative_accuracy_title_has_the_headline_metrics():
   title = plots.relative_accuracy_title(synthetic_results("fedora", [0.1, -0.1]))
   assert "Acc 0.8000" in title and "R-Acc +1.00%" in title and "PTR 0.500" in title
+  # Every client's LOCAL accuracy 0: R-Acc is undefined (None), the title says so.
+  undefined = dict(synthetic_results("fedora", [0.1, -0.1]), r_acc=None)
+  assert "R-Acc undefined" in plots.relative_accuracy_title(undefined)
 
 
 def test_similarity_heatmap_and_graph_side_by_side_with_colour_bars(tmp_path):

@@ -6,6 +6,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from fedora_jax.data import grouped as grouped_lib
+from fedora_jax.data import natural as natural_lib
 from fedora_jax.data import synthetic as synthetic_lib
 from fedora_jax.data.client_data import FederatedData, stack_clients
 from fedora_jax.data.gtsrb import load_gtsrb
@@ -38,6 +39,9 @@ class DatasetSpec(NamedTuple):
   partition: str = "rotation"
   classes_per_client: int = 2
   generated: bool = False  # clients generated from the data seed (synthetic): no source
+  # Datasets of real users (fedora_jax/data/natural.py): (data_dir, K, seed) -> the
+  # first K users as clients, each with its own published test samples where it has some.
+  load_users: Callable[[str | None, int, int], natural_lib.NaturalClients] | None = None
 
 
 DATA_SOURCES = ("files", "tfds")
@@ -132,6 +136,35 @@ DATASETS["synthetic"] = DatasetSpec(
     generated=True)
 
 
+# One client per real user, read from the files each is published in (issue 51).
+DATASETS.update({
+    "femnist": DatasetSpec(
+        description="FEMNIST (LEAF): handwritten digits and letters, 62 classes, one"
+                    " client per writer",
+        load_source=None, load_users=natural_lib.load_femnist, num_clients=100,
+        model="fedavg_cnn",
+        paper_table="- (LEAF; the CNN is FedALA's 4-layer one, LEAF's has Dense 2048)"),
+    "shakespeare": DatasetSpec(
+        description="Shakespeare (LEAF): the next character after 80, one client per"
+                    " speaking role",
+        load_source=None, load_users=natural_lib.load_shakespeare, num_clients=100,
+        model="fasttext_bag",
+        paper_table="- (LEAF; its 2-layer LSTM is not here: a bag of characters reads it)"),
+    "cifar100_pachinko": DatasetSpec(
+        description="CIFAR-100 as TFF splits it: 500 clients of 100 images, Pachinko"
+                    " allocation over coarse then fine labels",
+        load_source=None, load_users=natural_lib.load_cifar100_pachinko, num_clients=500,
+        model="fedavg_cnn",
+        paper_table="- (Reddi et al. 2021 use ResNet-18 with group norm)"),
+})
+
+
+def natural_users(name: str) -> bool:
+  """Whether `name`'s clients are given by the data (years, users): no partition."""
+  spec = get_spec(name)
+  return spec.load_groups is not None or spec.load_users is not None
+
+
 def get_spec(name: str) -> DatasetSpec:
   if name not in DATASETS:
     raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(sorted(DATASETS))}")
@@ -215,6 +248,21 @@ def _build_grouped(spec: DatasetSpec, name: str, data_dir: str | None, num_clien
   return source, partition, source.groups[:num_clients]
 
 
+def _build_users(spec: DatasetSpec, name: str, data_dir: str | None, num_clients: int,
+                 setting: str, seed: int, data_source: str):
+  """Real users: the first `num_clients` users of the published files."""
+  if data_source != "files":
+    raise FieldError("experiment", "data_source",
+                     f"{data_source}: {name} is read from its published files only")
+  if setting != "balanced":
+    raise FieldError("experiment", "setting",
+                     f"{setting}: {name}'s clients are its users, with the sizes the data"
+                     " gives them; use the default, balanced")
+  assert spec.load_users is not None  # called for datasets of users only
+  users = spec.load_users(data_dir, num_clients, seed)
+  return users.source, Partition(clients=users.clients, kind="users"), users.user_ids
+
+
 def synthetic_config(partition: PartitionConfig | None) -> synthetic_lib.SyntheticConfig:
   """The generator's parameters a partition config carries (defaults: Synthetic(1, 1))."""
   p = partition or PartitionConfig(kind="synthetic")
@@ -278,6 +326,9 @@ def build_federated_dataset(name: str, data_dir: str | None, num_clients: int,
   if spec.generated:
     source, partition = _build_synthetic(partition_config, num_clients, setting, seed,
                                          data_source)
+  elif spec.load_users is not None:
+    source, partition, groups = _build_users(spec, name, data_dir, num_clients, setting,
+                                             seed, data_source)
   elif spec.load_groups is not None:
     source, partition, groups = _build_grouped(spec, name, data_dir, num_clients, setting,
                                                seed, data_source)
