@@ -43,9 +43,10 @@ import numpy as np
 
 from experiments import flags as run_flags
 from experiments.cli import run_command
+from benchmarks import host as host_bench
 from benchmarks import measure
 from fedora_jax import algorithms, batch
-from fedora_jax.data import datasets
+from fedora_jax.data import datasets, host_clients
 from fedora_jax.simulation import prepare_run, to_host
 from fedora_jax.errors import ConfigError, FedoraError
 from fedora_jax.models import build_model, check_inputs
@@ -424,8 +425,30 @@ def runs_sweep(values: list[str]) -> dict:
           "device_peak_bytes": measure.device_peak_bytes()}
 
 
+def host_run() -> dict:
+  """--client_data=host: run_host's rounds timed (benchmarks/host.py); no device data."""
+  experiment = run_flags.experiment_config()
+  data = experiment.data
+  spec = datasets.get_spec(data.dataset)
+  num_clients = data.num_clients or spec.num_clients
+  data_seed = FLAGS.seed if data.data_seed is None else data.data_seed
+  clients = host_clients.from_dataset(data.dataset, data.data_dir, num_clients, data.setting,
+                                      data_seed, data.data_source, data.partition)
+  sample = clients.client(0).x_train
+  model_name = FLAGS.model or spec.model
+  check_inputs(model_name, sample.shape[1:], sample.dtype, data.dataset)
+  model = build_model(model_name, clients.num_classes, experiment.model.hidden)
+  return {**host_bench.run_host_benchmark(FLAGS.algorithm, experiment.algorithm.config, model,
+                                          clients, experiment.train, _REPEATS.value,
+                                          _WARMUP.value, log),
+          "dataset": data.dataset}
+
+
 def run() -> dict:
-  if _RUNS.value:
+  if FLAGS.client_data == "host":
+    report = host_run()
+    log(host_bench.summary(report))
+  elif _RUNS.value:
     report = runs_sweep(_RUNS.value)
   elif _SCALE.value:
     try:

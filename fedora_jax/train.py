@@ -35,6 +35,7 @@ from fedora_jax.config import (AlgorithmConfig, DataConfig, ExperimentConfig,  #
 from fedora_jax.data import datasets
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.errors import ConfigError, FieldError
+from fedora_jax.host_simulation import check_settings as check_host_settings
 from fedora_jax.models import build_model, check_inputs
 from fedora_jax.progress import Progress
 from fedora_jax.algorithms import dp as dp_lib
@@ -58,6 +59,11 @@ def check_config(config: ExperimentConfig) -> None:
                      f"must be in (0, 1], got {config.train.participation}")
   if config.train.eval_every < 1:
     raise FieldError("train", "eval_every", f"must be >= 1, got {config.train.eval_every}")
+  check_host_settings(config.train.client_data, config.train.eval_clients)
+  if config.train.client_data == "host":
+    raise FieldError("train", "client_data", "host: a full run scores R-Acc against a LOCAL"
+                     " reference, a model per client, which host-held clients do not keep;"
+                     " run them with host_simulation.run_host or experiments.benchmark")
   availability.check_settings(config.train.client_dropout, config.train.stragglers,
                               config.train.straggler_speed, config.train.round_deadline,
                               config.train.availability_trace)

@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+import tiny
+from benchmarks import host as host_bench
 from fedora_jax import algorithms
 from fedora_jax.data import host_clients, synthetic
 from fedora_jax.data.client_data import stack_clients
@@ -16,6 +18,7 @@ from fedora_jax.host_simulation import check_settings, eval_sample, run_host
 from fedora_jax.models.mlp import MLP
 from fedora_jax.rounds import num_sampled_clients
 from fedora_jax.simulation import TrainConfig, root_keys, run_algorithm
+from fedora_jax.train import ExperimentConfig, check_config
 
 K = 12
 # 51 samples a client (41 / 5 / 5): one size bucket, the device round's slot order.
@@ -104,3 +107,35 @@ def test_dropout_is_refused():
   with pytest.raises(ConfigError, match="dropout"):
     run_host(algorithms.make("fedavg"), MODEL,
              host_clients.generated_synthetic(CONFIG, K, seed=3), train, progress=None)
+
+
+def test_stored_clients_in_size_buckets_equal_device():
+  """Clients of 3 to 40 samples: three size buckets on the device, one padded slot
+  bucket a round on the host; equal up to summation order."""
+  data, clients = tiny.tiny_data((3, 4, 9, 20, 5, 40, 11, 6))
+  model = tiny.tiny_model()
+  train = dataclasses.replace(TRAIN, participation=0.5, batch_size=4)
+  device = run_algorithm(algorithms.make("fedavg"), model, data, train, progress=None)
+  host = run_host(algorithms.make("fedavg"), model, host_clients.stored(clients, 3),
+                  dataclasses.replace(train, client_data="host"), progress=None)
+  for field in ("train_loss", "local_steps", "val_loss", "test_score"):
+    np.testing.assert_allclose(getattr(host.history, field), getattr(device.history, field),
+                               rtol=1e-4, atol=1e-6, err_msg=field)
+
+
+def test_a_full_run_refuses_host_held_clients_in_one_line():
+  for train, message in ((TrainConfig(client_data="host"), "a model per client"),
+                         (TrainConfig(eval_clients=3), "takes --client_data=host")):
+    with pytest.raises(ConfigError, match=message) as raised:
+      check_config(ExperimentConfig(train=train))
+    assert "\n" not in str(raised.value)
+
+
+def test_benchmark_times_the_rounds_between_warmup_and_the_last():
+  assert host_bench.round_durations([3.0, 4.5, 5.0], 1.0) == [2.0, 1.5, 0.5]
+  report = host_bench.run_host_benchmark(
+      "fedavg", None, MODEL, host_clients.generated_synthetic(CONFIG, K, 3),
+      dataclasses.replace(TRAIN, eval_clients=4), repeats=2, warmup=1, log=lambda m: None)
+  assert len(report["round_seconds_each"]) == 2 and report["round_seconds"] > 0
+  assert report["clients_trained_per_round"] == 3 and report["peak_memory_bytes"] > 0
+  assert 0.0 <= report["final_mean_val_score"] <= 1.0

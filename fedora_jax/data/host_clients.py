@@ -13,9 +13,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from fedora_jax.data import synthetic
-from fedora_jax.data.client_data import Client, ClientSplits, pad_and_stack
-from fedora_jax.errors import DataError
+from fedora_jax.data import datasets, synthetic
+from fedora_jax.data.client_data import Client, ClientData, ClientSplits
+from fedora_jax.data.partitions import PartitionConfig
+from fedora_jax.errors import ConfigError, DataError
 
 SPLITS = ("train", "val", "test")
 
@@ -58,24 +59,48 @@ def padded_length(n: int) -> int:
 
 def slot_lengths(clients: Sequence[Client]) -> tuple[int, int, int]:
   """(train, val, test) static lengths that hold every one of `clients`."""
-  return tuple(padded_length(max(len(getattr(c, f"y_{s}")) for c in clients))  # type: ignore[return-value]
-               for s in SPLITS)
+  train, val, test = (padded_length(max(len(getattr(c, f"y_{s}")) for c in clients))
+                      for s in SPLITS)
+  return train, val, test
 
 
-def _pad_to(data, length: int):
-  extra = length - data.mask.shape[1]
-  if extra < 0:
-    raise DataError(f"a client of {data.mask.shape[1]} samples in a slot of {length}")
-  def pad(a):
-    return np.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2))
-  return data._replace(x=pad(data.x), y=pad(data.y), mask=pad(data.mask))
+def _stack(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], length: int) -> ClientData:
+  """Like client_data.pad_and_stack, written straight into arrays of `length` samples."""
+  n = np.array([len(y) for y in ys], np.int32)
+  if n.max() > length:
+    raise DataError(f"a client of {n.max()} samples in a slot of {length}")
+  x = np.zeros((len(xs), length) + xs[0].shape[1:], xs[0].dtype)
+  y = np.zeros((len(ys), length), np.float32 if np.issubdtype(ys[0].dtype, np.floating)
+               else np.int32)
+  for k, (xk, yk) in enumerate(zip(xs, ys)):
+    x[k, :len(yk)], y[k, :len(yk)] = xk, yk
+  return ClientData(x=x, y=y, mask=np.arange(length) < n[:, None], n=n)
 
 
 def stack_slots(clients: Sequence[Client], lengths: tuple[int, int, int]) -> ClientSplits:
   """`clients` stacked as one bucket [S, ...], each split padded to `lengths`."""
   if any(len(c.y_train) == 0 for c in clients):
     raise DataError("a client has no training samples")
-  return ClientSplits(*(
-      _pad_to(pad_and_stack([getattr(c, f"x_{s}") for c in clients],
-                            [getattr(c, f"y_{s}") for c in clients]), n)
-      for s, n in zip(SPLITS, lengths)))
+  return ClientSplits(*(_stack([getattr(c, f"x_{s}") for c in clients],
+                               [getattr(c, f"y_{s}") for c in clients], n)
+                        for s, n in zip(SPLITS, lengths)))
+
+
+def from_dataset(name: str, data_dir: str | None, num_clients: int, setting: str, seed: int,
+                 data_source: str = "files",
+                 partition_config: PartitionConfig | None = None) -> HostClients:
+  """`name`'s K clients held on the host: generated per client where the dataset is
+  generated (synthetic), else its partition's clients as build_federated_dataset cuts
+  them (its stacked copy let go)."""
+  spec = datasets.get_spec(name)
+  if spec.generated:
+    if setting != "balanced" or data_source != "files":
+      raise ConfigError(f"{name}: generated clients take the default --setting and"
+                        " --data_source")
+    return generated_synthetic(datasets.synthetic_config(partition_config), num_clients,
+                               seed)
+  built = datasets.build_federated_dataset(name, data_dir, num_clients, setting, seed,
+                                           data_source=data_source,
+                                           partition_config=partition_config)
+  return stored([built.partition.clients[k] for k in built.client_ids],
+                built.data.num_classes, spec.task)
