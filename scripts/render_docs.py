@@ -5,14 +5,15 @@
 
 A doc (README.md, docs/*.md) embeds a results table as a block
 
-  <!-- rendered: results/<folder>/<file>.md -->
-  ... the file's text ...
+  <!-- rendered: results/<folder>/<file> -->
+  ... the table ...
   <!-- end rendered -->
 
-whose body is the file's text. Each embeddable file has a renderer in RENDERERS that
-makes it again from its runs' files (results.json, summaries; nothing trained), so a
-block is its runs' numbers twice removed, never typed. docs/verification.md's
-`verification.long` block is checked here too (its own command writes it).
+whose body is what the file's renderer in RENDERERS makes of its runs' files now
+(results.json, summaries, records; nothing trained). Where the file is itself a rendered
+table (<file>.md), it must equal that too, so a block's numbers are never typed.
+docs/verification.md's `verification.long` block is checked here too (its own command
+writes it).
 """
 
 import argparse
@@ -27,6 +28,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 # pylint: disable=wrong-import-position
 import byzantine_table  # noqa: E402
 import communication_table  # noqa: E402
+import soak  # noqa: E402
 import dp_table  # noqa: E402
 
 BLOCK = re.compile(r"<!-- rendered: (?P<path>\S+) -->\n(?P<body>.*?)\n?<!-- end rendered -->",
@@ -50,7 +52,7 @@ def _verification(out: str) -> str:
   return long.render(long.read_rows(_at(out)), out)
 
 
-# results file -> its text made again from its runs' files.
+# results file -> the table its runs' files render now (a .md file: the file's own text).
 RENDERERS: dict[str, Callable[[], str]] = {
     "results/byzantine/table.md": lambda: byzantine_table.table(_at("results/byzantine")),
     "results/communication/table_r1.md":
@@ -63,6 +65,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "results/verification/long/table.md": lambda: _verification("results/verification/long"),
     "results/verification/long_cpu/table.md":
         lambda: _verification("results/verification/long_cpu"),
+    "results/soak/soak.json":
+        lambda: soak.render(soak._done(_at("results/soak/soak.json"))),  # pylint: disable=protected-access
 }
 
 
@@ -80,14 +84,15 @@ def _read(path: str) -> str:
 
 
 def stale_results() -> list[str]:
-  """The results tables whose text is not what their renderer makes now."""
+  """The rendered results tables (.md) whose text is not what their renderer makes now."""
   return [path for path, render in RENDERERS.items()
-          if os.path.exists(_at(path)) and _read(_at(path)) != render().rstrip("\n")]
+          if path.endswith(".md") and os.path.exists(_at(path))
+          and _read(_at(path)) != render().rstrip("\n")]
 
 
 def rendered(text: str, where: str) -> str:
-  """`text` with every block's body replaced by its file's text; SystemExit (one line)
-  for a block naming a file that is not a rendered results table."""
+  """`text` with every block's body replaced by its file's table rendered now; SystemExit
+  (one line) for a block naming a file no renderer makes a table of."""
   def body(match: re.Match) -> str:
     path = match["path"]
     if path not in RENDERERS:
@@ -95,7 +100,8 @@ def rendered(text: str, where: str) -> str:
                        f" (known: {', '.join(RENDERERS)})")
     if not os.path.exists(_at(path)):
       raise SystemExit(f"render_docs: {where} embeds {path}, which does not exist")
-    return f"<!-- rendered: {path} -->\n{_read(_at(path))}\n<!-- end rendered -->"
+    table = RENDERERS[path]().rstrip("\n")
+    return f"<!-- rendered: {path} -->\n{table}\n<!-- end rendered -->"
   return BLOCK.sub(body, text)
 
 
