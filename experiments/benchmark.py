@@ -106,10 +106,7 @@ _RUNS = flags.DEFINE_list(
     "runs_per_program", [], "Sweep: S runs (seeds --seed.. --seed+S-1, the same data) as one"
     " compiled program (fedora_jax/batch.py) for each S listed, timed in turn; reports"
     " seconds a round per run against S = the first value.")
-_RUNS_PER_STEP = flags.DEFINE_integer(
-    "runs_per_step", None, "With --runs_per_program: the runs a program steps at once (lax.map"
-    " over chunks of them; default: one on CPUs, all (vmapped) on accelerators).",
-    lower_bound=1)
+_RUNS_PER_STEP = run_flags.RUNS_PER_STEP  # with --runs_per_program
 _CNN_CONVS = flags.DEFINE_list(
     "cnn_convs", [], "Sweep: compile the round once per convolution of the CNN"
     " (models/cnn.py: im2col, banded, xla) and time them in turn in one process.")

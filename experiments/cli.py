@@ -162,7 +162,21 @@ def sweep_options(finished_only: bool = False) -> sweep.Options:
   on_stall = ((lambda row, message: exit_on_stall(message)) if jax.process_count() > 1
               else fail_row_and_go_on)
   return sweep.Options(train=not finished_only, progress=progress_reporter,
-                       watching=watching, on_stall=on_stall)
+                       watching=watching, on_stall=on_stall, batch_runs=FLAGS.batch_runs,
+                       runs_per_step=FLAGS.runs_per_step)
+
+
+def run_rows(rows: list[sweep.Row]) -> list[dict | None]:
+  """Several runs (--seeds, --sweep) through the sweep module, as one program where they
+  can share one: each run's summary printed, then mean +- std over each one's seeds."""
+  sweep.check_rows(rows)
+  outcomes = sweep.run_configs(rows, sweep_options())
+  for row, outcome in zip(rows, outcomes):
+    if outcome.results is not None:
+      report_run(outcome.results, row.workdir)
+  for line in sweep.spread(rows, outcomes):
+    print(line)
+  return [outcome.results for outcome in outcomes]
 
 
 def print_algorithm_help(name: str) -> None:

@@ -23,7 +23,8 @@ from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms import robust as robust_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.engine.precision import PRECISIONS
-from fedora_jax.errors import FieldError
+from fedora_jax import sweep
+from fedora_jax.errors import ConfigError, FieldError
 from fedora_jax.host_simulation import CLIENT_DATA
 from fedora_jax.models import MODELS
 from fedora_jax.rounds import CLIENT_WEIGHTS
@@ -91,6 +92,21 @@ flags.DEFINE_float("data_fraction", None, "Partition a seeded random share of th
 flags.DEFINE_integer("rounds", 500, "Communication rounds.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed of model init and training randomness.")
 flags.DEFINE_integer("data_seed", None, "Seed of the client partition (default: --seed).")
+# Several runs (fedora_jax/sweep: run_configs trains those that differ only in values as
+# one program, fedora_jax/batch.py).
+flags.DEFINE_integer("seeds", 1, "Run seeds --seed .. --seed+N-1, as one compiled program"
+                     " where they can share one, and report mean and std.", lower_bound=1)
+flags.DEFINE_multi_string("sweep", [], "name=v1,v2,...: run each value of the run flag"
+                          " --name (each combination of several --sweep; each over"
+                          " --seeds) as one program; only values that keep the program's"
+                          " shapes: --lr, --weight_decay, an algorithm's float"
+                          " hyperparameter (--fedprox_mu=...), --seed.")
+flags.DEFINE_bool("batch_runs", True, "--seeds, --sweep and reproduce's rows that differ"
+                  " only in values train as one program; false: one at a time.")
+RUNS_PER_STEP = flags.DEFINE_integer(
+    "runs_per_step", None, "Runs of one program (--seeds, --sweep, reproduce's rows,"
+    " benchmark's --runs_per_program) stepped at once (lax.map over chunks of them;"
+    " default: one on CPUs, all (vmapped) on accelerators).", lower_bound=1)
 flags.DEFINE_string("workdir", None, "Where results go (default: runs/<dataset>_"
                     "<setting>_<algorithm>_seed<seed>_<hash of every other setting but"
                     " --rounds>, so a changed setting never collides and the same command"
@@ -362,13 +378,41 @@ def experiment_config() -> ExperimentConfig:
   return settings_lib.from_settings(settings())
 
 
+def sweep_values() -> dict[str, list]:
+  """--sweep's values by setting name, each parsed as its flag parses it."""
+  grid: dict[str, list] = {}
+  for given in FLAGS.sweep:
+    name, _, text = given.partition("=")
+    name = name.strip().lstrip("-")
+    if name not in settings_lib.names() or name not in FLAGS:
+      raise ConfigError(f"--sweep={given}: {name!r} is not a run flag (name=v1,v2,...,"
+                        " e.g. --sweep=fedprox_mu=0.01,0.1)")
+    if name in grid or name in ("seeds", "sweep"):
+      raise ConfigError(f"--sweep={given}: {name} swept twice")
+    try:
+      values = [FLAGS[name].parser.parse(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+      raise ConfigError(f"--sweep={given}: {e}") from None
+    if not values:
+      raise ConfigError(f"--sweep={given}: no values (name=v1,v2,...)")
+    grid[name] = values
+  return grid
+
+
+def runs() -> list[sweep.Row]:
+  """The runs the flags describe: one, or --seeds' and --sweep's (sweep.seeds_grid)."""
+  return sweep.seeds_grid(settings(), sweep_values(), FLAGS.seed, FLAGS.seeds,
+                          FLAGS.workdir)
+
+
 # --helpfull lists flags by the module that registered them, modules in name order: this
 # module's flags are registered under these headings, which sort before the libraries'
 # (absl, jax, orbax). Flags not named here are the run's own (group 1).
 _HELP_GROUPS = {
     "1. the run: algorithm, data, seeds": (
         "algorithm", "dataset", "data_dir", "data_source", "num_clients", "setting",
-        "rounds", "seed", "data_seed", "new_clients", "new_client_epochs"),
+        "rounds", "seed", "data_seed", "new_clients", "new_client_epochs", "seeds", "sweep",
+        "batch_runs", "runs_per_step"),
     "2. client partition": (
         "partition", "split", "classes_per_client", "dirichlet_alpha", "min_client_size",
         "synthetic_alpha", "synthetic_beta", "synthetic_size_mu", "synthetic_size_sigma",

@@ -3,6 +3,7 @@
   python -m experiments.main --dataset=rmnist             # FEDORA, the authors' code's form
   python -m experiments.main --dataset=rmnist --fedora_variant=paper  # equations as printed
   python -m experiments.main --flagfile=experiments/configs/rfmnist.flags
+  python -m experiments.main --algorithm=fedprox --seeds=3 --sweep=fedprox_mu=0.01,0.1
 
 The flags (or a flagfile) map to an ExperimentConfig (experiments/flags.py by way of
 fedora_jax/settings.py), which fedora_jax.train.train_and_evaluate runs into --workdir:
@@ -22,10 +23,13 @@ from fedora_jax import train
 FLAGS = run_flags.FLAGS
 
 
-def run() -> dict:
-  """The run the flags describe: trained (or resumed), its summary printed."""
-  config = run_flags.experiment_config()
-  workdir = FLAGS.workdir or train.default_workdir(config)
+def run() -> dict | list[dict | None]:
+  """The runs the flags describe (one; --seeds', --sweep's as one program where they can
+  share one): trained (or resumed), their summaries printed."""
+  runs = run_flags.runs()
+  if len(runs) > 1 or FLAGS.sweep:
+    return cli.run_rows(runs)
+  config, workdir = runs[0].config, runs[0].workdir
   with cli.watching() as watchdog:
     results = train.train_and_evaluate(config, workdir, cli.progress_reporter(), watchdog)
   cli.report_run(results, workdir)
@@ -36,7 +40,7 @@ def run() -> dict:
 __doc__ += cli.grouped_help({  # pylint: disable=redefined-builtin
     "data": ("dataset", "data_dir", "num_clients", "setting"),
     "model and training": ("model", "rounds", "local_epochs", "lr", "batch_size",
-                           "participation", "seed"),
+                           "participation", "seed", "seeds", "sweep"),
     "algorithm": ("algorithm", "help_algorithm", "ala", "aggregation"),
     "output": ("workdir", "log_every", "checkpoint_every", "stall_timeout"),
     "devices": ("cpu_devices",),

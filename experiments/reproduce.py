@@ -38,8 +38,6 @@ flags.DEFINE_enum("table", "fedora1", papers.TABLES,
                   " (FEDORA with a constant lambda_k); coaching1, coaching2: parameter"
                   " coaching's Tables 1 and 2; fedala1: FedALA's main table; fedala_ala:"
                   " FedALA's ALA applicability table; confree2: ConFREE's Table 2.")
-flags.DEFINE_integer("seeds", 1, "Run seeds --seed .. --seed+N-1 and report mean and std.",
-                     lower_bound=1)
 flags.DEFINE_list("rows", [], "Rows to run (default: every row of the table; LOCAL always"
                   " runs).")
 flags.DEFINE_enum("scored_clients", "all", list(sweep.SCORED_CLIENTS),

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+from typing import Any, NamedTuple
 
 import jax
 
@@ -237,29 +238,59 @@ def check_workdir(workdir: str, config: ExperimentConfig) -> bool:
                                       lambda recorded: config_lib.differences(recorded, config))
 
 
-def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
-                       progress: Progress | None | str = "auto",
-                       watchdog: Watchdog | None = None) -> dict:
-  """Runs the experiment `config` into `workdir` (default `default_workdir`); returns the
-  results document (results.json) and prints nothing. A workdir holding checkpoints of
-  the same run (its run_config.json: config.identity) resumes from them.
+class PreparedRun(NamedTuple):
+  """A run ready to train (prepare_run): its workdir claimed, its data and model built,
+  its LOCAL reference read if it has one. train_and_evaluate trains one; train_batch.py
+  several as one program, each finished into its own workdir (finish_run)."""
+  config: ExperimentConfig      # resolved, its DP settings fixed
+  workdir: str                  # this process's
+  checkpoint_root: str
+  run_info: dict                # results.json's description of the run
+  reference: results_lib.ClientScores | None  # config.reference's LOCAL scores, if given
+  checkpointer: checkpoint_lib.Checkpointer | None
+  local_checkpointer: checkpoint_lib.Checkpointer | None  # its own LOCAL's (needs_local)
+  federated: Any
+  model: Any
+  client_info: dict
+  epsilons: Any                 # DP's epsilon after each round, or None
 
-  `progress` reports every run it trains, the LOCAL reference included ("auto": a bar in
-  a terminal or notebook, else a line every config.train.log_every rounds; None:
-  nothing; fedora_jax/progress.py). A `watchdog`
-  (fedora_jax/watchdog.py, entered) watches every run's compilation and rounds.
-  """
+  @property
+  def needs_local(self) -> bool:
+    """Whether it trains its own LOCAL reference (given none, and not LOCAL itself)."""
+    return self.config.algorithm.name != algorithms.REFERENCE and self.reference is None
+
+  @property
+  def series(self) -> dict:
+    return {} if self.epsilons is None else {"dp_epsilon": self.epsilons}
+
+  @property
+  def task(self) -> str:
+    return datasets.get_spec(self.config.data.dataset).task
+
+
+def _build_data(config: ExperimentConfig, num_clients: int):
+  data_config = config.data
+  assert data_config.data_seed is not None  # resolved
+  return datasets.build_federated_dataset(
+      data_config.dataset, data_config.data_dir, num_clients, data_config.setting,
+      data_config.data_seed, data_config.max_pad_ratio, config.new_clients.count,
+      data_source=data_config.data_source, partition_config=data_config.partition)
+
+
+def prepare_run(config: ExperimentConfig, workdir: str | None = None,
+                built: dict | None = None) -> PreparedRun:
+  """Everything before training: the config checked and resolved, the workdir claimed
+  (a workdir holding another run is refused; checkpoints found to resume), the data and
+  model built. `built` (a dict kept by the caller) shares the data between runs of the
+  same split."""
   check_config(config)
   config = config_lib.resolve(config)
-  progress = resolve_progress(progress, config.train.log_every)  # one for every run
-  spec = datasets.get_spec(config.data.dataset)
   name = config.algorithm.name
-  train = config.train
   num_clients = num_clients_of(config)
   config = resolve_dp(config, num_clients)
   dp = config.algorithm.dp
   # DP's epsilon after each round (accounting.py): rounds.csv, TensorBoard, the progress.
-  epsilons = None if dp is None else dp_lib.epsilons(dp, train.rounds, num_clients)
+  epsilons = None if dp is None else dp_lib.epsilons(dp, config.train.rounds, num_clients)
   model_name = config.model.name
   workdir = workdir or default_workdir(config)
   # Every process computes the same results: process 0 writes them to the workdir, the
@@ -281,55 +312,93 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
                                       config_lib.reference_config(config),
                                       os.path.join(checkpoint_root, algorithms.REFERENCE))
 
-  data_config = config.data
-  assert data_config.data_seed is not None and model_name is not None  # resolved
-  federated = datasets.build_federated_dataset(
-      data_config.dataset, data_config.data_dir, num_clients, data_config.setting,
-      data_config.data_seed, data_config.max_pad_ratio, config.new_clients.count,
-      data_source=data_config.data_source, partition_config=data_config.partition)
+  assert config.data.data_seed is not None and model_name is not None  # resolved
+  key = repr((config.data, num_clients, config.new_clients.count))
+  built = {} if built is None else built
+  if key not in built:
+    built[key] = _build_data(config, num_clients)
+  federated = built[key]
   run_info["data"] = federated.source.name  # e.g. "CIFAR-10 (JPEG copy)"
   data = federated.data
-  logger.info("%s: %s", data_config.dataset, datasets.describe(data))
-  check_inputs(model_name, data.input_shape, data.input_dtype, data_config.dataset)
+  logger.info("%s: %s", config.data.dataset, datasets.describe(data))
+  check_inputs(model_name, data.input_shape, data.input_dtype, config.data.dataset)
   model = build_model(model_name, data.num_classes, config.model.hidden)
-  client_info = _client_info(federated)
+  return PreparedRun(config, workdir, checkpoint_root, run_info, reference, checkpointer,
+                     local_checkpointer, federated, model, _client_info(federated),
+                     epsilons)
 
-  def save(directory, info, result, ours, local, series=None):
-    results = results_lib.build_results(info, result, ours, local, client_info)
-    results_lib.write_run_files(directory, results, result, series)
-    if spec.task == "classification":  # the plots are of accuracies
-      plots.write_plots_for_run_dir(directory)
-    return results
 
-  series = {} if epsilons is None else {"dp_epsilon": epsilons}
-  note = (progress_lib.noting(progress, lambda r: f"epsilon {epsilons[r - 1]:.3g}")
-          if epsilons is not None else contextlib.nullcontext())
-  with metric_writer.RoundWriter(workdir, name, spec.task, {
-      f"{name}/{k}": v for k, v in series.items()}) as log_round, note:
-    result = run_algorithm(algorithms.make(name, config_lib.runnable(config.algorithm)),
-                           model, data, _engine_train(config), on_round=log_round,
-                           checkpointer=checkpointer, progress=progress, watchdog=watchdog)
-  results_lib.write_timing(workdir, result)
-  ours = results_lib.client_scores(result, spec.task)
-  if is_reference:
+def algorithm_of(run: PreparedRun):
+  """The run's algorithm as run_algorithm takes it (trainer -> Algorithm)."""
+  return algorithms.make(run.config.algorithm.name,
+                         config_lib.runnable(run.config.algorithm))
+
+
+def engine_train(run: PreparedRun) -> TrainConfig:
+  return _engine_train(run.config)
+
+
+def round_writer(run: PreparedRun, name: str | None = None) -> metric_writer.RoundWriter:
+  """The run's TensorBoard writer (its on_round), or its LOCAL reference's (name)."""
+  if name is not None:
+    return metric_writer.RoundWriter(run.workdir, name, run.task)
+  name = run.config.algorithm.name
+  return metric_writer.RoundWriter(run.workdir, name, run.task, {
+      f"{name}/{k}": v for k, v in run.series.items()})
+
+
+def noting_epsilon(run: PreparedRun, progress: Progress):
+  """Within the block, the progress ends each round's report with DP's epsilon."""
+  epsilons = run.epsilons
+  if epsilons is None:
+    return contextlib.nullcontext()
+  return progress_lib.noting(progress, lambda r: f"epsilon {epsilons[r - 1]:.3g}")
+
+
+def train_local(run: PreparedRun, progress: Progress | None | str = "auto",
+                watchdog: Watchdog | None = None):
+  """The run's own LOCAL reference, trained (resumed from its checkpoints)."""
+  logger.info("training the LOCAL reference on the same split and seed")
+  with round_writer(run, algorithms.REFERENCE) as log_round:
+    return run_algorithm(algorithms.make(algorithms.REFERENCE), run.model,
+                         run.federated.data, run.config.train, on_round=log_round,
+                         checkpointer=run.local_checkpointer, progress=progress,
+                         watchdog=watchdog)
+
+
+def _save(run: PreparedRun, directory, info, result, ours, local, series=None) -> dict:
+  results = results_lib.build_results(info, result, ours, local, run.client_info)
+  results_lib.write_run_files(directory, results, result, series)
+  if run.task == "classification":  # the plots are of accuracies
+    plots.write_plots_for_run_dir(directory)
+  return results
+
+
+def finish_run(run: PreparedRun, result, local_result=None,
+               progress: Progress | None | str = "auto",
+               watchdog: Watchdog | None = None) -> dict:
+  """Everything after training: the run's files (and its LOCAL reference's, given
+  `local_result`, which a run that needs_local needs), FEDORA's new clients
+  served, checkpoints removed unless kept; returns the results document."""
+  config, name = run.config, run.config.algorithm.name
+  checkpoint_root = run.checkpoint_root
+  ours = results_lib.client_scores(result, run.task)
+  if name == algorithms.REFERENCE:
     local = ours
-  elif reference is not None:
-    local = reference
+  elif run.reference is not None:
+    local = run.reference
   else:
-    logger.info("training the LOCAL reference on the same split and seed")
-    with metric_writer.RoundWriter(workdir, algorithms.REFERENCE, spec.task) as log_round:
-      local_result = run_algorithm(algorithms.make(algorithms.REFERENCE), model, data, train,
-                                   on_round=log_round, checkpointer=local_checkpointer,
-                                   progress=progress, watchdog=watchdog)
-    local = results_lib.client_scores(local_result, spec.task)
+    assert local_result is not None, "a run without a reference trains its own LOCAL"
+    local = results_lib.client_scores(local_result, run.task)
     # Kept as a LOCAL run of its own, so later runs can pass it as `reference`.
-    save(os.path.join(workdir, algorithms.REFERENCE),
-         {**run_info, "algorithm": algorithms.REFERENCE}, local_result, local, local)
+    _save(run, os.path.join(run.workdir, algorithms.REFERENCE),
+          {**run.run_info, "algorithm": algorithms.REFERENCE}, local_result, local, local)
     if not config.keep_checkpoints:
       checkpoint_lib.remove_checkpoints(os.path.join(checkpoint_root, algorithms.REFERENCE))
 
-  info = dict(run_info)
+  info = dict(run.run_info)
   own = config.algorithm.config
+  dp = config.algorithm.dp
   if algorithms.get(name).presets:  # which variant ran (plots' labels)
     info[name] = own._asdict()
   if config_lib.plugins(config.algorithm):
@@ -340,17 +409,43 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
         "aggregation": config.algorithm.aggregation and config.algorithm.aggregation._asdict(),
         **({"attack": attack._asdict()} if attack else {}),
         **({"dp": dp._asdict()} if dp else {})}
-  if dp is not None and epsilons is not None:
-    final = float(epsilons[-1])
+  if dp is not None and run.epsilons is not None:
+    final = float(run.epsilons[-1])
     info["dp_epsilon"] = final if math.isfinite(final) else None  # None: no noise
     info["dp"] = {**dp._asdict(), "epsilon": info["dp_epsilon"]}
-  if federated.new_data is not None:
-    info["new_clients"] = serve_new_clients(federated, own, model, train, result,
-                                            config.new_clients.epochs, progress, watchdog)
-  results = save(workdir, info, result, ours, local, series)
+  if run.federated.new_data is not None:
+    info["new_clients"] = serve_new_clients(run.federated, own, run.model, config.train,
+                                            result, config.new_clients.epochs, progress,
+                                            watchdog)
+  results = _save(run, run.workdir, info, result, ours, local, run.series)
   if not config.keep_checkpoints:
     checkpoint_lib.remove_checkpoints(checkpoint_root)
   return results
+
+
+def train_and_evaluate(config: ExperimentConfig, workdir: str | None = None,
+                       progress: Progress | None | str = "auto",
+                       watchdog: Watchdog | None = None) -> dict:
+  """Runs the experiment `config` into `workdir` (default `default_workdir`); returns the
+  results document (results.json) and prints nothing. A workdir holding checkpoints of
+  the same run (its run_config.json: config.identity) resumes from them.
+
+  `progress` reports every run it trains, the LOCAL reference included ("auto": a bar in
+  a terminal or notebook, else a line every config.train.log_every rounds; None:
+  nothing; fedora_jax/progress.py). A `watchdog`
+  (fedora_jax/watchdog.py, entered) watches every run's compilation and rounds.
+  """
+  progress = resolve_progress(progress, config.train.log_every)  # one for every run
+  run = prepare_run(config, workdir)
+  with round_writer(run) as log_round, noting_epsilon(run, progress):
+    result = run_algorithm(algorithm_of(run), run.model, run.federated.data,
+                           engine_train(run), on_round=log_round,
+                           checkpointer=run.checkpointer, progress=progress,
+                           watchdog=watchdog)
+  # Written now, so a process stopped later (in its LOCAL reference) keeps its times.
+  results_lib.write_timing(run.workdir, result)
+  local_result = train_local(run, progress, watchdog) if run.needs_local else None
+  return finish_run(run, result, local_result, progress, watchdog)
 
 
 def serve_new_clients(federated, config, model, train: TrainConfig, fedora_result,

@@ -20,6 +20,7 @@ a table's specification, experiments/paper/*.json, -> rows -> the table's files)
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -28,13 +29,16 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, NamedTuple,
 import uuid
 
 import jax
+import numpy as np
 
-from fedora_jax import algorithms
+from fedora_jax import algorithms, batch
 from fedora_jax import checkpoint as checkpoint_lib
 from fedora_jax import results as results_lib
 from fedora_jax import settings as settings_lib
 from fedora_jax import train as train_lib
+from fedora_jax import train_batch
 from fedora_jax.config import ExperimentConfig
+from fedora_jax.errors import ConfigError
 from fedora_jax.sweep.row_runs import (FINISHED_ONLY_ROWS, SCORED_CLIENTS,  # noqa: F401
                                        BestRound, RowRun, not_finished, read_row_run,
                                        seed_unfinished, seeds_finished, seeds_unfinished)
@@ -97,6 +101,9 @@ class Options(NamedTuple):
   # on_stall -> the watchdog watching a row's run, entered (yields None: none).
   watching: Callable[[Callable[[str], None]], ContextManager[Watchdog | None]] = _no_watchdog
   on_stall: Callable[[Row, str], None] = _raise_stall  # told on the watchdog's thread
+  # Rows that differ only in values (seeds, lr, ...) as one program (run_configs).
+  batch_runs: bool = True
+  runs_per_step: int | None = None  # batch.prepare_batch's (None: its default)
 
 
 def configs(base: Mapping[str, Any], overrides: Sequence[Mapping[str, Any]]
@@ -121,6 +128,60 @@ def grid(base: Mapping[str, Any], overrides: Mapping[str, Mapping[str, Any]], wo
       if local is None and config.algorithm.name == algorithms.REFERENCE:
         local = directory
   return rows
+
+
+def seeds_grid(base: Mapping[str, Any], values: Mapping[str, Sequence[Any]], seed: int = 0,
+               seeds: int = 1, workdir: str | None = None) -> list[Row]:
+  """The runs of seeds seed .. seed+seeds-1 for each combination of `values` (setting
+  name -> its values, on top of the flat settings `base`), a combination's seeds
+  together: each in train.default_workdir, or with `workdir` in
+  <workdir>[/<name>=<value>,...][/seed<s>] (one run: `workdir` itself). A setting whose
+  values change more than values the run axis takes (train_batch.batch_key: shapes,
+  Python branches) is refused in one line: its runs could not share one program."""
+  names = list(values)
+  for name in names:  # each swept alone, the others at their first values
+    firsts = {n: values[n][0] for n in names}
+    keys = {train_batch.batch_key(settings_lib.from_settings(
+        {**base, **firsts, name: v, "seed": seed})) for v in values[name]}
+    if len(keys) > 1:
+      raise ConfigError(f"--sweep={name}: its values change the program (its shapes or a"
+                        " branch), so its runs cannot share one; sweep only seeds, lr,"
+                        " weight_decay or an algorithm's float hyperparameter, or run one"
+                        " command per value")
+  rows = []
+  for combination in itertools.product(*(values[n] for n in names)):
+    chosen = dict(zip(names, combination))
+    name = ",".join(f"{n}={v}" for n, v in chosen.items())
+    for s in range(seed, seed + seeds):
+      config = settings_lib.from_settings({**base, **chosen, "seed": s})
+      parts = [name] if name else []
+      if seeds > 1:
+        parts.append(f"seed{s}")
+      directory = (train_lib.default_workdir(config) if workdir is None
+                   else os.path.join(workdir, *parts))
+      rows.append(Row(" ".join([name or config.algorithm.name, f"seed {s}"]), config,
+                      directory))
+  return rows
+
+
+def spread(rows: Sequence[Row], outcomes: Sequence[RowOutcome]) -> list[str]:
+  """Mean +- std (population) of the final round's Acc, R-Acc and PTR over each
+  combination's seeds (rows named "<combination> seed <s>", seeds_grid's), finished
+  rows only."""
+  groups: dict[str, list[dict]] = {}
+  for row, outcome in zip(rows, outcomes):
+    groups.setdefault(row.name.rsplit(" seed ", 1)[0], [])
+    if outcome.results is not None:
+      groups[row.name.rsplit(" seed ", 1)[0]].append(outcome.results)
+  lines = []
+  for name, documents in groups.items():
+    cells = []
+    for key, label in (("acc", "Acc"), ("mae", "MAE"), ("r_acc", "R-Acc"), ("ptr", "PTR")):
+      column = [d[key] for d in documents if d.get(key) is not None]
+      if column:
+        cells.append(f"{label} {np.mean(column):.4f} +- {np.std(column):.4f}")
+    lines.append(f"{name}: {len(documents)} seeds finished: {'  '.join(cells)}")
+  return lines
 
 
 def check_rows(rows: Sequence[Row]) -> None:
@@ -217,25 +278,62 @@ def run_or_read(row: Row, options: Options = Options()) -> RowOutcome:
   if not options.train:
     return read_if_finished(row)
   with row_claimed(row.workdir):
-    results = finished_results(row)
-    if results is not None:
-      logger.info("%s: finished in %s, read", row.name, row.workdir)
-      return RowOutcome(results, read=True)
-    stalled = stall_record(row.workdir)
-    if stalled is not None and stalled.get("sweep") == sweep_id():
-      why = f"failed: {stalled['message']}"
-      logger.info("%s: %s; left out", row.name, why)
-      return RowOutcome(None, read=True, unfinished=why)
+    done = _finished_or_failed(row)
+    return done if done is not None else _train_rows([row], options)[0]
+
+
+def _finished_or_failed(row: Row) -> RowOutcome | None:
+  """The claimed row read if finished, or left out if it stalled in this sweep; None:
+  it is to train."""
+  results = finished_results(row)
+  if results is not None:
+    logger.info("%s: finished in %s, read", row.name, row.workdir)
+    return RowOutcome(results, read=True)
+  stalled = stall_record(row.workdir)
+  if stalled is not None and stalled.get("sweep") == sweep_id():
+    why = f"failed: {stalled['message']}"
+    logger.info("%s: %s; left out", row.name, why)
+    return RowOutcome(None, read=True, unfinished=why)
+  return None
+
+
+def _trained(row: Row, results: dict) -> RowOutcome:
+  logger.info("%s: %s  (%s)", row.name, results_lib.format_row(results), row.workdir)
+  if stall_record(row.workdir) is not None:  # an earlier sweep's failure, finished now
+    os.remove(os.path.join(row.workdir, STALLED_ROW))
+  return RowOutcome(results, read=False)
+
+
+def _train_rows(rows: Sequence[Row], options: Options) -> list[RowOutcome]:
+  """Claimed rows not finished, trained: one alone, several (of one batch_key) as one
+  program (train_batch.py), or each alone where they turn out unable to share one."""
+  configs = [dataclasses.replace(row.config, reference=_reference(row)) for row in rows]
+  if len(rows) == 1:
+    row = rows[0]
     logger.info("%s -> %s", row.name, row.workdir)
-    config = dataclasses.replace(row.config, reference=_reference(row))
     with options.watching(lambda message: options.on_stall(row, message)) as watchdog:
-      results = train_lib.train_and_evaluate(config, row.workdir,
+      results = train_lib.train_and_evaluate(configs[0], row.workdir,
                                              options.progress(row.label or row.name),
                                              watchdog)
-    logger.info("%s: %s  (%s)", row.name, results_lib.format_row(results), row.workdir)
-    if stalled is not None:  # an earlier sweep's failure, retried and finished now
-      os.remove(os.path.join(row.workdir, STALLED_ROW))
-    return RowOutcome(results, read=False)
+    return [_trained(row, results)]
+  label = f"{len(rows)} runs ({rows[0].name} .. {rows[-1].name})"
+  logger.info("%s as one program -> %s", label, ", ".join(row.workdir for row in rows))
+
+  def on_stall(message: str) -> None:  # they stalled together: each recorded as failed
+    for row in rows[:-1]:
+      with contextlib.suppress(OSError):
+        record_stall(row.workdir, message)
+    options.on_stall(rows[-1], message)
+  try:
+    with options.watching(on_stall) as watchdog:
+      documents = train_batch.train_batch(configs, [row.workdir for row in rows],
+                                          options.progress(label), watchdog,
+                                          options.runs_per_step)
+  except batch.BatchError as e:  # found before anything trained
+    logger.info("%s: %s; each runs alone", label, e)
+    return [outcome for row in rows for outcome in _train_rows([row], options)]
+  # A run that diverged raised (as it would alone) once the others were written.
+  return [_trained(row, results) for row, results in zip(rows, documents) if results]
 
 
 def read_if_finished(row: Row) -> RowOutcome:
@@ -263,6 +361,56 @@ def read_if_finished(row: Row) -> RowOutcome:
 
 
 def run_configs(rows: Sequence[Row], options: Options = Options()) -> list[RowOutcome]:
-  """Every row, in order (a row's references are earlier rows' LOCAL runs), read where
-  finished and trained otherwise: the one place a sweep's configs become runs."""
-  return [run_or_read(row, options) for row in rows]
+  """Every row, read where finished and trained otherwise: the one place a sweep's
+  configs become runs. Rows not finished that differ only in values the run axis takes
+  (train_batch.batch_key: seeds, lr, weight_decay, the algorithm's float
+  hyperparameters) train as one program (options.batch_runs), each into its own
+  workdir; the LOCAL rows first, as other rows are scored against them (Row.references)."""
+  if not (options.train and options.batch_runs and train_batch.can_batch()):
+    return [run_or_read(row, options) for row in rows]
+  outcomes: dict[int, RowOutcome] = {}
+  local = [algorithms.canonical_name(row.config.algorithm.name) == algorithms.REFERENCE
+           for row in rows]
+  for phase in (True, False):
+    for group in _batches(rows, [i for i in range(len(rows)) if local[i] == phase]):
+      outcomes.update(_run_group(rows, group, options))
+  return [outcomes[i] for i in range(len(rows))]
+
+
+def _batches(rows: Sequence[Row], indices: Sequence[int]) -> list[list[int]]:
+  """The rows grouped by what one program needs them to share: batch_key and the round
+  of their latest checkpoint (one program resumes from one round), in order."""
+  groups: dict[Any, list[int]] = {}
+  for i in indices:
+    try:
+      key: Any = (train_batch.batch_key(rows[i].config),
+                  checkpoint_lib.rounds_saved(rows[i].workdir))
+    except ConfigError:  # a bad row fails alone, where a sweep without batches reaches it
+      key = i
+    groups.setdefault(key, []).append(i)
+  return list(groups.values())
+
+
+def _run_group(rows: Sequence[Row], group: Sequence[int],
+               options: Options) -> dict[int, RowOutcome]:
+  """A group's rows: each read if finished, the rest claimed and trained together; a
+  row another process holds is run (or, finished there, read) alone after it."""
+  outcomes: dict[int, RowOutcome] = {}
+  held: list[int] = []
+  with contextlib.ExitStack() as stack:
+    to_train = []
+    for i in group:
+      if not stack.enter_context(row_claimed(rows[i].workdir, wait=False)):
+        held.append(i)
+        continue
+      done = _finished_or_failed(rows[i])
+      if done is None:
+        to_train.append(i)
+      else:
+        outcomes[i] = done
+    if to_train:
+      trained = _train_rows([rows[i] for i in to_train], options)
+      outcomes.update(zip(to_train, trained))
+  for i in held:
+    outcomes[i] = run_or_read(rows[i], options)
+  return outcomes
