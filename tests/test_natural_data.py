@@ -10,13 +10,16 @@ import subprocess
 import sys
 
 import h5py
+import jax
 import numpy as np
 import pytest
 from tensorflow_datasets.proto import tf_example_pb2, tf_feature_pb2
 
 from fedora_jax import config as config_lib
+from fedora_jax.algorithms import layers
 from fedora_jax.data import datasets, natural, stackoverflow, tff_files
 from fedora_jax.errors import ConfigError, DataError
+from fedora_jax.models import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -314,3 +317,16 @@ def test_stackoverflow_vocabulary_files_and_bad_input(tmp_path):
     stackoverflow.load_stackoverflow(str(tmp_path / "stackoverflow.word_count"), 1)
   with pytest.raises(DataError, match=r"2 of its 3 users .* cannot make 3"):
     stackoverflow.load_stackoverflow(str(tmp_path), 3)
+
+
+def test_char_lstm_is_the_papers_shakespeare_model():
+  """Embed 81x8, LSTMs of 256 (4 gates: input and recurrent kernels, one bias each),
+  Dense 256x80: the registry's model for --dataset=shakespeare."""
+  assert datasets.get_spec("shakespeare").model == "char_lstm"
+  model = build_model("char_lstm", num_outputs=80)
+  variables = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 80), np.int32))
+  lstm = lambda d_in, h: 4 * (d_in * h + h * h + h)
+  expected = 81 * 8 + lstm(8, 256) + lstm(256, 256) + 256 * 80 + 80
+  assert expected == 817_880
+  assert sum(leaf.size for leaf in jax.tree.leaves(variables)) == expected
+  assert layers.layer_names(variables) == ["Embed_0", "LSTM_0", "LSTM_1", "Dense_0"]

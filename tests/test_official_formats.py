@@ -265,7 +265,7 @@ def test_fasttext_is_fedalas_model_and_the_bag_variant_averages_real_tokens():
 def test_a_model_the_samples_do_not_fit_is_refused_in_one_line():
   assert set(MODEL_INPUTS) == set(MODELS)  # every model says what it reads
   tokens, images, spectra = ((200,), np.int32), ((32, 32, 3), np.uint8), ((50,), np.float32)
-  readers = {"tokens": {"fasttext", "fasttext_bag"}, "vectors": {"mlp"},
+  readers = {"tokens": {"fasttext", "fasttext_bag", "char_lstm"}, "vectors": {"mlp"},
              "images": {"mlp", "cnn", "coaching_cnn", "coaching_cnn_bn", "fedavg_cnn",
                         "resnet18"}}
   for name in MODELS:
@@ -280,4 +280,4 @@ def test_a_model_the_samples_do_not_fit_is_refused_in_one_line():
     check_inputs("cnn", *tokens, "agnews")
   assert str(error.value) == (
       "--model=cnn reads images, but agnews's samples are tokens of shape (200,) (int32);"
-      " models for them: fasttext, fasttext_bag")
+      " models for them: fasttext, fasttext_bag, char_lstm")

@@ -45,9 +45,11 @@ SAMPLE_INPUTS = {"mlp": np.zeros((1, 4), np.float32),
                  "fedavg_cnn": np.zeros((1, 32, 32, 3), np.uint8),
                  "resnet18": np.zeros((1, 32, 32, 3), np.uint8),
                  "fasttext": np.zeros((1, 12), np.int32),   # token ids, 0 = padding
-                 "fasttext_bag": np.zeros((1, 12), np.int32)}
-# Bodies that end without a ReLU: FedALA's fastText has none after its hidden layer.
-LINEAR_BODIES = {"fasttext"}
+                 "fasttext_bag": np.zeros((1, 12), np.int32),
+                 "char_lstm": np.zeros((1, 12), np.int32)}  # character ids
+# Bodies that end without a ReLU: FedALA's fastText has none after its hidden layer, the
+# character LSTM's last output is tanh-bounded.
+LINEAR_BODIES = {"fasttext", "char_lstm"}
 
 
 def _forward_order(model, params, x):

@@ -148,8 +148,8 @@ DATASETS.update({
         description="Shakespeare (LEAF): the next character after 80, one client per"
                     " speaking role",
         load_source=None, load_users=natural_lib.load_shakespeare, num_clients=100,
-        model="fasttext_bag",
-        paper_table="- (LEAF; its 2-layer LSTM is not here: a bag of characters reads it)"),
+        model="char_lstm",
+        paper_table="- (LEAF; FedAvg's and LEAF's character LSTM, models/char_lstm.py)"),
     "cifar100_pachinko": DatasetSpec(
         description="CIFAR-100 as TFF splits it: 500 clients of 100 images, Pachinko"
                     " allocation over coarse then fine labels",

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from fedora_jax.errors import ConfigError
+from fedora_jax.models.char_lstm import CharLSTM
 from fedora_jax.models.cnn import CNN
 from fedora_jax.models.fasttext import FastText
 from fedora_jax.models.mlp import MLP
@@ -91,13 +92,21 @@ def _fasttext_bag(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   return FastText(num_outputs=num_outputs, pooling="tokens", activation=True)
 
 
+def _char_lstm(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
+  """FedAvg's and LEAF's Shakespeare model (models/char_lstm.py): Embed 8, LSTM 256,
+  LSTM 256, Dense num_outputs on the last step."""
+  del hidden  # --hidden is the MLP's; the papers' widths are fixed
+  return CharLSTM(num_outputs=num_outputs)
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
                                                "fasttext": _fasttext,
                                                "fasttext_bag": _fasttext_bag,
                                                "coaching_cnn": _coaching_cnn,
                                                "coaching_cnn_bn": _coaching_cnn_bn,
                                                "fedavg_cnn": _fedavg_cnn,
-                                               "resnet18": _resnet18}
+                                               "resnet18": _resnet18,
+                                               "char_lstm": _char_lstm}
 
 # The samples each model reads: "images" ([H, W] or [H, W, C] pixels), "vectors" (flat
 # numeric features; the MLP flattens images too) or "tokens" ([L] integer token ids,
@@ -106,7 +115,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
 MODEL_INPUTS: dict[str, tuple[str, ...]] = {
     "mlp": ("images", "vectors"), "cnn": ("images",), "coaching_cnn": ("images",),
     "coaching_cnn_bn": ("images",), "fedavg_cnn": ("images",), "resnet18": ("images",),
-    "fasttext": ("tokens",), "fasttext_bag": ("tokens",)}
+    "fasttext": ("tokens",), "fasttext_bag": ("tokens",), "char_lstm": ("tokens",)}
 
 
 def sample_kind(input_shape: Sequence[int], dtype) -> str:
@@ -135,12 +144,13 @@ def check_inputs(name: str, input_shape: Sequence[int], dtype, dataset: str) -> 
 # Conv_0, Conv_1, Dense_0, Dense_1, Dense_2; ResNet-18's ConvBN_0 (stem), BasicBlock_0-7,
 # Dense_0 (a BatchNorm sits inside its convolution's module, so a layer holds both);
 # coaching_cnn_bn's ConvBN_0, ConvBN_1, DenseBN_0, DenseBN_1, Dense_0.
-# fasttext's Embed_0 comes before its Dense_0, Dense_1.
+# fasttext's Embed_0 comes before its Dense_0, Dense_1; char_lstm's Embed_0, LSTM_0,
+# LSTM_1 before Dense_0.
 # tests/test_split_layers.py checks this order against the forward pass of every
 # registered model; a model with other module types adds them here in the order its
 # forward pass meets them.
-LAYER_TYPE_ORDER: tuple[str, ...] = ("Embed", "Conv", "ConvBN", "BasicBlock", "DenseBN",
-                                      "Dense")
+LAYER_TYPE_ORDER: tuple[str, ...] = ("Embed", "LSTM", "Conv", "ConvBN", "BasicBlock",
+                                      "DenseBN", "Dense")
 
 # Default --client_chunk per model on CPU devices (None: vmap over all clients). There a
 # few clients at a time keep their weights, gradients and momentum in cache: vmapping all
