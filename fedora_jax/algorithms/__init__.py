@@ -31,7 +31,7 @@ from fedora_jax.algorithms import (fedavgm, feddyn, fedlc, fednova, fedntd, fedo
 from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml, gpfl, pflda
 from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms import fedcross, fedgc, fedgen
-from fedora_jax.algorithms import fedadmm, pfedsim
+from fedora_jax.algorithms import elastic, fedadmm, pfedsim
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput, InitContext,
@@ -175,6 +175,7 @@ REGISTRY: dict[str, Registered] = {
     "pfedsim": Registered(pfedsim.PfedSimConfig, pfedsim.pfedsim, pfedsim.FLAG_HELP,
                           train_fields=("rounds",)),
     "fedadmm": Registered(fedadmm.FedAdmmConfig, fedadmm.fedadmm, fedadmm.FLAG_HELP),
+    "elastic": Registered(elastic.ElasticConfig, elastic.elastic, elastic.FLAG_HELP),
 }
 
 

@@ -74,6 +74,7 @@ class ClientTrainer(NamedTuple):
   steps_per_epoch: Callable[[int], int]
   task: str = "classification"
   epochs: int = 1  # local epochs per call of `train` (unless it is given `epochs`)
+  batch_size: int = 1  # samples per local step (a pass of an algorithm's own over the data)
   # The model's forward `apply(params, x) -> outputs`, for algorithms that read inside it
   # (the features under the head: layers.forward_with_features).
   apply: Callable[[Params, jax.Array], jax.Array] | None = None
@@ -295,7 +296,7 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
 
   return ClientTrainer(loss=loss, train=train, evaluate=evaluate_with(apply_fn),
                        steps_per_epoch=steps_per_epoch, task=task, epochs=epochs,
-                       apply=apply_fn, evaluate_with=evaluate_with)
+                       batch_size=batch_size, apply=apply_fn, evaluate_with=evaluate_with)
 
 
 def make_optimizer(lr: float, momentum: float = 0.9,
