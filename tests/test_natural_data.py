@@ -141,43 +141,79 @@ def test_shakespeare_next_character(tmp_path):
 
 def _cifar_clients(sizes, seed=0):
   rng = np.random.default_rng(seed)
-  return {str(c): (rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
-                   rng.integers(0, 100, n).astype(np.int64))
-          for c, n in enumerate(sizes)}
+  clients = {}
+  for c, n in enumerate(sizes):
+    labels = rng.integers(0, 100, n).astype(np.int64)
+    clients[str(c)] = {"image": rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+                       "label": labels, "coarse_label": labels // 5}
+  return clients
 
 
 def _write_h5(path, clients):
-  """TFF's HDF5 client data: examples/<client>/<feature>."""
+  """TFF's HDF5 client data: examples/<client>/<feature>, [n, ...] each."""
   with h5py.File(path, "w") as f:
-    for client, (images, labels) in clients.items():
-      group = f.create_group(f"examples/{client}")
-      group["image"], group["label"] = images, labels
-      group["coarse_label"] = labels // 5
+    for client, features in clients.items():
+      for name, values in features.items():
+        f[f"examples/{client}/{name}"] = values
 
 
-def _example(image, label) -> bytes:
-  feature = {"image": tf_feature_pb2.Feature(
-                 int64_list=tf_feature_pb2.Int64List(value=image.flatten().tolist())),
-             "label": tf_feature_pb2.Feature(
-                 int64_list=tf_feature_pb2.Int64List(value=[int(label)]))}
-  return tf_example_pb2.Example(
-      features=tf_feature_pb2.Features(feature=feature)).SerializeToString()
+def _feature(value) -> tf_feature_pb2.Feature:
+  """One example's feature as TFF serializes it: bytes, floats or int64s, flattened."""
+  if isinstance(value, (bytes, str)):
+    text = value.encode() if isinstance(value, str) else value
+    return tf_feature_pb2.Feature(bytes_list=tf_feature_pb2.BytesList(value=[text]))
+  value = np.asarray(value)
+  if np.issubdtype(value.dtype, np.floating):
+    return tf_feature_pb2.Feature(
+        float_list=tf_feature_pb2.FloatList(value=value.flatten().tolist()))
+  return tf_feature_pb2.Feature(
+      int64_list=tf_feature_pb2.Int64List(value=value.flatten().tolist()))
 
 
 def _write_sqlite(path, splits):
-  """TFF's SQLite client data (sql_client_data_utils' tables)."""
+  """TFF's SQLite client data (sql_client_data_utils' tables): splits ->
+  {client: {feature: [n, ...] values}}, each example a serialized tf.train.Example."""
   with sqlite3.connect(path) as db:
     db.execute("CREATE TABLE examples (split_name TEXT NOT NULL, client_id TEXT NOT NULL,"
                " serialized_example_proto BLOB NOT NULL)")
     db.execute("CREATE TABLE client_metadata (client_id TEXT NOT NULL, split_name TEXT"
                " NOT NULL, num_examples INTEGER NOT NULL)")
     for split, clients in splits.items():
-      for client, (images, labels) in clients.items():
-        db.executemany("INSERT INTO examples VALUES (?, ?, ?)",
-                       [(split, client, _example(i, l)) for i, l in zip(images, labels)])
-        db.execute("INSERT INTO client_metadata VALUES (?, ?, ?)",
-                   (client, split, len(labels)))
+      for client, features in clients.items():
+        n = len(next(iter(features.values())))
+        for i in range(n):
+          example = tf_example_pb2.Example(features=tf_feature_pb2.Features(
+              feature={name: _feature(values[i]) for name, values in features.items()}))
+          db.execute("INSERT INTO examples VALUES (?, ?, ?)",
+                     (split, client, example.SerializeToString()))
+        db.execute("INSERT INTO client_metadata VALUES (?, ?, ?)", (client, split, n))
   db.close()
+
+
+@pytest.mark.parametrize("fmt", ["h5", "sqlite"])
+def test_femnist_from_tffs_federated_emnist(tmp_path, fmt):
+  """TFF's writers: pixels [28, 28] floats (background 1.0), labels; train and test."""
+  rng = np.random.default_rng(0)
+
+  def writers(sizes):
+    return {w: {"label": rng.integers(0, 62, n).astype(np.int32),
+                "pixels": rng.uniform(0, 1, (n, 28, 28)).astype(np.float32)}
+            for w, n in sizes.items()}
+  train = writers({"f0000_14": 2, "f0001_41": 10, "f0002_05": 6})
+  test = writers({"f0001_41": 2})  # f0002_05 has no test examples: 20 % carved
+  if fmt == "h5":
+    _write_h5(tmp_path / "fed_emnist_train.h5", train)
+    _write_h5(tmp_path / "fed_emnist_test.h5", test)
+  else:
+    _write_sqlite(tmp_path / "emnist_all.sqlite", {"train": train, "test": test})
+  users = natural.load_femnist(str(tmp_path), num_clients=2, seed=0)
+  assert list(users.user_ids) == ["f0001_41", "f0002_05"]  # f0000_14: 2 examples
+  first, second = users.clients
+  assert (len(first.y_train), len(first.y_val), len(first.y_test)) == (9, 1, 2)
+  assert (len(second.y_train), len(second.y_val), len(second.y_test)) == (4, 1, 1)
+  want = np.round(255 * (1 - test["f0001_41"]["pixels"])).astype(np.uint8)
+  np.testing.assert_array_equal(first.x_test, want)
+  np.testing.assert_array_equal(first.y_test, test["f0001_41"]["label"])
 
 
 @pytest.mark.parametrize("fmt", ["h5", "sqlite"])
@@ -194,7 +230,7 @@ def test_cifar100_pachinko_from_tff_files(tmp_path, fmt):
   for user, client in zip(users.user_ids, users.clients):
     # No published test samples of a training client: 20 % test, 10 % of the rest val.
     assert (len(client.y_train), len(client.y_val), len(client.y_test)) == (7, 1, 2)
-    images, labels = clients[user]
+    images, labels = clients[user]["image"], clients[user]["label"]
     got = np.concatenate([client.x_train, client.x_val, client.x_test])
     got_y = np.concatenate([client.y_train, client.y_val, client.y_test])
     order = np.lexsort((got_y, got.reshape(10, -1)[:, 0]))
@@ -216,8 +252,7 @@ def test_tff_reader_bad_input_is_one_line(tmp_path):
   (tmp_path / "fed_cifar100_train.h5").write_bytes(b"not HDF5")
   with pytest.raises(DataError, match="cannot read .* as HDF5"):
     natural.load_cifar100_pachinko(str(tmp_path), 1, 0)
-  with h5py.File(tmp_path / "fed_cifar100_train.h5", "w") as f:
-    f["examples/0/label"] = np.zeros(5, np.int64)
+  _write_h5(tmp_path / "fed_cifar100_train.h5", {"0": {"label": np.zeros(5, np.int64)}})
   with pytest.raises(DataError, match="lacks the features image and label"):
     natural.load_cifar100_pachinko(str(tmp_path), 1, 0)
   with sqlite3.connect(tmp_path / "other.sqlite") as db:
@@ -253,34 +288,17 @@ STACKOVERFLOW_POSTS = {  # user: [(tokens, tags)]
                  ("a list", "list|python")]}
 
 
-def _bytes_feature(text):
-  return tf_feature_pb2.Feature(bytes_list=tf_feature_pb2.BytesList(value=[text.encode()]))
-
-
 def _write_stackoverflow(folder, fmt, test_posts):
+  splits = {split: {user: {"tokens": np.array([p[0].encode() for p in posts]),
+                           "tags": np.array([p[1].encode() for p in posts]),
+                           "score": np.zeros(len(posts), np.int64)}
+                    for user, posts in users.items()}
+            for split, users in (("train", STACKOVERFLOW_POSTS), ("test", test_posts))}
   if fmt == "h5":
-    for split, users in (("train", STACKOVERFLOW_POSTS), ("test", test_posts)):
-      with h5py.File(folder / f"stackoverflow_{split}.h5", "w") as f:
-        for user, posts in users.items():
-          f[f"examples/{user}/tokens"] = np.array([p[0].encode() for p in posts])
-          f[f"examples/{user}/tags"] = np.array([p[1].encode() for p in posts])
-          f[f"examples/{user}/score"] = np.zeros(len(posts), np.int64)
-    return
-  with sqlite3.connect(folder / "stackoverflow.sqlite") as db:
-    db.execute("CREATE TABLE examples (split_name TEXT, client_id TEXT,"
-               " serialized_example_proto BLOB)")
-    db.execute("CREATE TABLE client_metadata (client_id TEXT, split_name TEXT,"
-               " num_examples INTEGER)")
-    for split, users in (("train", STACKOVERFLOW_POSTS), ("test", test_posts)):
-      for user, posts in users.items():
-        for tokens, tags in posts:
-          example = tf_example_pb2.Example(features=tf_feature_pb2.Features(feature={
-              "tokens": _bytes_feature(tokens), "tags": _bytes_feature(tags),
-              "type": _bytes_feature("question")}))
-          db.execute("INSERT INTO examples VALUES (?, ?, ?)",
-                     (split, user, example.SerializeToString()))
-        db.execute("INSERT INTO client_metadata VALUES (?, ?, ?)", (user, split, len(posts)))
-  db.close()
+    for split, clients in splits.items():
+      _write_h5(folder / f"stackoverflow_{split}.h5", clients)
+  else:
+    _write_sqlite(folder / "stackoverflow.sqlite", splits)
 
 
 @pytest.mark.parametrize("fmt", ["h5", "sqlite"])

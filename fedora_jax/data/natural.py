@@ -6,9 +6,11 @@ TFDS builder carries that id (TFDS 4.9's emnist, cifar100 and tiny_shakespeare h
 none, and it has no StackOverflow), so each dataset is read in the format it is
 published in (docs/datasets.md says where to get each):
 
-  femnist            LEAF's JSON (leaf_json.py): 62 classes (digits, upper, lower case),
-                     one client per writer; images stored as uint8 28x28 with the ink
-                     bright (LEAF's floats have the background at 1.0: 255 * (1 - x))
+  femnist            LEAF's JSON (leaf_json.py), or TFF's federated EMNIST built from it
+                     (fed_emnist HDF5 or emnist_all SQLite, tff_files.py): 62 classes
+                     (digits, upper, lower case), one client per writer; images stored
+                     as uint8 28x28 with the ink bright (both publish floats with the
+                     background at 1.0: 255 * (1 - x))
   shakespeare        LEAF's JSON: next character after 80, one client per speaking role;
                      x the 80 characters as ids 1..80 of LEAF's alphabet (0 for any
                      other character, the padding id the text models mask), y the next
@@ -150,17 +152,23 @@ def _leaf_users(name: str, folder: str, num_clients: int,
   return users
 
 
-def femnist_arrays(user: leaf_json.LeafUser) -> tuple[np.ndarray, np.ndarray]:
-  """LEAF's 784 floats in [0, 1] (background 1.0) -> uint8 [n, 28, 28], ink bright."""
+def femnist_images(user: str, pixels, labels) -> tuple[np.ndarray, np.ndarray]:
+  """LEAF's (and TFF's) 784 floats in [0, 1], background 1.0 -> uint8 [n, 28, 28], ink
+  bright; labels -> int32 [n]."""
   try:
-    x = np.asarray(user.x, np.float32).reshape(len(user.x), 28, 28)
-    y = np.asarray(user.y, np.int32).reshape(len(user.y))
+    x = np.asarray(pixels, np.float32).reshape(len(pixels), 28, 28)
+    y = np.asarray(labels, np.int32).reshape(len(labels))
   except (ValueError, TypeError):
-    raise DataError(f"femnist: user {user.id!r}: x must be lists of 784 numbers and y"
+    raise DataError(f"femnist: user {user!r}: x must be lists of 784 numbers and y"
                     " class ids") from None
   if len(y) and (y.min() < 0 or y.max() >= FEMNIST_CLASSES):
-    raise DataError(f"femnist: user {user.id!r}: labels outside [0, {FEMNIST_CLASSES})")
+    raise DataError(f"femnist: user {user!r}: labels outside [0, {FEMNIST_CLASSES})")
   return np.round(255 * (1 - np.clip(x, 0, 1))).astype(np.uint8), y
+
+
+def femnist_arrays(user: leaf_json.LeafUser) -> tuple[np.ndarray, np.ndarray]:
+  """A LEAF writer's images and labels (femnist_images)."""
+  return femnist_images(user.id, user.x, user.y)
 
 
 def character_ids(text: str) -> list[int]:
@@ -188,11 +196,37 @@ LEAF_WHERE = ("get it with LEAF (github.com/TalwalkarLab/leaf): in data/{name}/ 
               " holds train/ and test/)")
 
 
+# TFF's federated EMNIST (62 classes), the same writers' images: train, test files.
+FEMNIST_TFF_FILES = (("fed_emnist_train.h5", "fed_emnist_test.h5"),
+                     ("emnist_all.sqlite", "emnist_all.sqlite"))
+FEMNIST_TFF_WHERE = ("or TFF's federated EMNIST: fed_emnist.tar.bz2 (HDF5) or"
+                     " emnist_all.sqlite.lzma (decompress it with `unlzma`), under"
+                     " storage.googleapis.com/tff-datasets-public/")
+
+
+def _tff_femnist_arrays(client: str, features: dict[str, np.ndarray]
+                        ) -> tuple[np.ndarray, np.ndarray]:
+  if not {"pixels", "label"} <= features.keys():
+    raise DataError(f"femnist: client {client!r} lacks the features pixels and label (has"
+                    f" {', '.join(sorted(features))})")
+  return femnist_images(client, features["pixels"], features["label"])
+
+
 def load_femnist(data_dir: str | None, num_clients: int, seed: int) -> NaturalClients:
-  """FEMNIST's first `num_clients` writers (LEAF JSON), see the module docstring."""
-  where = LEAF_WHERE.format(name="femnist", args="-s niid --sf 1.0 -k 0 -t sample")
-  folder = find_folder("femnist", data_dir, leaf_json.holds, where)
-  users = _leaf_users("femnist", folder, num_clients, femnist_arrays)
+  """FEMNIST's first `num_clients` writers, from LEAF's JSON or TFF's federated EMNIST
+  (fed_emnist or emnist_all: 62 classes), see the module docstring."""
+  where = (LEAF_WHERE.format(name="femnist", args="-s niid --sf 1.0 -k 0 -t sample")
+           + "; " + FEMNIST_TFF_WHERE)
+  has_tff = lambda folder: any(os.path.isfile(os.path.join(folder, train))
+                               for train, _ in FEMNIST_TFF_FILES)
+  folder = find_folder("femnist", data_dir,
+                       lambda f: leaf_json.holds(f) or has_tff(f), where)
+  if leaf_json.holds(folder):
+    users = _leaf_users("femnist", folder, num_clients, femnist_arrays)
+  else:
+    train, test = next((os.path.join(folder, a), os.path.join(folder, b))
+                       for a, b in FEMNIST_TFF_FILES if os.path.isfile(os.path.join(folder, a)))
+    users = _tff_users("femnist", train, test, num_clients, _tff_femnist_arrays)
   return as_clients("femnist", users, FEMNIST_CLASSES, seed)
 
 
@@ -240,17 +274,29 @@ def cifar100_arrays(client: str, features: dict[str, np.ndarray]
   return np.asarray(image).reshape(len(y), 32, 32, 3).astype(np.uint8), y
 
 
+def _tff_users(name: str, train_path: str, test_path: str | None, num_clients: int,
+               convert: Callable[[str, dict[str, np.ndarray]], tuple[np.ndarray, np.ndarray]]
+               ) -> list[UserSamples]:
+  """The first training clients of a TFF file with enough examples, with their examples
+  of `test_path`'s test split where it holds them (None: no per-client test split)."""
+  ids = first_users(numeric_order(tff_files.client_sizes(train_path, "train")),
+                    num_clients, name)
+  train = tff_files.read_clients(train_path, "train", ids)
+  test = {} if test_path is None else tff_files.read_clients(test_path, "test", ids)
+  users = []
+  for client in ids:
+    x, y = convert(client, train[client])
+    x_test, y_test = convert(client, test[client]) if client in test else (x[:0], y[:0])
+    users.append(UserSamples(client, x, y, x_test, y_test))
+  return users
+
+
 def load_cifar100_pachinko(data_dir: str | None, num_clients: int,
                            seed: int) -> NaturalClients:
   """TFF's CIFAR-100 training clients 0..num_clients-1, see the module docstring."""
   holds = lambda folder: any(os.path.isfile(os.path.join(folder, n)) for n in CIFAR100_FILES)
   path = tff_file(find_folder("cifar100_pachinko", data_dir, holds, CIFAR100_WHERE),
                   CIFAR100_FILES)
-  ids = first_users(numeric_order(tff_files.client_sizes(path, "train")), num_clients,
-                    "cifar100_pachinko")
-  features = tff_files.read_clients(path, "train", ids)
-  users = []
-  for client in ids:
-    x, y = cifar100_arrays(client, features[client])
-    users.append(UserSamples(client, x, y, x[:0], y[:0]))
+  # Its test clients are other people than its training clients: no test_path.
+  users = _tff_users("cifar100_pachinko", path, None, num_clients, cifar100_arrays)
   return as_clients("cifar100_pachinko", users, 100, seed)
