@@ -47,6 +47,13 @@ def _leakage(measure: str) -> str:
   return (leakage.dlg_table if measure == "dlg" else leakage.membership_table)(report)
 
 
+def _one_round() -> str:
+  import json  # pylint: disable=import-outside-toplevel
+  from verification import verify  # pylint: disable=import-outside-toplevel
+  with open(_at("results/verification/one_round.json")) as f:
+    return verify.render(json.load(f))
+
+
 def _verification(out: str) -> str:
   from verification import long  # pylint: disable=import-outside-toplevel
   return long.render(long.read_rows(_at(out)), out)
@@ -65,6 +72,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "results/verification/long/table.md": lambda: _verification("results/verification/long"),
     "results/verification/long_cpu/table.md":
         lambda: _verification("results/verification/long_cpu"),
+    "results/verification/one_round.json": _one_round,
     "results/soak/soak.json":
         lambda: soak.render(soak._done(_at("results/soak/soak.json"))),  # pylint: disable=protected-access
 }
