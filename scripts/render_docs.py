@@ -1,7 +1,8 @@
 """The docs' result tables, rendered from results/ (issue 47).
 
-  python scripts/render_docs.py          # rewrite stale results tables and the docs' blocks
-  python scripts/render_docs.py --check  # change nothing; name each stale table or block
+  python scripts/render_docs.py            # rewrite the docs' blocks; name stale tables
+  python scripts/render_docs.py --results  # rewrite the stale results tables (.md) too
+  python scripts/render_docs.py --check    # change nothing; name each stale table or block
 
 A doc (README.md, docs/*.md) embeds a results table as a block
 
@@ -145,15 +146,18 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check", action="store_true",
                       help="change nothing; exit 1 naming each stale table or block")
+  parser.add_argument("--results", action="store_true",
+                      help="also rewrite each stale results table from its runs' files")
   args = parser.parse_args()
   if args.check:
     found = problems()
     print("\n".join(found) or "every rendered table matches its files")
     return 1 if found else 0
   for path in stale_results():
-    with open(_at(path), "w") as f:
-      f.write(RENDERERS[path]().rstrip("\n") + "\n")
-    print(f"rewrote {path}")
+    if args.results:
+      with open(_at(path), "w") as f:
+        f.write(RENDERERS[path]().rstrip("\n") + "\n")
+    print(f"{'rewrote' if args.results else 'stale (--results rewrites it)'}: {path}")
   for doc in docs():
     with open(doc) as f:
       text = f.read()
