@@ -8,6 +8,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+from unittest import mock
 
 import h5py
 import jax
@@ -255,6 +256,9 @@ def test_tff_reader_bad_input_is_one_line(tmp_path):
   _write_h5(tmp_path / "fed_cifar100_train.h5", {"0": {"label": np.zeros(5, np.int64)}})
   with pytest.raises(DataError, match="lacks the features image and label"):
     natural.load_cifar100_pachinko(str(tmp_path), 1, 0)
+  with mock.patch.dict(sys.modules, {"h5py": None}):  # h5py not installed
+    with pytest.raises(DataError, match="needs h5py: pip install h5py"):
+      natural.load_cifar100_pachinko(str(tmp_path), 1, 0)
   with sqlite3.connect(tmp_path / "other.sqlite") as db:
     db.execute("CREATE TABLE examples (client_id TEXT)")
   db.close()

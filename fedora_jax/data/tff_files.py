@@ -37,7 +37,11 @@ def _kind(path: str) -> str:
 
 
 def _open_h5(path: str):
-  import h5py  # pylint: disable=g-import-not-at-top  (only the HDF5 archives need it)
+  try:
+    import h5py  # pylint: disable=g-import-not-at-top  (only the HDF5 archives need it)
+  except ImportError:
+    raise DataError(f"TFF: reading {path} needs h5py: pip install h5py (or the"
+                    " package's [federated] extra), or use TFF's SQLite file") from None
   try:
     f = h5py.File(path, "r")
   except OSError as e:
@@ -138,7 +142,7 @@ def read_clients(path: str, split: str, ids: list[str]) -> dict[str, dict[str, n
   connection = _connect(path)
   protos: dict[str, list[bytes]] = {c: [] for c in ids}
   with connection:
-    # One pass over the table (it has no index on client_id), in chunks of ids.
+    # The table has no index on client_id: one pass over it per chunk of 500 ids.
     for start in range(0, len(ids), 500):
       chunk = ids[start:start + 500]
       rows = connection.execute(
