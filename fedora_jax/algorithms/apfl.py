@@ -36,7 +36,7 @@ evaluated through that mixture. `mixing="parameters"` is the paper's v_bar with 
 latest global model. Parameter mixing averages two MLPs whose hidden units need not line
 up (v_k never restarts from w), so the mixture can be worse than either model; on
 rotated MNIST it gave 0.755 at 500 rounds against the FEDORA paper's 0.787
-(docs/results.md). The FEDORA authors' repository holds no baseline code, so which form
+(docs/measurements/). The FEDORA authors' repository holds no baseline code, so which form
 their row used is not known; the default follows the APFL authors' code. 
 
 Alpha's step (`alpha_update`). The paper's Algorithm 1 moves alpha every local step.
@@ -46,7 +46,7 @@ gradient plus 0.02 alpha (a small pull towards the global model). Here every loc
 with the run's optimizer (heavy-ball momentum 0.9 by default) drives alpha to 1 within
 ~40 rounds on rotated MNIST (mean alpha 0.67 at round 21, 1.0 from round 41 on), after
 which APFL is LOCAL: 0.7575 against LOCAL's 0.7563 at 500 rounds, the paper's APFL row
-being 0.787 (docs/results.md). `alpha_update="round"` (the default) is the authors'
+being 0.787 (docs/measurements/). `alpha_update="round"` (the default) is the authors'
 step, taken at the round's starting iterates on the client's whole training split (one
 full batch here, a first minibatch there; the exact d/d alpha of the personal loss,
 where their code uses the parameter-space <v - w, alpha grad_v + (1 - alpha) grad_w>)

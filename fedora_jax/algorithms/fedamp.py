@@ -26,7 +26,7 @@ is a convex combination of the clients' models; since A'(d) <= 1 / sigma this ho
 any distances when alpha_k <= sigma / (K - 1). PFLlib's alpha_k = 1 breaks it for any
 K > 1 + sigma: at K = 36 the first round's xi_ii is 1 - 35 = -34, every cloud model
 extrapolates far past the others, and the proximal term drags each client there
-(Acc 0.491 at 500 rounds against the FEDORA paper's 0.787; docs/results.md). With
+(Acc 0.491 at 500 rounds against the FEDORA paper's 0.787; docs/measurements/). With
 `clip_step=True` (the default) the message-passing step in xi is
 min(alpha_k, sigma / (K - 1)); `clip_step=False` uses alpha_k as given (PFLlib's
 behaviour; `init` then warns when the first round extrapolates, and the per-client
@@ -34,14 +34,14 @@ metric `self_weight` shows xi_ii). The proximal weight stays lambda / (2 alpha_k
 configured values, i.e. lambda is scaled with the clipped step: clipping it too (the
 paper's coupling, 1 / (2 / 35) = 17.5 at the defaults) holds every client so close to
 its cloud model that it barely trains (Acc 0.210 after 100 rounds against LOCAL's
-0.752, docs/results.md). PFLlib's FedAMP since 2023-03-01 (commit 45ae9f5) builds the
+0.752, docs/measurements/). PFLlib's FedAMP since 2023-03-01 (commit 45ae9f5) builds the
 regulariser from `p.data` (detached), so the term has no gradient and it trains like
 LOCAL: its numbers cannot show the extrapolation. The version behind the FedALA paper's
 table (a41f7ba, 2022-11-30) had the gradient, but built u_i from xi_ii times the client's
 previous cloud model u_i, not its own w_i (fixed 2023-04-08, 0998c54).
 The FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so the
-settings behind the FEDORA paper's row are not known. docs/results.md ("FedAMP's
-hyperparameters") has a sweep of alpha_k, lambda and sigma and of HeurFedAMP on rotated
+settings behind the FEDORA paper's row are not known. docs/measurements/2026-11-26-baselines.md
+("FedAMP's hyperparameters") has a sweep of alpha_k, lambda and sigma and of HeurFedAMP on rotated
 MNIST.
 """
 

@@ -24,7 +24,7 @@ On rotated MNIST that start never recovers (issue 14): independently drawn cente
 ~178 apart in squared L2 while a client moves < 1 in a round, so every E-step returns
 the client's random cluster, the assignment never moves, and each center is FedAvg over
 a random quarter of the rotations (Acc 0.625 at 500 rounds against the FEDORA paper's
-0.772, docs/results.md).
+0.772, docs/measurements/).
 `init="kmeans"` (the default) starts the clusters from the data instead, as k-means
 based clustered FL does: for `warmup_rounds` rounds every client trains its own model
 (from the shared initial model, no communication; its personalized model is that local
@@ -33,7 +33,7 @@ Gonzalez 1985, the deterministic form of k-means++; then `kmeans_iterations` Llo
 steps, which are FeSEM's own E/M steps) to set the centers and the assignment.
 After it FeSEM's E/M steps run as above; the E-step re-clusters every round. On rotated
 MNIST at 100 rounds (LOCAL 0.752): random start 0.537, k-means after 1 local round
-0.630, after 10 (the default) 0.668 (docs/results.md, "Five low baselines"). The
+0.630, after 10 (the default) 0.668 (docs/measurements/2026-11-26-baselines.md). The
 FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so which
 start the FEDORA paper's row used is not known; k-means is the default because the
 random start cannot separate the rotations at all.

@@ -42,8 +42,8 @@ With C = 4 each cluster averages models over a 90-degree arc, and because the fi
 assignment is noise every cluster starts as a random mix of angles that sorts itself
 into arcs only slowly (at round 100 of seed 0 one cluster still held 40-80 and 270-280
 degrees; Acc 0.725 against LOCAL's 0.752). C is then a hyperparameter, chosen here on
-the validation split (docs/results.md, "Five low baselines", 2026-11-26; rotated MNIST,
-seed 0, 100 rounds, mean validation accuracy at round 100): C = 4 0.717, 9 0.784,
+the validation split (docs/measurements/2026-11-26-baselines.md, "Five low baselines";
+rotated MNIST, seed 0, 100 rounds, mean validation accuracy at round 100): C = 4 0.717, 9 0.784,
 12 0.791, 18 0.786. The default is 12 (three 10-degree neighbours a cluster on
 average); at it, test Acc 0.808 / 0.806 / 0.791 on seeds 0-2 at 100 rounds (LOCAL 0.752
 / 0.758 / 0.754). Seed 0's first draw at C = 12 leaves one cluster empty for good; with
