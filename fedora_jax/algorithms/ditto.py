@@ -51,9 +51,9 @@ to a global model that is still poor early on, so fixed learns slowly (it reache
 above LOCAL at 100 rounds. At the authors' code's 500 rounds
 (docs/measurements/2026-11-26-fedora-table1.md, seeds 0-2 on an H100) per_client gives
 0.7703 +- 0.0047, R-Acc +0.019, PTR 0.69 (per_step 0.7707, +0.020, 0.70) against fixed's
-0.7546, -0.001, 0.46 and the FEDORA paper's Ditto row 0.7806 / +0.0220 / 0.7222. So "per_client", the rule the Ditto
-paper states, is the default; `--ditto_lambda_selection=fixed` is the authors' released
-setting.
+0.7546, -0.001, 0.46 and the FEDORA paper's Ditto row 0.7806 / +0.0220 / 0.7222. So
+"per_client", the rule the Ditto paper states, is the default;
+`--ditto_lambda_selection=fixed` is the authors' released setting.
 """
 
 from typing import NamedTuple
