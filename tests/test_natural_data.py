@@ -87,6 +87,8 @@ def test_femnist_registry_and_data_root(femnist_dir):
   assert federated.data.num_clients == 2 and federated.data.num_classes == 62
   assert list(federated.groups) == ["f0001_00", "f0003_02"]
   np.testing.assert_array_equal(federated.data.split_sizes("test"), [3, 2])
+  counts = federated.partition.class_counts  # [K, 62] training samples per class
+  assert counts.shape == (2, 62) and counts[1, 60:].sum() == counts[1].sum() == 8
   resolved = config_lib.resolve(config_lib.ExperimentConfig(
       data=config_lib.DataConfig(dataset="femnist")))
   assert resolved.data.partition is None and resolved.model.name == "fedavg_cnn"

@@ -260,7 +260,11 @@ def _build_users(spec: DatasetSpec, name: str, data_dir: str | None, num_clients
                      " gives them; use the default, balanced")
   assert spec.load_users is not None  # called for datasets of users only
   users = spec.load_users(data_dir, num_clients, seed)
-  return users.source, Partition(clients=users.clients, kind="users"), users.user_ids
+  # Each user's training samples per class: its label skew, reported per client.
+  counts = np.stack([np.bincount(c.y_train, minlength=users.source.num_classes)
+                     for c in users.clients])
+  return (users.source, Partition(clients=users.clients, kind="users", class_counts=counts),
+          users.user_ids)
 
 
 def synthetic_config(partition: PartitionConfig | None) -> synthetic_lib.SyntheticConfig:
