@@ -13,6 +13,7 @@ from unittest import mock
 import h5py
 import jax
 import numpy as np
+import optax
 import pytest
 from tensorflow_datasets.proto import tf_example_pb2, tf_feature_pb2
 
@@ -21,6 +22,7 @@ from fedora_jax.algorithms import layers
 from fedora_jax.data import datasets, natural, stackoverflow, tff_files
 from fedora_jax.errors import ConfigError, DataError
 from fedora_jax.models import build_model
+from fedora_jax.models.char_lstm import CharLSTM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -354,3 +356,25 @@ def test_char_lstm_is_the_papers_shakespeare_model():
   assert expected == 817_880
   assert sum(leaf.size for leaf in jax.tree.leaves(variables)) == expected
   assert layers.layer_names(variables) == ["Embed_0", "LSTM_0", "LSTM_1", "Dense_0"]
+
+
+@pytest.mark.slow  # compiling the LSTM's scan and its gradient: ~20 s on a shared CPU
+def test_char_lstm_learns_from_the_sequences_last_step():
+  """A task only the last character decides: a few Adam steps solve it, so the model
+  reads the sequence to its end (the Dense takes the last LSTM output)."""
+  x = np.random.default_rng(0).integers(1, 11, (128, 8)).astype(np.int32)
+  y = x[:, -1] - 1
+  model = CharLSTM(num_outputs=10, vocab_size=11, hidden=(16,))
+  params = model.init(jax.random.key(0), x[:1])
+  optimizer = optax.adam(1e-2)
+
+  @jax.jit
+  def step(params, state):
+    loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply(p, x), y).mean()
+    updates, state = optimizer.update(jax.grad(loss)(params), state)
+    return optax.apply_updates(params, updates), state
+  state = optimizer.init(params)
+  for _ in range(60):
+    params, state = step(params, state)
+  assert (model.apply(params, x).argmax(-1) == y).mean() > 0.9
