@@ -268,6 +268,10 @@ def test_tff_reader_bad_input_is_one_line(tmp_path):
   db.close()
   with pytest.raises(DataError, match="lacks the tables"):
     tff_files.client_sizes(str(tmp_path / "other.sqlite"), "train")
+  (tmp_path / "renamed").mkdir()
+  _write_sqlite(tmp_path / "renamed" / "cifar100.sqlite", {"training": _cifar_clients([3])})
+  with pytest.raises(DataError, match=r"no client in split 'train' \(its splits: training\)"):
+    natural.load_cifar100_pachinko(str(tmp_path / "renamed"), 1, 0)
 
 
 @pytest.mark.slow

@@ -87,9 +87,12 @@ def client_sizes(path: str, split: str) -> list[tuple[str, int]]:
     rows = connection.execute(
         "SELECT client_id, num_examples FROM client_metadata WHERE split_name = ?"
         " ORDER BY client_id", (split,)).fetchall()
+    splits = [r[0] for r in connection.execute(
+        "SELECT DISTINCT split_name FROM client_metadata ORDER BY split_name")]
   connection.close()
   if not rows:
-    raise DataError(f"TFF: {path} has no client in split {split!r}")
+    raise DataError(f"TFF: {path} has no client in split {split!r} (its splits:"
+                    f" {', '.join(map(str, splits)) or 'none'})")
   return [(str(c), int(n)) for c, n in rows]
 
 
