@@ -230,6 +230,10 @@ def from_settings(settings: Mapping[str, Any]) -> ExperimentConfig:
   config = _platform_defaults(config, given)
   config = dataclasses.replace(config, model=dataclasses.replace(
       config.model, hidden=_hidden(config.model.hidden)))
+  partition_given = sorted(k for k in given if k in PARTITION)
+  if partition_given and datasets.natural_users(config.data.dataset):
+    raise ConfigError(f"--dataset={config.data.dataset} has one client per user (or group) of"
+                      f" the data; --{', --'.join(partition_given)} would be ignored: drop it")
   partition = datasets.default_partition(
       config.data.dataset, config.data.setting,
       **{PARTITION[k]: v for k, v in given.items() if k in PARTITION})

@@ -17,7 +17,7 @@ import optax
 import pytest
 from tensorflow_datasets.proto import tf_example_pb2, tf_feature_pb2
 
-from fedora_jax import config as config_lib
+from fedora_jax import config as config_lib, settings
 from fedora_jax.algorithms import layers
 from fedora_jax.data import datasets, natural, stackoverflow, tff_files
 from fedora_jax.errors import ConfigError, DataError
@@ -101,6 +101,11 @@ def test_femnist_registry_and_data_root(femnist_dir):
   with pytest.raises(ConfigError, match="published files only"):
     datasets.build_federated_dataset("femnist", str(femnist_dir), 2, "balanced", 0,
                                      data_source="tfds")
+  # A partition flag would be ignored where the data gives the clients: refused, not dropped.
+  with pytest.raises(ConfigError, match=r"femnist has one client per user .* --dirichlet_alpha"
+                                        r", --partition would be ignored"):
+    settings.from_settings({"dataset": "femnist", "partition": "dirichlet",
+                            "dirichlet_alpha": 0.1})
 
 
 def test_leaf_bad_input_is_one_line(tmp_path, femnist_dir):
