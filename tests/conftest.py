@@ -63,6 +63,9 @@ SLOW_MODULES = frozenset((
     "test_paper_tables", "test_checkpoint", "test_watchdog", "test_notebook",
     "test_benchmark", "test_main", "test_plots", "test_download", "test_loaders_fixtures",
     "test_dp_run", "test_sweep",
+    # The run axis, partial participation, plug-in hosts and the runner API end to end:
+    # engine paths the matrix also crosses; each compiles whole rounds.
+    "test_batch", "test_participation", "test_runner_api", "test_verification_long",
     # The CNN, ResNet and BatchNorm models' tests: compiling them is most of a cold run.
     "test_batch_norm", "test_fedbn", "test_cifar", "test_layerwise_cnn", "test_split_layers"))
 # Started first, so that two workers end together (each takes minutes).

@@ -94,6 +94,7 @@ def test_batched_lapack_is_what_hung():
   assert _lapack_inputs(jax.make_jaxpr(linalg.eigvalsh)(grams).jaxpr) == [("eigh", (5, 5))]
 
 
+@pytest.mark.slow  # the algorithm matrix's every pairing: make test, not test-quick
 @pytest.mark.parametrize("name,plugin", algorithm_matrix.pairings())
 def test_every_round_hands_lapack_one_matrix(name, plugin):
   """Every algorithm's init and round, as the engine traces them on CPU (vmap over the
@@ -121,6 +122,7 @@ def test_every_round_hands_lapack_one_matrix(name, plugin):
   assert not batched, batched
 
 
+@pytest.mark.slow  # two devices
 def test_two_cpu_devices_do_not_hang():
   """Coaching's and FEDORA's server linear algebra, 40 times on two CPU devices at once.
   Before linalg.py this hung within a few calls, every time (3 of 3 tries)."""
