@@ -100,7 +100,7 @@ flags.DEFINE_multi_string("sweep", [], "name=v1,v2,...: run each value of the ru
                           " --name (each combination of several --sweep; each over"
                           " --seeds) as one program; only values that keep the program's"
                           " shapes: --lr, --weight_decay, an algorithm's float"
-                          " hyperparameter (--fedprox_mu=...), --seed.")
+                          " hyperparameter (--fedprox_mu=...), --seed")
 flags.DEFINE_bool("batch_runs", True, "--seeds, --sweep and reproduce's rows that differ"
                   " only in values train as one program; false: one at a time.")
 RUNS_PER_STEP = flags.DEFINE_integer(

@@ -14,7 +14,6 @@ program of the same runs' LOCALs. timing.json records each run's share of the
 program's time (its seconds / the runs in it).
 """
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -80,6 +79,26 @@ def batch_values(configs: Sequence[ExperimentConfig]) -> dict[str, list[float]]:
   return values
 
 
+class _Writers:
+  """Each run's TensorBoard writer (train.round_writer), opened at its first round, so a
+  program refused before it trains leaves no event file behind."""
+
+  def __init__(self, runs: Sequence[train_lib.PreparedRun], name: str | None = None):
+    self.runs, self.name = runs, name
+    self.opened: dict[int, Any] = {}
+
+  def on_round(self, i: int) -> Callable[[int, Any], None]:
+    def log(round_number: int, metrics: Any) -> None:
+      if i not in self.opened:
+        self.opened[i] = train_lib.round_writer(self.runs[i], self.name)
+      self.opened[i](round_number, metrics)
+    return log
+
+  def close(self) -> None:
+    for writer in self.opened.values():
+      writer.close()
+
+
 def _builder(config: ExperimentConfig) -> batch.BuildFn:
   """build(values, trainer) for run_batch: `config`'s algorithm and plug-ins, its own
   config's fields among `values` set to the run's (traced) value."""
@@ -137,13 +156,15 @@ def _train_locals(runs: Sequence[train_lib.PreparedRun], progress: Progress,
                               algorithm=config_lib.AlgorithmConfig(algorithms.REFERENCE))
   local = config_lib.resolve(local)
   logger.info("training the %d runs' LOCAL references as one program", len(runs))
-  with contextlib.ExitStack() as stack:
-    writers = [stack.enter_context(train_lib.round_writer(r, algorithms.REFERENCE))
-               for r in runs]
+  writers = _Writers(runs, algorithms.REFERENCE)
+  try:
     return _run_program(runs, _builder(local), runs[0].config.train,
                         batch_values([r.config for r in runs]),
-                        _checkpointers([r.local_checkpointer for r in runs]), writers,
-                        progress, watchdog, runs_per_step)
+                        _checkpointers([r.local_checkpointer for r in runs]),
+                        [writers.on_round(i) for i in range(len(runs))], progress,
+                        watchdog, runs_per_step)
+  finally:
+    writers.close()
 
 
 def train_batch(configs: Sequence[ExperimentConfig], workdirs: Sequence[str],
@@ -166,13 +187,16 @@ def train_batch(configs: Sequence[ExperimentConfig], workdirs: Sequence[str],
   built: dict = {}
   runs = [train_lib.prepare_run(c, w, built) for c, w in zip(configs, workdirs)]
   first = runs[0]
-  with contextlib.ExitStack() as stack:
-    writers = [stack.enter_context(train_lib.round_writer(r)) for r in runs]
-    stack.enter_context(train_lib.noting_epsilon(first, progress))
-    results = _run_program(runs, _builder(first.config), train_lib.engine_train(first),
-                           batch_values([r.config for r in runs]),
-                           _checkpointers([r.checkpointer for r in runs]), writers,
-                           progress, watchdog, runs_per_step)
+  writers = _Writers(runs)
+  try:
+    with train_lib.noting_epsilon(first, progress):
+      results = _run_program(runs, _builder(first.config), train_lib.engine_train(first),
+                             batch_values([r.config for r in runs]),
+                             _checkpointers([r.checkpointer for r in runs]),
+                             [writers.on_round(i) for i in range(len(runs))], progress,
+                             watchdog, runs_per_step)
+  finally:
+    writers.close()
   failed = {i: r.error for i, r in enumerate(results) if isinstance(r, batch.RunFailed)}
   for i, result in enumerate(results):
     if i not in failed:  # written now, as a run alone writes it before its LOCAL

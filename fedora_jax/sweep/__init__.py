@@ -379,16 +379,27 @@ def run_configs(rows: Sequence[Row], options: Options = Options()) -> list[RowOu
 
 def _batches(rows: Sequence[Row], indices: Sequence[int]) -> list[list[int]]:
   """The rows grouped by what one program needs them to share: batch_key and the round
-  of their latest checkpoint (one program resumes from one round), in order."""
-  groups: dict[Any, list[int]] = {}
+  of their latest checkpoint (one program resumes from one round), in order. A row
+  scored against the LOCAL another row of its group (or a later one) trains goes in a
+  group after it, as it would run after it alone."""
+  groups: list[list[int]] = []
+  group_of_key: dict[Any, int] = {}
+  group_of: dict[int, int] = {}
   for i in indices:
     try:
       key: Any = (train_batch.batch_key(rows[i].config),
                   checkpoint_lib.rounds_saved(rows[i].workdir))
     except ConfigError:  # a bad row fails alone, where a sweep without batches reaches it
-      key = i
-    groups.setdefault(key, []).append(i)
-  return list(groups.values())
+      key = ("alone", i)
+    group = group_of_key.get(key)
+    scored_by = [g for j, g in group_of.items() for path in rows[i].references
+                 if path.startswith(rows[j].workdir.rstrip(os.sep) + os.sep)]
+    if group is None or any(g >= group for g in scored_by):
+      groups.append([])
+      group = group_of_key[key] = len(groups) - 1
+    groups[group].append(i)
+    group_of[i] = group
+  return groups
 
 
 def _run_group(rows: Sequence[Row], group: Sequence[int],
