@@ -62,7 +62,7 @@ SLOW_MODULES = frozenset((
     "test_algorithm_matrix", "test_sharding", "test_golden_results", "test_reproduce",
     "test_paper_tables", "test_checkpoint", "test_watchdog", "test_notebook",
     "test_benchmark", "test_main", "test_plots", "test_download", "test_loaders_fixtures",
-    "test_dp_run", "test_sweep", "test_sweep_batch",
+    "test_dp_run", "test_sweep", "test_sweep_batch", "test_host_matrix",
     # The run axis, partial participation, plug-in hosts and the runner API end to end:
     # engine paths the matrix also crosses; each compiles whole rounds.
     "test_batch", "test_participation", "test_runner_api", "test_verification_long",
