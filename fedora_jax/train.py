@@ -192,7 +192,7 @@ def _run_info(config: ExperimentConfig, num_clients: int) -> dict:
 # from before they existed stay as they were.
 _OMITTED_AT_DEFAULT = ("eval_every", "client_weights", "client_dropout",
                        "availability_trace", "stragglers", "straggler_speed",
-                       "round_deadline", "precision")
+                       "round_deadline", "precision", "client_data", "eval_clients")
 
 
 def _train_info(train: TrainConfig) -> dict:
