@@ -95,7 +95,9 @@ flags.DEFINE_integer("data_seed", None, "Seed of the client partition (default: 
 # Several runs (fedora_jax/sweep: run_configs trains those that differ only in values as
 # one program, fedora_jax/batch.py).
 flags.DEFINE_integer("seeds", 1, "Run seeds --seed .. --seed+N-1, as one compiled program"
-                     " where they can share one, and report mean and std.", lower_bound=1)
+                     " where they can share one, and report mean and std; each run in its"
+                     " default workdir, or --workdir/[<name>=<value>,...]/seed<s>.",
+                     lower_bound=1)
 flags.DEFINE_multi_string("sweep", [], "name=v1,v2,...: run each value of the run flag"
                           " --name (each combination of several --sweep; each over"
                           " --seeds) as one program; only values that keep the program's"

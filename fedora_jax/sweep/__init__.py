@@ -13,7 +13,10 @@ counts) and trains the others, resuming from their checkpoints. Several processe
 share a workdir: the process running or reading a row holds its lock (flock), and one
 reaching a held row waits, then reads it. `check_rows` refuses, before anything trains,
 a row whose workdir holds a run with other settings. A row may be scored against a LOCAL
-run another row trained (`Row.references`). The paper tables are sweeps (papers.py:
+run another row trained (`Row.references`). Rows not finished that differ only in values
+(seeds, lr, an algorithm's float hyperparameter) train as one program (run_configs,
+fedora_jax/train_batch.py), each into its own workdir; seeds_grid makes the rows of
+--seeds and --sweep. The paper tables are sweeps (papers.py:
 a table's specification, experiments/paper/*.json, -> rows -> the table's files).
 """
 
