@@ -18,6 +18,7 @@ import numpy as np
 
 from fedora_jax import communication, metrics
 from fedora_jax.algorithms import REFERENCE
+from fedora_jax.data.partitions import PartitionConfig
 from fedora_jax.errors import ConfigError
 from fedora_jax.simulation import RunResult
 
@@ -57,6 +58,15 @@ _REFERENCE_TRAIN_KEYS = ("local_epochs", "batch_size", "lr", "momentum", "weight
 REFERENCE_FLAGS = _REFERENCE_KEYS + ("rounds",) + _REFERENCE_TRAIN_KEYS
 
 
+def _at_defaults(key: str, value: Any, run_value: Any) -> Any:
+  """A reference's partition with the fields this run records and it lacks (added since
+  it ran) at their defaults: a field added later means its default in older records."""
+  if key != "partition" or not isinstance(value, dict) or not isinstance(run_value, dict):
+    return value
+  defaults = PartitionConfig._field_defaults
+  return {**{k: defaults[k] for k in run_value if k not in value and k in defaults}, **value}
+
+
 def load_reference(path: str, run_info: dict[str, Any]) -> ClientScores:
   """Per-client LOCAL accuracies from a LOCAL run's results.json, checked for the same split."""
   try:
@@ -75,7 +85,8 @@ def load_reference(path: str, run_info: dict[str, Any]) -> ClientScores:
     raise ConfigError(f"--reference {path} read its data from {source(reference)}, this run"
                       f" from {source(run_info)}")
   score = score_name(task_of(run_info))
-  pairs = [(k, reference.get(k), run_info.get(k)) for k in _REFERENCE_KEYS]
+  pairs = [(k, _at_defaults(k, reference.get(k), run_info.get(k)), run_info.get(k))
+           for k in _REFERENCE_KEYS]
   pairs += [(k, reference.get("train", {}).get(k), run_info["train"][k])
             for k in _REFERENCE_TRAIN_KEYS]
   mismatched = [(k, theirs, ours) for k, theirs, ours in pairs if theirs != ours]

@@ -162,3 +162,18 @@ def test_a_run_of_one_split_is_neither_resumed_nor_referenced_by_the_other(tmp_p
   with pytest.raises(ConfigError, match="split='authors' \\(run: None\\)"):
     results_lib.load_reference(str(tmp_path / "local.json"), default_info)
   assert results_lib.load_reference(str(tmp_path / "local.json"), info).final[0] == 0.5
+
+
+def test_a_reference_older_than_a_partition_field_counts_it_at_its_default(tmp_path):
+  # A LOCAL run recorded before a partition field existed (the synthetic dataset's) still
+  # serves a run at that field's default, and not one that sets it otherwise.
+  run = {"algorithm": "fedavg", "rounds": 1, "train": {k: 0 for k in (
+             "local_epochs", "batch_size", "lr", "momentum", "weight_decay")},
+         "partition": {"kind": "dirichlet", "synthetic_alpha": 1.0}}
+  reference = {**run, "algorithm": "local", "partition": {"kind": "dirichlet"},
+               "best_val": {"round": 1}, "clients": [{"id": 0, "acc": 0.5, "best_val_acc": 0.5}]}
+  (tmp_path / "local.json").write_text(json.dumps(reference))
+  assert results_lib.load_reference(str(tmp_path / "local.json"), run).final[0] == 0.5
+  other = {**run, "partition": {"kind": "dirichlet", "synthetic_alpha": 2.0}}
+  with pytest.raises(ConfigError, match="other settings: partition="):
+    results_lib.load_reference(str(tmp_path / "local.json"), other)

@@ -22,7 +22,7 @@ from test_main import ROOT
 
 TABLES = paper_specs.load_tables()
 SHAPES = {  # rows, columns, columns with the paper's numbers
-    "coaching1": (10, 8, 8), "coaching2": (10, 8, 8), "fedala1": (14, 8, 8),
+    "coaching1": (13, 8, 8), "coaching2": (13, 8, 8), "fedala1": (14, 8, 8),
     "fedala_ala": (18, 3, 3), "confree2": (12, 12, 8)}
 
 
@@ -48,7 +48,7 @@ def test_every_row_and_column_is_well_formed(name):
     assert spec["label"] and spec["algorithm"] and first <= spec["line"] <= last, row
     for flag in spec.get("flags", {}):  # the plug-ins, the row's own fields, a run flag
       assert flag in run_flags.FLAGS, (row, flag)
-    if set(spec.get("flags", {})) - set(paper_specs.ROW_FLAGS):
+    if set(spec.get("flags", {})) - set(paper_specs.ROW_FLAGS) and "reading_of" not in spec:
       assert spec.get("note"), row  # a row off the table's or its algorithm's defaults says why
     if "improves" in spec:  # a host with a plug-in: its host is a row, without the plug-in
       host = table["rows"][spec["improves"]]
@@ -78,7 +78,43 @@ def test_every_row_and_column_is_well_formed(name):
     if "imp_from" in spec:  # a cell the paper lacks, shown beside a paper cell's gains
       assert not spec["values"] and table["columns"][spec["imp_from"]]["values"], column
     if spec["values"] and name != "fedala_ala":  # every paper row in every printed column
-      assert list(spec["values"]) == list(table["rows"]), column
+      assert list(spec["values"]) == [r for r, s in table["rows"].items()
+                                      if "reading_of" not in s], column
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_each_table_states_one_evaluation_rule_and_its_other_readings(name):
+  # Issue 48: one rule per table, stated; a row read under another rule is the same
+  # algorithm with other evaluation flags, shown beside its row, never in its place.
+  table = TABLES[name]
+  assert table["evaluation"]["rule"], name
+  for row, spec in table["rows"].items():
+    if "reading_of" in spec:
+      host = table["rows"][spec["reading_of"]]
+      assert host["algorithm"] == spec["algorithm"] and "reading_of" not in host, row
+      assert host.get("flags", {}) != spec["flags"], row
+      assert table["evaluation"]["other"], row
+
+
+def test_a_row_s_other_reading_is_rendered_beside_it():
+  table = TABLES["coaching1"]
+
+  def run(best):
+    return sweep.RowRun("r.json", 1.0, 1.0, "cpu", per_round=np.array([best / 2, best]),
+                        best=best, best_round=2, final=best)
+  runs = {"local": [run(0.9)], "pfedla": [run(0.8), run(0.6)], "pfedla_local": [run(0.95)]}
+  cell = paper_render.summarize_cell(table, "mnist_0.1", runs, seeds=2)
+  assert next(e for e in cell if e["row"] == "pfedla_local")["reading_of"] == "pfedla"
+  markdown = paper_render.format_markdown("t", table, {"mnist_0.1": cell},
+                                          ["evaluation rule, every row: x"], {"mnist_0.1": 2})
+  line = next(x for x in markdown.splitlines() if x.startswith("| pfedla |"))
+  assert "| 70.00 ± 10.00 |" in line and "pFedLA's local models: 95.00 (only 1 of 2" in line
+  assert not any(x.startswith("| pfedla_local |") for x in markdown.splitlines())
+  moon = next(x for x in markdown.splitlines() if x.startswith("| moon |"))
+  assert "MOON's global model: not run" in moon
+  rule = paper_render.setting_lines(table, {}, {}, 0, 1, "c")
+  assert any(x.startswith("evaluation rule, every row: each client's personalised model")
+             for x in rule)
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -325,7 +361,7 @@ def test_a_tiny_coaching_table_end_to_end(tmp_path):
   assert fedavg_line in column_markdown and "## MNIST alpha=0.3" in column_markdown
   with open(tmp_path / "coaching1.csv", newline="") as f:
     lines = list(csv.DictReader(f))
-  assert len(lines) == 10 and lines[1]["row"] == "fedavg"
+  assert len(lines) == 13 and lines[1]["row"] == "fedavg"  # the other readings included
   assert float(lines[1]["acc"]) == rows["fedavg"]["acc"] and lines[1]["paper_acc"] == "64.78"
   assert (tmp_path / "coaching1.png").stat().st_size > 0
   assert (tmp_path / "coaching1_curves.png").stat().st_size > 0

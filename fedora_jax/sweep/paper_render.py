@@ -46,6 +46,8 @@ def summarize_cell(table: dict, column: str, runs: dict[str, list[sweep.RowRun]]
              "acc_seeds": [_rounded(v) for v in ours],
              "paper_acc": paper.get(row, {}).get("mean"),
              "paper_std": paper.get(row, {}).get("std")}
+    if spec and spec.get("reading_of"):  # the row read under the table's other rule
+      entry["reading_of"] = spec["reading_of"]
     entry["diff"] = (_rounded(entry["acc"] - entry["paper_acc"])
                      if entry["acc"] is not None and entry["paper_acc"] is not None else None)
     host = spec.get("improves") if spec else None
@@ -105,6 +107,19 @@ def column_heading(table: dict, column: str) -> str:
   return f"{spec['label']} (`--dataset={spec['dataset']}`, {flags})"
 
 
+def _other_reading(entries: list[dict], row: str) -> str:
+  """The cell 'other reading' of `row`: the number of the row read under the other rule
+  (a row whose spec says reading_of: row), with what it reads, or why it has none."""
+  others = [e for e in entries if e.get("reading_of") == row]
+  if not others:
+    return ""
+  cells = []
+  for e in others:
+    value = _cell(e["acc"], e["acc_std"]) if e["acc"] is not None else "not run"
+    cells.append(f"{e['label']}: {value}" + (f" ({e['partial']})" if "partial" in e else ""))
+  return "; ".join(cells)
+
+
 def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
                     settings: list[str], rounds: dict[str, int],
                     scored_clients: str = "all", not_run: dict[str, str] | None = None) -> str:
@@ -113,16 +128,22 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
   default why_not_run)."""
   lines = [f"# {title}", ""] + [f"- {s}" for s in settings] + [""]
   has_imp = any("improves" in spec for spec in table["rows"].values())
+  # Rows read under the table's other rule show in their row's column 'other reading'.
+  has_other = any("reading_of" in spec for spec in table["rows"].values())
   for column, entries in summary.items():
     lines += [f"## {column_heading(table, column)}", "",
               f"{rounds_note(table, column, rounds[column])}; paper:"
               f" {table['columns'][column]['paper_column']}{_imp_from_note(table, column)}",
               "",
               "| row | ours | paper | ours − paper |"
+              + (" other reading |" if has_other else "")
               + (" ours imp | paper imp |" if has_imp else "")
               + " best round | final | s/round | wall s | machine | paper's row |",
-              "|---|---|---|---|" + ("---|---|" if has_imp else "") + "---|---|---|---|---|---|"]
+              "|---|---|---|---|" + ("---|" if has_other else "")
+              + ("---|---|" if has_imp else "") + "---|---|---|---|---|---|"]
     for e in entries:
+      if e.get("reading_of"):
+        continue
       label = e["label"] or "— (ours: the LOCAL reference, not a paper row)"
       if "not_run" in e:
         label += f"; not run: {e['not_run']}"
@@ -132,16 +153,17 @@ def format_markdown(title: str, table: dict, summary: dict[str, list[dict]],
              if has_imp else "")
       best_round = ",".join(map(str, e.get("best_round", []))) or "—"
       timing = results_lib.cost_cells(e) if "round_seconds" in e else "— | — | —"
+      other = f" {_other_reading(entries, e['row']) or '—'} |" if has_other else ""
       lines.append(f"| {e['row']} | {_cell(e['acc'], e['acc_std'])} |"
                    f" {_cell(e['paper_acc'], e['paper_std'])} | {_cell(e['diff'], signed=True)} |"
-                   f"{imp} {best_round} | {_cell(e.get('final_acc'))} | {timing} | {label} |")
+                   f"{other}{imp} {best_round} | {_cell(e.get('final_acc'))} | {timing} | {label} |")
     lines.append("")
   others = [c for c in table["columns"] if c not in summary]
   if others:
     lines += ["## The paper's numbers of the columns not run here", "",
               "| row | " + " | ".join(table["columns"][c]["label"] for c in others) + " |",
               "|---|" + "---|" * len(others)]
-    for row in table["rows"]:
+    for row in [r for r, spec in table["rows"].items() if "reading_of" not in spec]:
       cells = []
       for c in others:
         value = table["columns"][c]["values"].get(row, {})
@@ -208,6 +230,10 @@ def setting_lines(table: dict, overrides: dict[str, Any], others: dict[str, Any]
     value = f" -> `--{s['flag']}={s['value']}`" if "flag" in s else ""
     lines.append(f"{s['setting']}: {s['paper'] if s['paper'] is not None else 'not stated'}"
                  f"{value} ({s['source']})")
+  evaluation = table.get("evaluation")
+  if evaluation:
+    lines.append(f"evaluation rule, every row: {evaluation['rule']}"
+                 + (f"; {evaluation['other']}" if evaluation.get("other") else ""))
   runs = table["metric"].get("runs")
   lines.append(f"seeds: {seeds} from {first_seed}"
                + (f" (the paper: {runs} runs)" if runs else ""))
