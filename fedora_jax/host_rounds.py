@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedora_jax import communication, tree
+from fedora_jax import availability, communication, tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, InitContext
 from fedora_jax.data.client_data import ClientSplits, FederatedData
 from fedora_jax.engine.buckets import map_over_buckets
-from fedora_jax.engine.local_training import ClientTrainer
+from fedora_jax.engine.local_training import ClientTrainer, step_budget
 from fedora_jax.errors import ConfigError
 from fedora_jax.rounds import RoundState, evaluate_personalized, sampled_clients
 
@@ -28,12 +28,13 @@ WHY = "--client_data=host"
 
 
 class SlotMetrics(NamedTuple):
-  """One round's per-slot metrics [M] and each slot's bytes (one client's, static)."""
+  """One round's per-slot metrics [M]: NaN train loss and metrics, 0 steps and bytes up
+  for a slot whose client did not arrive (0 bytes down: it was offline)."""
   train_loss: jax.Array
   local_steps: jax.Array
   extra: dict[str, jax.Array]
-  bytes_up: jax.Array      # [] int32
-  bytes_down: jax.Array    # [] int32
+  bytes_up: jax.Array      # int32
+  bytes_down: jax.Array    # int32
 
 
 class _NoClientData:
@@ -95,12 +96,21 @@ def _one_bucket(num_slots: int) -> tuple[np.ndarray, ...]:
   return (np.arange(num_slots),)
 
 
-def build_slot_round(algorithm: Algorithm, client_chunk: int | None = None):
+def build_slot_round(algorithm: Algorithm, client_chunk: int | None = None,
+                     num_clients: int = 0,
+                     conditions: availability.ClientConditions | None = None):
   """`slot_round(state, data, ids, weights, key) -> (state, SlotMetrics)`: the round for
   the sampled clients `ids` [M], whose data `data` is one bucket of M slots and whose
-  weights in the server's mean are `weights` [M]."""
+  weights in the server's mean are `weights` [M]. With `conditions` (availability.py),
+  the fates rounds.py draws for all `num_clients` clients, read at the slots: a client
+  that does not arrive weighs 0, a straggler stops at its step budget, and a round
+  nobody arrives at changes no state."""
   def step(client_state, message, key, splits: ClientSplits):
     return algorithm.client_update(client_state, message, splits, key)
+
+  def budgeted_step(client_state, message, key, speed, splits: ClientSplits):
+    with step_budget(speed):
+      return algorithm.client_update(client_state, message, splits, key)
 
   def slot_round(state: RoundState, data: ClientSplits, ids: jax.Array, weights: jax.Array,
                  key: jax.Array):
@@ -109,13 +119,29 @@ def build_slot_round(algorithm: Algorithm, client_chunk: int | None = None):
     num_slots = ids.shape[0]
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, ids)
     messages = algorithm.broadcast(server, clients)
-    out = map_over_buckets(step, (clients, messages, keys), (data,), _one_bucket(num_slots),
-                           num_slots, client_chunk)
-    new_state = algorithm.aggregate(server, out.state, out.upload, weights)
+    per_slot: tuple = (clients, messages, keys)
+    online = arrived = jnp.ones(num_slots, bool)
+    if conditions is not None:
+      fate = availability.draw(conditions, round_key, state.round, num_clients)
+      online, arrived = fate.online[ids], fate.arrives[ids]
+      if conditions.partial_work:
+        per_slot += (fate.speed[ids],)
+    budgeted = conditions is not None and conditions.partial_work
+    out = map_over_buckets(budgeted_step if budgeted else step, per_slot, (data,),
+                           _one_bucket(num_slots), num_slots, client_chunk)
+    new_state = algorithm.aggregate(server, out.state, out.upload,
+                                    jnp.where(arrived, weights, 0.0))
+    if conditions is not None:  # nobody arrived: the server waits, nothing changes
+      new_state = jax.tree.map(lambda new, old: jnp.where(jnp.any(arrived), new, old),
+                               new_state, state.algorithm)
+    def kept(values):  # a client that did not arrive reports as one not sampled
+      return jax.tree.map(lambda v: jnp.where(
+          arrived, v, jnp.nan if jnp.issubdtype(v.dtype, jnp.inexact) else 0), values)
+    up, down = (communication.per_client_bytes(t) for t in (out.upload, messages))
     metrics = SlotMetrics(
-        train_loss=out.train.loss, local_steps=out.train.steps, extra=out.metrics,
-        bytes_up=jnp.int32(communication.per_client_bytes(out.upload)),
-        bytes_down=jnp.int32(communication.per_client_bytes(messages)))
+        train_loss=kept(out.train.loss), local_steps=kept(out.train.steps),
+        extra=kept(out.metrics), bytes_up=jnp.where(arrived, up, 0).astype(jnp.int32),
+        bytes_down=jnp.where(online, down, 0).astype(jnp.int32))
     return RoundState(round=state.round + 1, algorithm=new_state), metrics
   return slot_round
 

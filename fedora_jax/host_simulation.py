@@ -7,7 +7,8 @@ serves is a placeholder for the round's slots, never one per client. Evaluation 
 `train.eval_clients` clients a round, drawn from the seed (None: all), and every client
 in the last round, a chunk at a time, so a million clients never sit on the device at
 once. Metrics come back [K] per round as run_algorithm's do: NaN (0 steps) for the
-clients a round did not train or score.
+clients a round did not train or score. Dropout, stragglers and availability traces act
+as in the device-held round (the same fates, read at the slots).
 """
 
 import concurrent.futures
@@ -21,8 +22,8 @@ import numpy as np
 from fedora_jax.data import host_clients as host_lib
 from fedora_jax.data.client_data import ClientSplits
 from fedora_jax.engine import batch_stats
-from fedora_jax.errors import ConfigError, FieldError
-from fedora_jax.host_rounds import (WHY, build_slot_evaluation, build_slot_round,
+from fedora_jax.errors import FieldError
+from fedora_jax.host_rounds import (build_slot_evaluation, build_slot_round,
                                     init_slots, sampled_ids)
 from fedora_jax.progress import Progress
 from fedora_jax.rounds import RoundMetrics, RoundState, num_sampled_clients
@@ -86,8 +87,6 @@ def run_host(algorithm: AlgorithmSource, model, clients: host_lib.HostClients,
   """run_algorithm for host-held `clients`: train.rounds rounds, per-round per-client
   metrics [R, K]; the final state's client state is the slots' placeholder."""
   check_settings("host", train.eval_clients)
-  if client_conditions(train, clients.num_clients) is not None:
-    raise ConfigError(f"{WHY} does not take dropout, availability or stragglers yet")
   trainer = client_trainer(model, clients, train)
   built = build_algorithm(algorithm, trainer)
   progress = resolve_progress(progress, train.log_every)
@@ -124,7 +123,9 @@ def _train(algorithm, trainer, model, source: host_lib.HostClients, train: Train
   state = RoundState(round=jnp.zeros((), jnp.int32),
                      algorithm=init_slots(algorithm, trainer, params, num_sampled,
                                           keys["algorithm"]))
-  slot_round = jax.jit(build_slot_round(algorithm, train.client_chunk), donate_argnums=0)
+  conditions = client_conditions(train, num_clients)  # a trace read and checked against K
+  slot_round = jax.jit(build_slot_round(algorithm, train.client_chunk, num_clients,
+                                        conditions), donate_argnums=0)
   evaluate = jax.jit(build_slot_evaluation(algorithm, trainer, train.client_chunk,
                                            ("val", "test")))
   compile_seconds = time.perf_counter() - start  # the first round's compile counts as its time
@@ -187,10 +188,9 @@ def _round_metrics(num_clients: int, trained: np.ndarray, out, scored: np.ndarra
     full[ids] = values
     return full
   val, test = splits
-  each = lambda count: np.full(len(trained), count, np.int32)
   return RoundMetrics(
       train_loss=put(trained, out.train_loss), local_steps=put(trained, out.local_steps),
       val_loss=put(scored, val.loss), val_score=put(scored, val.score),
       test_loss=put(scored, test.loss), test_score=put(scored, test.score),
       extra={k: put(trained, v) for k, v in out.extra.items()},
-      bytes_up=put(trained, each(out.bytes_up)), bytes_down=put(trained, each(out.bytes_down)))
+      bytes_up=put(trained, out.bytes_up), bytes_down=put(trained, out.bytes_down))

@@ -102,11 +102,17 @@ def test_algorithms_needing_per_client_state_are_refused(name, why):
   assert "\n" not in str(raised.value) and "--client_data=host" in str(raised.value)
 
 
-def test_dropout_is_refused():
-  train = dataclasses.replace(TRAIN, client_data="host", client_dropout=0.3)
-  with pytest.raises(ConfigError, match="dropout"):
-    run_host(algorithms.make("fedavg"), MODEL,
-             host_clients.generated_synthetic(CONFIG, K, seed=3), train, progress=None)
+def test_dropout_and_stragglers_as_on_the_device():
+  """The same fates (availability.draw over all K) read at the slots: who arrives, how
+  far a straggler gets, and a round nobody arrives at."""
+  train = dataclasses.replace(TRAIN, client_dropout=0.4, stragglers=0.5, rounds=4)
+  device, host = _both("fedavg", train)
+  assert (device.history.local_steps == 0).sum() > train.rounds * (K - 3)  # some dropped
+  steps = device.history.local_steps
+  assert ((steps > 0) & (steps < steps.max())).any()  # some straggled
+  for field in ("train_loss", "local_steps", "val_score", "bytes_up", "bytes_down"):
+    np.testing.assert_allclose(getattr(host.history, field), getattr(device.history, field),
+                               rtol=2e-5, atol=1e-6, err_msg=field)
 
 
 def test_stored_clients_in_size_buckets_equal_device():
