@@ -28,7 +28,7 @@ def test_every_rendered_block_and_table_matches_its_files():
   assert {"results/communication/table_r1.md", "results/communication/table_r30.md",
           "results/byzantine/table.md", "results/leakage/dlg.md",
           "results/leakage/membership.md", "results/soak/soak.json",
-          "results/verification/one_round.json"} <= set(blocks)
+          "results/dp/table.md", "results/verification/one_round.json"} <= set(blocks)
   assert render_docs.problems() == []
 
 
