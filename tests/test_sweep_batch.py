@@ -173,3 +173,26 @@ def test_a_row_scored_against_a_local_its_batch_would_train_runs_after_it(tmp_pa
   plain = sweep.seeds_grid({**BASE, "algorithm": "fedprox"}, {"fedprox_mu": [0.01, 0.1]},
                            seeds=2, workdir=str(tmp_path))
   assert sweep._batches(plain, range(4)) == [[0, 1, 2, 3]]  # pylint: disable=protected-access
+
+
+def run_reproduce(*args):
+  return subprocess.run([sys.executable, "-m", "experiments.reproduce", "--table=fedora1",
+                         "--dataset=rmnist", "--rows=local,fedavg", *FAST, *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=900)
+
+
+def test_reproduce_runs_a_rows_three_seeds_as_one_program(tmp_path):
+  proc = run_reproduce("--seeds=3", f"--workdir={tmp_path / 'batched'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for row in ("1/6 local", "2/6 fedavg"):
+    last = int(row[0]) + 4
+    assert (f"3 runs (row {row} seed 0 .. row {last}/6 {row.split()[1]} seed 2) as one"
+            " program") in proc.stderr, proc.stderr[-3000:]
+  table = json.loads((tmp_path / "batched" / "table.json").read_text())
+  assert [(r["algorithm"], r["seeds"]) for r in table["rows"]] == [("local", 3), ("fedavg", 3)]
+  # Seed 1's rows alone give the same runs.
+  proc = run_reproduce("--seed=1", "--batch_runs=false", f"--workdir={tmp_path / 'alone'}")
+  assert proc.returncode == 0 and "as one program" not in proc.stderr, proc.stderr[-3000:]
+  for row in ("local", "fedavg"):
+    assert_same_run(str(tmp_path / "batched" / "seed1" / row),
+                    str(tmp_path / "alone" / "seed1" / row))
