@@ -43,6 +43,7 @@ SAMPLE_INPUTS = {"mlp": np.zeros((1, 4), np.float32),
                  "coaching_cnn": np.zeros((1, 28, 28, 1), np.uint8),
                  "coaching_cnn_bn": np.zeros((1, 28, 28, 1), np.uint8),
                  "fedavg_cnn": np.zeros((1, 32, 32, 3), np.uint8),
+                 "pfl_cnn": np.zeros((1, 32, 32, 3), np.uint8),
                  "resnet18": np.zeros((1, 32, 32, 3), np.uint8),
                  "fasttext": np.zeros((1, 12), np.int32),   # token ids, 0 = padding
                  "fasttext_bag": np.zeros((1, 12), np.int32),

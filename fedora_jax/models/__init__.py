@@ -11,6 +11,7 @@ from fedora_jax.models.char_lstm import CharLSTM
 from fedora_jax.models.cnn import CNN
 from fedora_jax.models.fasttext import FastText
 from fedora_jax.models.mlp import MLP
+from fedora_jax.models.pfl_cnn import PflCNN
 from fedora_jax.models.resnet import ResNet
 
 
@@ -70,6 +71,14 @@ def _fedavg_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   return _registered_cnn(num_outputs, kernels=32, dense=(512,))
 
 
+def _pfl_cnn(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
+  """pfl-research's CIFAR-10 benchmark CNN, simple_cnn (models/pfl_cnn.py): Conv 32 3x3,
+  Conv 64 3x3, 2x2 max-pool, Dense 128, Dense num_outputs; 1,626,442 parameters on
+  CIFAR-10. Its dropout is not reproduced (the module docstring says why)."""
+  del hidden  # --hidden is the MLP's
+  return PflCNN(num_outputs=num_outputs, conv=cnn_conv(jax.default_backend()))
+
+
 def _resnet18(num_outputs: int, hidden: Sequence[int]) -> nn.Module:
   """ResNet-18, CIFAR variant, with BatchNorm (models/resnet.py): 11,173,962 parameters
   for 10 classes. Convolutions as im2col matmuls on CPUs, where XLA's convolutions inside
@@ -105,6 +114,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
                                                "coaching_cnn": _coaching_cnn,
                                                "coaching_cnn_bn": _coaching_cnn_bn,
                                                "fedavg_cnn": _fedavg_cnn,
+                                               "pfl_cnn": _pfl_cnn,
                                                "resnet18": _resnet18,
                                                "char_lstm": _char_lstm}
 
@@ -114,7 +124,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn,
 # before anything is built (a CNN on tokens would fail deep inside flax).
 MODEL_INPUTS: dict[str, tuple[str, ...]] = {
     "mlp": ("images", "vectors"), "cnn": ("images",), "coaching_cnn": ("images",),
-    "coaching_cnn_bn": ("images",), "fedavg_cnn": ("images",), "resnet18": ("images",),
+    "coaching_cnn_bn": ("images",), "fedavg_cnn": ("images",), "pfl_cnn": ("images",),
+    "resnet18": ("images",),
     "fasttext": ("tokens",), "fasttext_bag": ("tokens",), "char_lstm": ("tokens",)}
 
 
@@ -161,7 +172,8 @@ LAYER_TYPE_ORDER: tuple[str, ...] = ("Embed", "LSTM", "Conv", "ConvBN", "BasicBl
 # client at a time too: one convolution's im2col patches at batch 64 are 151 MB
 # (64 x 32 x 32 x 576 floats), far past any cache already. Accelerators vmap.
 CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "coaching_cnn": 1, "coaching_cnn_bn": 1,
-                                    "fedavg_cnn": 1, "mlp": 2, "resnet18": 1}
+                                    "fedavg_cnn": 1, "pfl_cnn": 1, "mlp": 2,
+                                    "resnet18": 1}
 
 
 def default_client_chunk(model: str, platform: str) -> int | None:
@@ -176,7 +188,7 @@ def default_client_chunk(model: str, platform: str) -> int | None:
 # 1,024, 171 (256), 111 (128), 97 (64), 96 (32). The MLP and accelerators take large ones.
 EVAL_BATCH = 1024
 CPU_EVAL_BATCH: dict[str, int] = {"cnn": 64, "coaching_cnn": 64, "coaching_cnn_bn": 64,
-                                  "fedavg_cnn": 64, "resnet18": 64}
+                                  "fedavg_cnn": 64, "pfl_cnn": 64, "resnet18": 64}
 
 
 def default_eval_batch_size(model: str, platform: str) -> int:

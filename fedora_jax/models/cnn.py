@@ -36,6 +36,8 @@ Vmapped over clients, the matmuls become batched matmuls rather than grouped
 convolutions.
 """
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -127,11 +129,12 @@ class Conv(nn.Module):
   features: int
   size: int = 5
   conv: str = "im2col"  # or "banded", or "xla": lax.conv_general_dilated
+  kernel_init: Callable | None = None  # None: PyTorch's default, as the bias's
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     fan_in = x.shape[-1] * self.size * self.size
-    kernel = self.param("kernel", _torch_uniform(fan_in),
+    kernel = self.param("kernel", self.kernel_init or _torch_uniform(fan_in),
                         (self.size, self.size, x.shape[-1], self.features))
     bias = self.param("bias", _torch_uniform(fan_in), (self.features,))
     if self.conv == "im2col":
