@@ -442,6 +442,12 @@ def host_run() -> dict:
 
 
 def run() -> dict:
+  # The run's sweep flags, shared with experiments.main, time nothing here: refused, not
+  # dropped (--runs_per_program times runs as one program).
+  if FLAGS.seeds != 1 or FLAGS.sweep or not FLAGS.batch_runs:
+    raise ConfigError("the benchmark times one run: --seeds, --sweep and --batch_runs are"
+                      " experiments.main's; --runs_per_program=1,3,8 times S runs as one"
+                      " program")
   if FLAGS.client_data == "host":
     report = host_run()
     log(host_bench.summary(report))

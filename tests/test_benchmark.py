@@ -147,6 +147,10 @@ def test_participation_sweep_times_each_fraction_in_one_process():
                         "--participations=1.0,0"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
   assert bad.returncode != 0 and "--participations takes fractions" in bad.stderr
+  # The run's sweep flags, which experiments.main takes, are refused here, not ignored.
+  seeds = subprocess.run([sys.executable, "-m", "experiments.benchmark", "--seeds=3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert seeds.returncode != 0 and "the benchmark times one run" in seeds.stderr
   assert "Traceback" not in bad.stderr
 
 
