@@ -9,7 +9,7 @@ FEDORA's row is the line its DP check stops with), details.md (per setting and
 algorithm: each run's noise multiplier z, clip norm C, share of updates clipped and
 update norm before clipping, means over the run's rounds and clients) and
 accuracy_epsilon.png (Acc against epsilon, one line per algorithm, no DP dashed). A run
-not finished is a cell "-", never a number.
+not finished is a cell "-", never a number; a run that failed, its error line.
 """
 
 import json
@@ -20,6 +20,7 @@ from typing import NamedTuple
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fedora_jax import algorithms  # noqa: E402
@@ -61,9 +62,20 @@ def variants(setting: Setting) -> list[tuple[str, str]]:
   return out + [(f"_eps{e}", f"epsilon {e}") for e in setting.epsilons]
 
 
-def cell(results: dict | None) -> str:
+def failure(root: str, name: str) -> str | None:
+  """The error line a run that failed stopped with (run.sh keeps it as failed.md)."""
+  path = os.path.join(root, name, "failed.md")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return f.read().strip().removeprefix("error: ")
+
+
+def cell(root: str, name: str) -> str:
+  results = load(root, name)
   if results is None:
-    return "-"
+    line = failure(root, name)
+    return "-" if line is None else f"failed: {line}"
   if results.get("r_acc") is None:
     return f"{results['acc']:.4f}"
   return f"{results['acc']:.4f} ({results['r_acc']:+.4f})"
@@ -93,7 +105,7 @@ def summary(root: str, setting: Setting, local: dict) -> str:
            "| algorithm | " + " | ".join(label for _, label in columns) + " |",
            "|---" * (len(columns) + 1) + "|"]
   for algorithm in setting.algorithms:
-    cells = [cell(load(root, setting.prefix + algorithm + suffix)) for suffix, _ in columns]
+    cells = [cell(root, setting.prefix + algorithm + suffix) for suffix, _ in columns]
     lines.append(f"| {NAMES[algorithm]} | " + " | ".join(cells) + " |")
   lines.append(f"| FEDORA | refuses DP: {fedora_refusal()} |" + " |" * (len(columns) - 1))
   return "\n".join(lines)
@@ -102,7 +114,8 @@ def summary(root: str, setting: Setting, local: dict) -> str:
 def detail_row(root: str, name: str, label: str) -> str:
   results = load(root, name)
   if results is None:
-    return f"| {label} | not run | | | | | | |"
+    line = failure(root, name)
+    return f"| {label} | {'not run' if line is None else 'failed: ' + line} | | | | | | |"
   dp = results.get("dp")
   if dp is None:
     privacy, noise, clip, clipped, norm = "none", "-", "-", "-", "-"
@@ -133,28 +146,33 @@ def details(root: str, setting: Setting, local: dict) -> str:
 
 
 def figure(root: str, settings: list[tuple[Setting, dict]], path: str) -> None:
-  fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 4), squeeze=False)
+  """One panel per setting; an algorithm keeps its colour in every panel."""
+  colors = {name: f"C{index}" for index, name in enumerate(NAMES)}
+  fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 4.6),
+                           squeeze=False)
   for ax, (setting, local) in zip(axes[0], settings):
-    for index, algorithm in enumerate(setting.algorithms):
-      color = f"C{index}"
+    for algorithm in setting.algorithms:
       points = [(e, load(root, f"{setting.prefix}{algorithm}_eps{e}"))
                 for e in setting.epsilons]
       points = [(e, r["acc"]) for e, r in points if r is not None]
       if points:
         xs, ys = zip(*sorted(points))
-        ax.plot(xs, ys, "o-", color=color, label=NAMES[algorithm])
+        ax.plot(xs, ys, "o-", color=colors[algorithm])
       no_dp = load(root, setting.prefix + algorithm)
       if no_dp is not None:
-        ax.axhline(no_dp["acc"], color=color, linestyle="--", linewidth=1,
-                   label=f"{NAMES[algorithm]}, no DP")
-    ax.axhline(local["acc"], color="gray", linestyle=":", linewidth=1, label="LOCAL")
+        ax.axhline(no_dp["acc"], color=colors[algorithm], linestyle="--", linewidth=1)
+    ax.axhline(local["acc"], color="gray", linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(setting.epsilons), [str(e) for e in sorted(setting.epsilons)])
     ax.set_xlabel("epsilon (delta 1e-5)")
     ax.set_ylabel("final test Acc")
     ax.set_title(f"{setting.title}\n{local['rounds']} rounds", fontsize=9)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
+  shown = sorted({a for s, _ in settings for a in s.algorithms}, key=list(NAMES).index)
+  handles = [Line2D([], [], color=colors[a], marker="o", label=NAMES[a]) for a in shown]
+  handles += [Line2D([], [], color="black", linestyle="--", label="no DP (same colour)"),
+              Line2D([], [], color="gray", linestyle=":", label="LOCAL")]
+  fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+  fig.tight_layout(rect=(0, 0.08, 1, 1))
   fig.savefig(path, dpi=120)
   plt.close(fig)
 

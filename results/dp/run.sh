@@ -26,15 +26,22 @@ set -euo pipefail
 out=results/dp
 data_dir=${DATA_DIR:-../shared/data}
 PAT_ROUNDS=${PAT_ROUNDS:-6}
-run() {  # run <name> <flags...>: skipped when its results.json exists or another copy
-  local name=$1; shift  # of this script holds the run (so several may run side by side)
-  [[ -f $out/$name/results.json ]] && return 0
+# run <name> <flags...>: skipped when its results.json exists, when it failed (failed.md:
+# its error line, kept as its result; delete it to retry) or when another copy of this
+# script holds it (so several may run side by side).
+run() {
+  local name=$1; shift
+  [[ -f $out/$name/results.json || -f $out/$name/failed.md ]] && return 0
   mkdir -p "$out/$name"
   local lock
   exec {lock}>"$out/$name/.run.lock"
   flock -n "$lock" || { exec {lock}>&-; return 0; }
-  nice -n 15 "${PYTHON:-python}" -m experiments.main --seed=0 --cpu_devices=1 \
-    --checkpoint_every=0 --log_every=10 --data_dir="$data_dir" --workdir=$out/$name "$@"
+  if ! nice -n 15 "${PYTHON:-python}" -m experiments.main --seed=0 --cpu_devices=1 \
+      --checkpoint_every=0 --log_every=10 --data_dir="$data_dir" --workdir=$out/$name \
+      "$@" 2> >(tee "$out/$name/stderr.log" >&2); then
+    grep "^error:" "$out/$name/stderr.log" | tail -n 1 > "$out/$name/failed.md"
+    [[ -s $out/$name/failed.md ]] || rm "$out/$name/failed.md"  # not a run's error line
+  fi
   exec {lock}>&-
 }
 rmnist() {  # rmnist <clients> <algorithms...>
