@@ -115,7 +115,8 @@ flags.DEFINE_string("workdir", None, "Where results go (default: runs/<dataset>_
                     " resumes).")
 flags.DEFINE_string("reference", None, "results.json of a LOCAL run on the same split to"
                     " measure R-Acc and PTR against; without it the run trains LOCAL too."
-                    " A LOCAL run of more rounds is read at this run's last round.")
+                    " A LOCAL run of more rounds is read at this run's last round; 'none':"
+                    " no LOCAL, R-Acc and PTR null (a model per client that does not fit).")
 flags.DEFINE_float("max_pad_ratio", 2.0, "Size buckets: a client is padded to at most this"
                    " many times its training-set size.", lower_bound=1.0)
 flags.DEFINE_integer("new_clients", 0, "FEDORA's Algorithm 2: hold this many clients out of"

@@ -487,6 +487,11 @@ def _format_scores(results: dict) -> str:
         f"  {_relative_mean('R-MAE', best['r_mae'], results, 'best_val_r_mae')}"
         f"  PTR {fmt(best['ptr'], '.4f')}"
         f"  (LOCAL MAE {fmt(best['local_mae'], '.4f')}, its round {best['local_round']})"])
+  if results["local_acc"] is None:  # --reference=none: no LOCAL, so no R-Acc or PTR
+    return "\n".join([
+        f"{run_label(results)}, {results['rounds']} rounds (no LOCAL reference):",
+        f"  final round {results['rounds']}:        Acc {results['acc']:.4f}",
+        f"  best-validation round {best['round']}: Acc {best['acc']:.4f}"])
   return "\n".join([
       f"{run_label(results)}, {results['rounds']} rounds:",
       f"  final round {results['rounds']}:        Acc {results['acc']:.4f}"

@@ -24,6 +24,7 @@ import os
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from fedora_jax import algorithms, availability
 from fedora_jax import progress as progress_lib
@@ -238,6 +239,11 @@ def check_workdir(workdir: str, config: ExperimentConfig) -> bool:
                                       lambda recorded: config_lib.differences(recorded, config))
 
 
+# --reference=none: no LOCAL reference (R-Acc and PTR null), for a run of so many clients
+# that a model per client does not fit, such as pfl-research's 1,000-client benchmark.
+NO_REFERENCE = "none"
+
+
 class PreparedRun(NamedTuple):
   """A run ready to train (prepare_run): its workdir claimed, its data and model built,
   its LOCAL reference read if it has one. train_and_evaluate trains one; train_batch.py
@@ -257,7 +263,8 @@ class PreparedRun(NamedTuple):
   @property
   def needs_local(self) -> bool:
     """Whether it trains its own LOCAL reference (given none, and not LOCAL itself)."""
-    return self.config.algorithm.name != algorithms.REFERENCE and self.reference is None
+    return (self.config.algorithm.name != algorithms.REFERENCE and self.reference is None
+            and self.config.reference != NO_REFERENCE)
 
   @property
   def series(self) -> dict:
@@ -302,12 +309,12 @@ def prepare_run(config: ExperimentConfig, workdir: str | None = None,
   run_info = _run_info(config, num_clients)
   reference = None
   is_reference = name == algorithms.REFERENCE  # LOCAL: its own reference
-  if config.reference and not is_reference:
+  if config.reference not in (None, "", NO_REFERENCE) and not is_reference:
     reference = results_lib.load_reference(config.reference, run_info)
   # Before any work: refuse a workdir holding another run, and find checkpoints to resume.
   checkpointer = open_workdir(workdir, config, checkpoint_root)
   local_checkpointer = None
-  if not is_reference and reference is None:
+  if not is_reference and reference is None and config.reference != NO_REFERENCE:
     local_checkpointer = open_workdir(os.path.join(workdir, algorithms.REFERENCE),
                                       config_lib.reference_config(config),
                                       os.path.join(checkpoint_root, algorithms.REFERENCE))
@@ -387,6 +394,9 @@ def finish_run(run: PreparedRun, result, local_result=None,
     local = ours
   elif run.reference is not None:
     local = run.reference
+  elif config.reference == NO_REFERENCE:  # no LOCAL: R-Acc and PTR are null
+    local = results_lib.ClientScores(np.full_like(ours.final, np.nan),
+                                     np.full_like(ours.best_val, np.nan), ours.best_round)
   else:
     assert local_result is not None, "a run without a reference trains its own LOCAL"
     local = results_lib.client_scores(local_result, run.task)

@@ -232,8 +232,8 @@ def learn_weights(loss_fn, config: AlaConfig, local: Params, global_params: Para
   def w_step(w, batch):
     idx, batch_weights = batch
     # BatchNorm in train mode, as the authors' temporary model runs after local training;
-    # theta_hat's running averages are the local model's, not a function of W, so the
-    # update they carry back reaches no weight, and the averages stay as they were.
+    # the new running averages those passes return are not kept (theta_hat's are the
+    # local model's, whatever W is).
     with batch_stats.training(batch_weights > 0):
       loss, grad = jax.value_and_grad(batch_loss)(w, idx, batch_weights)
     stepped = jax.tree.map(lambda a, g: jnp.clip(a - config.eta * g, 0.0, 1.0), w, grad)

@@ -96,6 +96,14 @@ def sgd_step(params: Params, grads: Params, lr: float) -> Params:
   return jax.tree.map(lambda p, g: p - lr * g, params, grads)
 
 
+def train_mode_value_and_grad(loss_fn):
+  """(loss, grads, params with the running averages moved) of `loss_fn(params, x, y,
+  weights)`, BatchNorm in train mode over the samples of nonzero weight."""
+  value_and_grad = batch_stats.value_and_grad(loss_fn)
+  return lambda params, x, y, weights: value_and_grad(params, x, y, weights,
+                                                      mask=weights > 0)
+
+
 def meta_step(loss_fn, params: Params, batches, config: PerFedAvgConfig):
   """One Per-FedAvg step from w; `batches` is ((x, y, w) of D, of D', [of D''])).
   Returns (new w, f(w_tilde; D')).
@@ -103,26 +111,22 @@ def meta_step(loss_fn, params: Params, batches, config: PerFedAvgConfig):
   BatchNorm runs in train mode in every pass and each pass moves the running averages,
   as PyTorch's train-mode forwards do: D under w, then D' under w_tilde (then D'' under
   w); only the other parameters take the meta step."""
-  value_and_grad = batch_stats.train_mode_value_and_grad(loss_fn)
-  _, inner_grad = value_and_grad(params, *batches[0])
-  adapted = batch_stats.apply_carried_update(sgd_step(params, inner_grad, config.alpha),
-                                             params, inner_grad)
-  outer_loss, outer_grad = value_and_grad(adapted, *batches[1])
+  value_and_grad = train_mode_value_and_grad(loss_fn)
+  _, inner_grad, moved = value_and_grad(params, *batches[0])
+  adapted = batch_stats.take_statistics(sgd_step(params, inner_grad, config.alpha), moved)
   # A model whose running averages are the latest (D, then D'); its weights go unused.
-  latest = batch_stats.apply_carried_update(adapted, adapted, outer_grad)
-  outer_grad = batch_stats.zero_statistics(outer_grad)
+  outer_loss, outer_grad, latest = value_and_grad(adapted, *batches[1])
   if config.variant == "hf":
     # (I - alpha H(w; D'')) v with v = grad f(w_tilde; D'). H is symmetric, so H v is
-    # the pullback of v through the gradient: reverse over reverse, since the carried
-    # running averages (a custom_vjp) have no forward mode. They do not enter a
-    # train-mode loss, so taking them from the passes so far changes only the update
-    # that D'' carries.
-    third_grad, pullback = jax.vjp(lambda p: value_and_grad(p, *batches[2])[1],
-                                   batch_stats.take_statistics(params, latest))
+    # the pullback of v through the gradient (reverse over reverse). The running
+    # averages do not enter a train-mode loss, so taking them from the passes so far
+    # changes only the averages D'' moves.
+    third = lambda p: value_and_grad(p, *batches[2])[1:]
+    _, pullback, latest = jax.vjp(third, batch_stats.take_statistics(params, latest),
+                                  has_aux=True)
     (hessian_vector,) = pullback(outer_grad)
-    latest = batch_stats.apply_carried_update(latest, latest, third_grad)
     outer_grad = jax.tree.map(lambda v, hv: v - config.alpha * hv, outer_grad,
-                              batch_stats.zero_statistics(hessian_vector))
+                              hessian_vector)
   new_params = sgd_step(params, outer_grad, config.beta)
   return batch_stats.take_statistics(new_params, latest), outer_loss
 
@@ -166,9 +170,9 @@ def adapt(loss_fn, alpha: float, params: Params, data: ClientData, key: jax.Arra
   """The evaluated model: one SGD step of size alpha on one random training batch
   (BatchNorm in train mode, its running averages moved by that batch)."""
   idx, weights = epoch_batches(key, data.mask, data.n, batch_size, 1)
-  _, grads = batch_stats.train_mode_value_and_grad(loss_fn)(
+  _, grads, moved = train_mode_value_and_grad(loss_fn)(
       params, data.x[idx[0]], data.y[idx[0]], weights[0])
-  return batch_stats.apply_carried_update(sgd_step(params, grads, alpha), params, grads)
+  return batch_stats.take_statistics(sgd_step(params, grads, alpha), moved)
 
 
 def perfedavg(config: PerFedAvgConfig, trainer: ClientTrainer) -> Algorithm:

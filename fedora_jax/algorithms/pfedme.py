@@ -108,15 +108,15 @@ def solve_personal(loss_fn, config: PfedmeConfig, theta: Params, local: Params, 
   """K gradient steps on h_i(theta; local, D) from `theta`; returns (theta, f(theta; D)
   before the last step). BatchNorm runs in train mode, each step moving theta's running
   averages (as the authors' train-mode forwards do)."""
-  value_and_grad = batch_stats.train_mode_value_and_grad(loss_fn)
+  value_and_grad = batch_stats.value_and_grad(loss_fn)
 
   def step(theta, _):
-    loss, grads = value_and_grad(theta, x, y, weights)
+    loss, grads, moved = value_and_grad(theta, x, y, weights, mask=weights > 0)
     stepped = jax.tree.map(
         lambda t, g, w: t - config.personal_lr * (g + config.lam * (t - w)
                                                    + config.theta_l2 * t),
         theta, grads, local)
-    return batch_stats.apply_carried_update(stepped, theta, grads), loss
+    return batch_stats.take_statistics(stepped, moved), loss
   theta, losses = jax.lax.scan(step, theta, None, length=config.k)
   return theta, losses[-1]
 

@@ -14,9 +14,10 @@ The task decides the loss and the score: classification trains on softmax cross-
 and scores accuracy (higher is better); regression (one model output, float targets)
 trains on squared error and scores the mean absolute error (lower is better).
 
-Models with BatchNorm carry their running averages folded into the parameters; `train`
-runs them in train mode and sets the new averages, everything else in inference mode
-(fedora_jax/engine/batch_stats.py).
+Models with BatchNorm carry their running averages folded into the parameters. Each step
+of `train` runs its loss in train mode (flax's mutable `batch_stats`), and the step's
+state takes the new averages the loss's forward passes return; everything else runs
+inference mode (fedora_jax/engine/batch_stats.py).
 """
 
 import contextlib
@@ -195,44 +196,30 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
     indices = indices.reshape(epochs * num_batches, batch_size)
     weights = within_budget(weights.reshape(epochs * num_batches, batch_size))
 
-    # BatchNorm: train mode in the loss, no gradient of the running averages from a
-    # regulariser, none into the optimizer, their carried update set after it.
-    statistics = batch_stats.has_statistics(params)
-
-    def carried_loss(p, c, x, y, w):
-      if carry is None:
-        return data_loss_fn(p, x, y, w), c
-      return data_loss_fn(p, c, x, y, w)
-
     def objective(p, c, x, y, w):
-      if statistics:
-        with batch_stats.training(w > 0):
-          data_loss, c = carried_loss(p, c, x, y, w)
-        p = batch_stats.without_statistics_gradient(p)
+      if carry is None:
+        data_loss = data_loss_fn(p, x, y, w)
       else:
-        data_loss, c = carried_loss(p, c, x, y, w)
+        data_loss, c = data_loss_fn(p, c, x, y, w)
       total = data_loss if regularizer is None else data_loss + regularizer(p)
       return total, (data_loss, c)
 
     def observed(p, x, y, w):
-      if statistics:
-        with batch_stats.training(w > 0):
-          return observe(p, x, y, w)
-      return observe(p, x, y, w)
+      with batch_stats.training(w > 0):  # the loss's mode; its new averages unused
+        return observe(p, x, y, w)
 
     def take_step(carry, idx, w):
       params, opt_state, seen, threaded = carry
       if observe is not None:
         seen = jax.tree.map(jnp.add, seen, observed(params, data.x[idx], data.y[idx], w))
-      (_, (data_loss, threaded)), grads = jax.value_and_grad(objective, has_aux=True)(
-          params, threaded, data.x[idx], data.y[idx], w)
-      carried = grads
-      if statistics:
-        grads = batch_stats.zero_statistics(grads)
+      # BatchNorm (flax's imagenet example): the loss in train mode returns the new
+      # running averages, set after the optimizer's step, which they take no part in.
+      (_, (data_loss, threaded)), grads, trained = batch_stats.value_and_grad(
+          objective, has_aux=True)(params, threaded, data.x[idx], data.y[idx], w,
+                                   mask=w > 0)
       updates, new_opt_state = optimizer.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, updates)
-      if statistics:
-        new_params = batch_stats.apply_carried_update(new_params, params, carried)
+      new_params = batch_stats.take_statistics(optax.apply_updates(params, updates),
+                                               trained)
       if post_step is not None:
         new_params = post_step(new_params, params)
       return (new_params, new_opt_state, seen, threaded), data_loss
