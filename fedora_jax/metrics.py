@@ -69,7 +69,8 @@ def defined_count(values) -> int:
 
 def summarize(acc: np.ndarray, local_acc: np.ndarray | None) -> Summary:
   acc = np.asarray(acc, np.float64)
-  if local_acc is None:
+  # None or all NaN: no LOCAL reference (--reference=none), so no R-Acc or PTR.
+  if local_acc is None or np.isnan(np.asarray(local_acc, np.float64)).all():
     return Summary(acc=float(acc.mean()), r_acc=None, ptr=None)
   r_acc = relative_accuracy(acc, local_acc)
   return Summary(acc=float(acc.mean()), r_acc=defined_mean(r_acc),

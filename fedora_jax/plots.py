@@ -392,8 +392,9 @@ def write_run_plots(workdir: str, results: Mapping, history: Mapping[str, np.nda
   written = []
   # results.json lists clients in the order of the history's and artifacts' client axis.
   client_ids = np.array([c["id"] for c in results["clients"]])
-  # A LOCAL run is its own reference: every R-Acc is 0, so the bars would say nothing.
-  if results["algorithm"] != REFERENCE:
+  # A LOCAL run is its own reference: every R-Acc is 0, so the bars would say nothing;
+  # a run without a reference (--reference=none) has none.
+  if results["algorithm"] != REFERENCE and results["r_acc"] is not None:
     r_acc = np.array([np.nan if c["r_acc"] is None else c["r_acc"]
                       for c in results["clients"]])
     fig = relative_accuracy_figure(r_acc, relative_accuracy_title(results), client_ids)

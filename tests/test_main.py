@@ -85,6 +85,21 @@ def test_fedora_end_to_end_writes_results(tmp_path):
   assert proc.returncode == 1 and "ran 2 rounds, fewer than this run's 3" in proc.stderr
 
 
+def test_reference_none_trains_no_local_and_leaves_r_acc_null(tmp_path):
+  """--reference=none (a model per client that does not fit): no LOCAL trained or
+  written; accuracies as usual, R-Acc and PTR null."""
+  workdir = tmp_path / "run"
+  proc = run_main("--dataset=rmnist", "--algorithm=fedavg", "--reference=none",
+                  f"--workdir={workdir}", *FAST)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "LOCAL reference" not in proc.stderr
+  assert not (workdir / "local").exists()
+  results = json.loads((workdir / "results.json").read_text())
+  assert 0 < results["acc"] <= 1
+  assert results["r_acc"] is None and results["ptr"] is None
+  assert all(c["local_acc"] is None and c["acc"] is not None for c in results["clients"])
+
+
 def test_new_clients_are_held_out_and_served(tmp_path):
   proc = run_main("--new_clients=2", "--num_clients=6", f"--workdir={tmp_path}",
                   *[f for f in FAST if not f.startswith("--num_clients")])
