@@ -21,16 +21,18 @@ Inside `training(mask)` they run train mode, `model.apply(..., mask=mask,
 mutable=["batch_stats"])`: statistics of the batch's real samples, and flax returns the
 new running averages, which the context records beside those the pass used.
 `value_and_grad` takes a step's gradient and returns those new running averages
-explicitly, set on the trained parameters they came from: the step (ClientTrainer.train,
+explicitly, set on the trained parameters they came from (a step that trains no running
+averages, a head over a fixed body, runs inference mode): the step (ClientTrainer.train,
 Per-FedAvg's and pFedMe's loops) writes them into its state in place of the optimizer's
-update (their gradient entries are zero). A loss may build the model it runs from what it trains (FedBABU's
-merge, FedRep's masks, APFL's mixture, MOON's fixed models beside it), so each pass's
-update `used - new` is pulled back through the map from the trained parameters to the
-averages that pass used (a vjp of that map alone): the trained model's own averages
-become the new ones, a mixture a v + (1 - a) w moves v and w by their share, constants
-receive nothing, and two passes over the same averages move them twice, as two
-train-mode passes in PyTorch do. PyTorch stores the unbiased batch variance in its
-running average and flax the biased one (n / (n - 1) apart: 1.6 % at batch 64).
+update (their gradient entries are zero). A loss may build the model it runs from what
+it trains (FedBABU's merge, FedRep's masks, APFL's mixture, MOON's fixed models beside
+it), so each pass's update `used - new` is pulled back through the map from the trained
+parameters to the averages that pass used (a vjp of that map alone): the trained model's
+own averages become the new ones, a mixture a v + (1 - a) w moves v and w by their
+share, constants receive nothing, and two passes over the same averages move them
+twice, as two train-mode passes in PyTorch do. PyTorch stores the unbiased batch
+variance in its running average and flax the biased one (n / (n - 1) apart: 1.6 % at
+batch 64).
 """
 
 import contextlib
@@ -154,13 +156,19 @@ def model_apply(apply_fn: Callable[..., Any]) -> Callable[[Params, jax.Array], A
 
 def value_and_grad(fun: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
   """`jax.value_and_grad(fun, has_aux)` of `fun(params, *args)` with its forward passes
-  in train mode over the samples `mask` marks (a keyword argument, [B] bool).
+  in train mode over the samples `mask` marks (a keyword argument, [B] bool), when
+  `params` holds running averages; otherwise (a head trained over a fixed body) plain
+  `jax.value_and_grad`, the passes in inference mode.
 
   Returns (value, grads, updated): the gradients, zero at the running averages, and
   `params` with its running averages moved by the passes (module docstring), which the
   step writes into its state with `take_statistics`.
   """
   def run(params: Params, *args, mask: jax.Array):
+    if not has_statistics(params):  # a head over a fixed body, say: inference mode
+      out, grads = jax.value_and_grad(fun, has_aux=has_aux)(params, *args)
+      return out, grads, params
+
     def traced(p):
       with training(mask) as passes:
         out = fun(p, *args)

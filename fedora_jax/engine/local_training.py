@@ -205,6 +205,8 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
       return total, (data_loss, c)
 
     def observed(p, x, y, w):
+      if not batch_stats.has_statistics(p):
+        return observe(p, x, y, w)
       with batch_stats.training(w > 0):  # the loss's mode; its new averages unused
         return observe(p, x, y, w)
 
