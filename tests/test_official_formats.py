@@ -267,7 +267,7 @@ def test_a_model_the_samples_do_not_fit_is_refused_in_one_line():
   tokens, images, spectra = ((200,), np.int32), ((32, 32, 3), np.uint8), ((50,), np.float32)
   readers = {"tokens": {"fasttext", "fasttext_bag", "char_lstm"}, "vectors": {"mlp"},
              "images": {"mlp", "cnn", "coaching_cnn", "coaching_cnn_bn", "fedavg_cnn",
-                        "resnet18"}}
+                        "pfl_cnn", "resnet18"}}
   for name in MODELS:
     for (shape, dtype), kind in ((tokens, "tokens"), (images, "images"), (spectra, "vectors")):
       if name in readers[kind]:
