@@ -276,8 +276,9 @@ def _proto_personalized(client):
   return model
 
 
-def _proto_accuracy(client, data: Client) -> float:
-  """PFLlib's own FedProto scoring (clientproto.test_metrics) on the client's test set."""
+def _pfllib_accuracy(client, data: Client) -> float:
+  """The client's own PFLlib scoring (its test_metrics: FedProto's and GPFL's by
+  prototypes, FedGC's over the client's classes) on the client's test set."""
   import torch  # pylint: disable=import-outside-toplevel
   client.load_test_data = lambda batch_size=None: [
       (torch.from_numpy(bridges.model_inputs(data.x_test)),
@@ -1049,16 +1050,6 @@ def _gc_ours_personal(personal):
   return {"params": {**params, "Dense_1": head}}
 
 
-def _gc_accuracy(client, data: Client) -> float:
-  """PFLlib's own FedGC scoring (clientgc.test_metrics: over the client's classes)."""
-  import torch  # pylint: disable=import-outside-toplevel
-  client.load_test_data = lambda batch_size=None: [
-      (torch.from_numpy(bridges.model_inputs(data.x_test)),
-       torch.from_numpy(data.y_test.astype(np.int64)))]
-  correct, count, _ = client.test_metrics()
-  return correct / count
-
-
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
 REFERENCES = {
     "local": Reference("serverlocal.Local", "clientavg.py", ("train",), _own_key,
@@ -1181,7 +1172,7 @@ REFERENCES = {
                                   "inference": "global", "prototypes": "training"},
                           args={"lamda": 1.0}, split=True, compare_server=False,
                           rounds=2, sends=False, server_steps=(_proto_server_step,),
-                          accuracy=_proto_accuracy,
+                          accuracy=_pfllib_accuracy,
                           also=(_proto_ours_model, _proto_model)),
     "perfedavg": Reference("serverperavg.PerAvg", "clientperavg.py",
                            (_peravg_score, "train", "train"), _own_key, aggregates=True,
@@ -1240,7 +1231,7 @@ REFERENCES = {
                        split=True, compare_server=False, rounds=2, sends=False,
                        server_steps=("aggregate_parameters", "send_models", "global_head",
                                      "global_cs"),
-                       accuracy=_proto_accuracy,
+                       accuracy=_pfllib_accuracy,
                        also=(_cp_ours_more, _cp_theirs_more), prepare=_cp_prepare,
                        load_initial=_cp_load_initial,
                        our_personal=lambda personal: personal.model),
@@ -1253,7 +1244,7 @@ REFERENCES = {
                       args={"lamda": 0.01, "mu": 0.1}, split=True, rounds=2, sends=False,
                       server_steps=("aggregate_parameters", "send_models", "global_GCE",
                                     "global_CoV"),
-                      server_model=_gpfl_server_model, accuracy=_proto_accuracy,
+                      server_model=_gpfl_server_model, accuracy=_pfllib_accuracy,
                       also=(_gpfl_ours_valve, _gpfl_valve), load_initial=_gpfl_load_initial,
                       our_personal=lambda personal: personal.model),
     # The authors' tau 0.5 and beta 100, PFLlib's first round (no customised models in
@@ -1394,7 +1385,7 @@ REFERENCES = {
                        args={"lamda": 1.0}, split=True, rounds=2,
                        server_steps=("aggregate_parameters", "reg_train"),
                        server_model=lambda server: server.body,
-                       load_initial=_gc_load_initial, accuracy=_gc_accuracy,
+                       load_initial=_gc_load_initial, accuracy=_pfllib_accuracy,
                        our_personal=_gc_ours_personal, clients=_class_subset_clients),
 }
 
