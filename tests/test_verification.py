@@ -57,3 +57,36 @@ def test_the_docs_table_is_the_one_the_results_file_renders():
     doc = f.read()
   rows = [line for line in rendered.splitlines() if line.startswith("| ")]
   assert len(rows) >= 5 and all(row in doc for row in rows)
+
+
+def _row(name, error, control=False):
+  return {"algorithm": name, "reference": "ref", "rounds": 1, "max_relative_error": error,
+          "accuracy_gap": 1.19e-8, "control": control}
+
+
+def _document(rows, date):
+  return {"setting": "s", "date": date, "machine": "m", "command": "c", "rows": rows}
+
+
+def test_a_run_of_some_algorithms_merges_into_the_written_rows(tmp_path):
+  path = str(tmp_path / "one_round.json")
+  verify.write(path, _document([_row("fedavg", 2e-7), _row("ditto", 3e-7),
+                                _row("fedavg", 3e-2, control=True)], "day 1"))
+  # fedavg again with digits below the one shown moved: kept as written, date too.
+  merged = verify.write(path, _document([_row("fedavg", 2.04e-7)], "day 2"))
+  assert merged["date"] == "day 1" and merged["rows"][0]["max_relative_error"] == 2e-7
+  # ditto's shown digit moves and a new row comes: both written, the rest kept, in order.
+  merged = verify.write(path, _document([_row("ditto", 5e-7), _row("mystery", 1e-7)], "day 3"))
+  with open(path) as f:
+    assert json.load(f) == merged
+  assert merged["date"] == "day 3"
+  assert [(r["algorithm"], r["max_relative_error"], r["control"]) for r in merged["rows"]] == [
+      ("fedavg", 2e-7, False), ("ditto", 5e-7, False), ("mystery", 1e-7, False),
+      ("fedavg", 3e-2, True)]
+
+
+def test_the_table_does_not_flip_on_digits_it_does_not_show():
+  before = _document([_row("fedavg", 1.9996e-7), _row("fedkd", 6.89e-6)], "d")
+  after = _document([_row("fedavg", 2.03e-7), _row("fedkd", 7.2e-6)], "d")
+  assert verify.render(before) == verify.render(after)
+  assert "| fedavg | ref | 1 | 2e-07 | 1e-08 | equal |" in verify.render(before)

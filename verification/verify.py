@@ -3,7 +3,8 @@
   python -m verification.verify                  # run the checks, print and write the table
   python -m verification.verify --render FILE    # the table of a written file, no training
 
-Writes results/verification/one_round.json (--out). Exits 1 when a row is off (a max
+Writes results/verification/one_round.json (--out), merging a run of some algorithms
+(--algorithms) into the rows already there. Exits 1 when a row is off (a max
 relative error over 1e-4 or any test accuracy unequal) or when the control row, the
 reference given other batches, is not told apart; 0 with one line when
 ../shared/references or PyTorch is missing.
@@ -51,17 +52,60 @@ def verdict(row: dict) -> str:
   return "equal" if equal else "DIFFERS"
 
 
+def row_line(row: dict) -> str:
+  """A row's line of the table. Errors show one significant digit: the digits below it are
+  float32 rounding that differs from machine to machine, and would flip the docs' block."""
+  name = row["algorithm"] + (" (control: other batches)" if row["control"] else "")
+  return (f"| {name} | {row['reference']} | {row['rounds']} |"
+          f" {row['max_relative_error']:.0e} | {row['accuracy_gap']:.0e} | {verdict(row)} |")
+
+
 def render(document: dict) -> str:
   lines = [f"One round beside the reference ({document['setting']}):", "",
            "| algorithm | reference | rounds | max relative error | test accuracy gap |"
            " verdict |", "|---|---|---|---|---|---|"]
-  for row in document["rows"]:
-    name = row["algorithm"] + (" (control: other batches)" if row["control"] else "")
-    lines.append(f"| {name} | {row['reference']} | {row['rounds']} |"
-                 f" {row['max_relative_error']:.2e} |"
-                 f" {row['accuracy_gap']:.2e} | {verdict(row)} |")
+  lines += [row_line(row) for row in document["rows"]]
   lines.append(f"\n{document['date']}, {document['machine']}; `{document['command']}`")
   return "\n".join(lines)
+
+
+def _key(row: dict) -> tuple[str, bool]:
+  return row["algorithm"], row["control"]
+
+
+def merge(old: dict | None, new: dict) -> dict:
+  """`new` (a run of some algorithms) laid over the written document `old`: rows not run
+  are kept, and so is a row run again whose line renders as before (only digits not shown
+  moved), with the old date and machine when no line changed, so a rerun that reproduces
+  the table leaves the file as it was. Rows in COVERED's order, then others, then controls."""
+  if old is None:
+    return new
+  rows = {_key(row): row for row in old["rows"]}
+  changed = False
+  for row in new["rows"]:
+    kept = rows.get(_key(row))
+    if kept is None or row_line(kept) != row_line(row):
+      rows[_key(row)] = row
+      changed = True
+  order = {name: i for i, name in enumerate(COVERED)}
+  merged = sorted(rows.values(), key=lambda row: (
+      row["control"], order.get(row["algorithm"], len(order)), row["algorithm"]))
+  stamp = new if changed or old["setting"] != new["setting"] else old
+  return {**new, "date": stamp["date"], "machine": stamp["machine"], "rows": merged}
+
+
+def write(path: str, document: dict) -> dict:
+  """Merges `document` into the file at `path` (merge) and writes it; the merged document."""
+  old = None
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+  merged = merge(old, document)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(merged, f, indent=2)
+  os.replace(path + ".tmp", path)  # a run cut short leaves the old file whole
+  return merged
 
 
 def main(argv: list[str]) -> int:
@@ -126,10 +170,7 @@ def main(argv: list[str]) -> int:
                           " (alpha 0.99, lowest similarity, PFLlib's per-layer similarity"
                           " and global model, our deal) and FedGC (lambda 1, clients of five"
                           " classes each), two rounds each")
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(document, f, indent=2)
-  print(render(document))
+  print(render(write(args.out, document)))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
   print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")
   if failed:
