@@ -32,6 +32,7 @@ from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml,
 from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import elastic, fedadmm, pfedsim
+from fedora_jax.algorithms import fedem
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput, InitContext,
@@ -176,6 +177,7 @@ REGISTRY: dict[str, Registered] = {
                           train_fields=("rounds",)),
     "fedadmm": Registered(fedadmm.FedAdmmConfig, fedadmm.fedadmm, fedadmm.FLAG_HELP),
     "elastic": Registered(elastic.ElasticConfig, elastic.elastic, elastic.FLAG_HELP),
+    "fedem": Registered(fedem.FedEmConfig, fedem.fedem, fedem.FLAG_HELP),
 }
 
 
