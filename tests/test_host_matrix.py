@@ -22,7 +22,7 @@ TRAIN = TrainConfig(rounds=2, local_epochs=5, batch_size=32, lr=0.05, participat
 MODEL = MLP(hidden=(8,), num_outputs=synthetic.NUM_CLASSES)
 # Five local epochs: FedRep and FedPAC train their heads for fewer (their defaults).
 # One global model, no client state, a server that averages the sampled uploads.
-SERVED = ("fedavg", "fedavgm", "fednova", "fedntd", "fedopt", "fedprox")
+SERVED = ("ccvr", "fedavg", "fedavgm", "fednova", "fedntd", "fedopt", "fedprox")
 
 
 @pytest.mark.parametrize("name", sorted(algorithms.REGISTRY))

@@ -32,6 +32,7 @@ from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml,
 from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import elastic, fedadmm, pfedsim
+from fedora_jax.algorithms import ccvr
 from fedora_jax.algorithms import fedem
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
@@ -177,6 +178,8 @@ REGISTRY: dict[str, Registered] = {
                           train_fields=("rounds",)),
     "fedadmm": Registered(fedadmm.FedAdmmConfig, fedadmm.fedadmm, fedadmm.FLAG_HELP),
     "elastic": Registered(elastic.ElasticConfig, elastic.elastic, elastic.FLAG_HELP),
+    "ccvr": Registered(ccvr.CcvrConfig, ccvr.ccvr, ccvr.FLAG_HELP,
+                       train_fields=("lr", "rounds")),
     "fedem": Registered(fedem.FedEmConfig, fedem.fedem, fedem.FLAG_HELP),
 }
 
