@@ -28,9 +28,11 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
 # pylint: disable=wrong-import-position
 import byzantine_table  # noqa: E402
+import coaching_eta_r  # noqa: E402
 import communication_table  # noqa: E402
 import soak  # noqa: E402
 import dp_table  # noqa: E402
+import paper_gaps  # noqa: E402
 
 BLOCK = re.compile(r"<!-- rendered: (?P<path>\S+) -->\n(?P<body>.*?)\n?<!-- end rendered -->",
                    re.DOTALL)
@@ -68,6 +70,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "results/communication/table_r30.md":
         lambda: communication_table.render(_at("results/communication"), 30),
     "results/dp/table.md": lambda: dp_table.table(_at("results/dp")),
+    "results/coaching1/coaching1.json": paper_gaps.coaching1,
+    "results/coaching2/coaching2.json": paper_gaps.coaching2,
+    "results/coaching_eta_r": lambda: coaching_eta_r.table(_at("results/coaching_eta_r")),
     "results/leakage/dlg.md": lambda: _leakage("dlg"),
     "results/leakage/membership.md": lambda: _leakage("membership"),
     "results/verification/long/table.md": lambda: _verification("results/verification/long"),

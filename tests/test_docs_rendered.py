@@ -28,7 +28,8 @@ def test_every_rendered_block_and_table_matches_its_files():
   assert {"results/communication/table_r1.md", "results/communication/table_r30.md",
           "results/byzantine/table.md", "results/leakage/dlg.md",
           "results/leakage/membership.md", "results/soak/soak.json",
-          "results/dp/table.md", "results/verification/one_round.json"} <= set(blocks)
+          "results/dp/table.md", "results/verification/one_round.json",
+          "results/coaching1/coaching1.json", "results/coaching2/coaching2.json"} <= set(blocks)
   assert render_docs.problems() == []
 
 
@@ -52,3 +53,24 @@ def test_a_block_of_a_file_no_renderer_makes_is_refused(path, message):
   text = f"<!-- rendered: {path} -->\n<!-- end rendered -->\n"
   with pytest.raises(SystemExit, match=re.escape(f"doc.md embeds {path}, {message}")):
     render_docs.rendered(text, "doc.md")
+
+
+def _column(label, rows):
+  return {"label": label, "rows": [{"row": name, "acc": acc, "paper_acc": paper}
+                                   for name, acc, paper in rows]}
+
+
+def test_a_paper_tables_gaps_are_its_rows_differences():
+  import paper_gaps  # pylint: disable=import-outside-toplevel  (scripts/, on the path)
+  column = _column("A", [("local", 90.0, 85.0), ("fedavg", 80.0, 60.0),
+                         ("fedprox", 91.0, 92.5), ("coaching", 88.0, 95.0),
+                         ("pfedla", None, 90.0)])
+  line = paper_gaps.table1({"columns": {"a": column}, "command": "c"}).splitlines()[2]
+  # 1 of the 4 rows with both numbers within 2 (LOCAL +5, FedAvg +20, FedProx -1.5,
+  # coaching -7); personalised over our LOCAL: (1 - 2) / 2; the paper's: max(7.5, 10).
+  assert line == "| A | 1 of 4 | +20.0 | +5.0 | -0.5 | +10.0 | -2.0 |"
+  sampled = _column("A", [("local", 92.0, 85.0), ("fedavg", 79.0, 60.0),
+                          ("fedprox", 95.0, 92.5), ("coaching", 91.0, 95.0)])
+  line = paper_gaps.table2({"columns": {"a": column}, "command": "c"},
+                           {"columns": {"a": sampled}}).splitlines()[2]
+  assert line == "| A | 1 / 0 of 4 | -1.0 to +4.0 | -2.0 / -1.0 |"

@@ -189,6 +189,8 @@ class Reference(NamedTuple):
   # The clients of the check where the algorithm needs others than real_clients' (FedGC:
   # clients that lack classes): setting -> clients.
   clients: Callable[[Setting], list[Client]] | None = None
+  # Our run's --client_weights: "samples" (PFLlib's n_k) or "uniform" (1 a client).
+  client_weights: str = "samples"
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -1050,6 +1052,27 @@ def _gc_ours_personal(personal):
   return {"params": {**params, "Dense_1": head}}
 
 
+# Training-set sizes of the unequal clients (multiples of the batch; 800 in all, as
+# real_clients'), so that a server's weights show: sample counts against 1/|S|.
+UNEQUAL_SIZES = (80, 120, 240, 360)
+
+
+def _unequal_clients(setting: Setting) -> list[Client]:
+  """real_clients' slices with training sets of UNEQUAL_SIZES (each client's validation
+  and test slices as real_clients')."""
+  mnist = load_mnist()
+  starts = np.cumsum((0,) + UNEQUAL_SIZES)
+  clients = real_clients(setting)
+  return [client._replace(x_train=mnist.x_train[start:end], y_train=mnist.y_train[start:end])
+          for client, start, end in zip(clients, starts[:-1], starts[1:])]
+
+
+def _uniform_mean(server) -> None:
+  """The authors' server mean (FedBABU's and LG-FedAvg's FedAvg(w), Ditto's
+  simple_average: 1/|S| each) in place of PFLlib's sample-count weights."""
+  server.uploaded_weights = [1.0 / len(server.uploaded_weights)] * len(server.uploaded_weights)
+
+
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
 REFERENCES = {
     "local": Reference("serverlocal.Local", "clientavg.py", ("train",), _own_key,
@@ -1390,6 +1413,19 @@ REFERENCES = {
 }
 
 
+# Server weights on clients of unequal sizes (UNEQUAL_SIZES), two rounds (the second
+# trains from the weighted mean): "<name>_samples" PFLlib's as it is, weighted by sample
+# counts (our --client_weights=samples, the default); "<name>_uniform" the authors'
+# codes' 1/|S| (FedBABU's and LG-FedAvg's FedAvg(w), Ditto's simple_average: our
+# --client_weights=uniform), PFLlib's weights set to it.
+for _name in ("ditto", "lg_fedavg", "fedbabu"):
+  REFERENCES[f"{_name}_samples"] = REFERENCES[_name]._replace(
+      clients=_unequal_clients, algorithm=_name, rounds=2)
+  REFERENCES[f"{_name}_uniform"] = REFERENCES[_name]._replace(
+      clients=_unequal_clients, algorithm=_name, rounds=2, client_weights="uniform",
+      server_steps=(_uniform_mean, "aggregate_parameters"))
+
+
 def _mlp_twin(torch):
   """Our MLP 784-100-10 in PyTorch with PFLlib's layer names (fc1, fc): its DNN ends in
   log_softmax, which BaseHeadSplit would put under the head."""
@@ -1474,7 +1510,8 @@ def _our_initial_state(name: str, setting: Setting, clients: list[Client],
   epochs = reference.our_epochs or setting.local_epochs
   train = TrainConfig(rounds=reference.rounds, local_epochs=epochs,
                       batch_size=setting.batch_size, lr=setting.lr, momentum=0.0,
-                      weight_decay=0.0, seed=setting.seed, log_every=0)
+                      weight_decay=0.0, seed=setting.seed, log_every=0,
+                      client_weights=reference.client_weights)
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
                                 epochs, train.batch_size)
   config = algorithms.default_config(name, train, **reference.config)
@@ -1534,13 +1571,17 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
   epochs = reference.our_epochs or setting.local_epochs
   train = TrainConfig(rounds=reference.rounds, local_epochs=epochs,
                       batch_size=setting.batch_size, lr=setting.lr, momentum=0.0,
-                      weight_decay=0.0, seed=setting.seed, log_every=0)
+                      weight_decay=0.0, seed=setting.seed, log_every=0,
+                      client_weights=reference.client_weights)
   config = algorithms.default_config(name, train, **reference.config)
   keys = root_keys(setting.seed)
   initial = initial_model(model, data, keys["init"])
   if reference.loads is None:
-    batches = [bridges.client_batches(keys["train"], r, data, epochs, setting.batch_size,
-                                      reference.trainings)
+    # Clients of unequal sizes are padded in their size bucket: the engine's shuffles
+    # draw over the padded size.
+    draw = (bridges.padded_client_batches if len(set(data.split_sizes("train"))) > 1
+            else bridges.client_batches)
+    batches = [draw(keys["train"], r, data, epochs, setting.batch_size, reference.trainings)
                for r in range(reference.rounds)]
   else:
     loads = lambda key, n: reference.loads(key, n, epochs, setting.batch_size)

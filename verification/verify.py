@@ -31,6 +31,9 @@ COVERED += ("fedala_round1", "fedala_round2", "fedala", "fedala_converging", "fe
 COVERED += ("fedfomo",)  # in PFLlib's form (one_round.py)
 COVERED += ("fedkd", "fedmtl", "fedpcl")  # issue 52's, in PFLlib's forms (one_round.py)
 COVERED += ("fedgen", "fedcross", "fedgc")  # issue 52's, PFLlib's forms (one_round.py)
+# Server weights on clients of unequal sizes: PFLlib's sample counts, the authors' 1/|S|.
+COVERED += ("ditto_samples", "ditto_uniform", "lg_fedavg_samples", "lg_fedavg_uniform",
+            "fedbabu_samples", "fedbabu_uniform")
 
 
 def missing() -> str | None:
@@ -170,6 +173,10 @@ def main(argv: list[str]) -> int:
                           " (alpha 0.99, lowest similarity, PFLlib's per-layer similarity"
                           " and global model, our deal) and FedGC (lambda 1, clients of five"
                           " classes each), two rounds each")
+  document["setting"] += ("; Ditto, LG-FedAvg and FedBABU on clients of 80, 120, 240 and"
+                          " 360 training images, two rounds, the server weighing by sample"
+                          " counts (PFLlib's, our default) and uniformly (the authors' codes,"
+                          " our --client_weights=uniform; PFLlib's weights set to 1/|S|)")
   print(render(write(args.out, document)))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
   print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")
