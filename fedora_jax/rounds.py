@@ -51,14 +51,17 @@ def client_keys(round_key: jax.Array, num_clients: int) -> jax.Array:
 def evaluate_clients(trainer: ClientTrainer, params: Any, data: FederatedData,
                      buckets: tuple[ClientSplits, ...], client_chunk: int | None = None,
                      evaluate=None, shared: bool = False,
-                     split_names: tuple[str, ...] = ("val", "test")):
+                     split_names: tuple[str, ...] = ("val", "test"), evaluate_splits=None):
   """(loss, score) of each client's model on each split of `split_names` (a tuple in that
   order, each [K]); `evaluate` (an Algorithm's own, if it has one) in place of
-  trainer.evaluate. shared: `params` is one model (no client axis) that every client
+  trainer.evaluate, `evaluate_splits` (one that reads the client's other splits) in
+  place of both. shared: `params` is one model (no client axis) that every client
   scores on its own data."""
   evaluate = trainer.evaluate if evaluate is None else evaluate
 
   def evaluate_one(params_k, splits: ClientSplits):
+    if evaluate_splits is not None:
+      return tuple(evaluate_splits(params_k, splits, split_names))
     return tuple(evaluate(params_k, getattr(splits, name)) for name in split_names)
   if shared:
     return map_over_buckets(lambda splits: evaluate_one(params, splits), (), buckets,
@@ -77,10 +80,11 @@ def evaluate_personalized(algorithm: Algorithm, trainer: ClientTrainer,
   if algorithm.shared_model is not None:
     return evaluate_clients(trainer, algorithm.shared_model(state.server), layout, data,
                             client_chunk, algorithm.evaluate, shared=True,
-                            split_names=split_names)
+                            split_names=split_names,
+                            evaluate_splits=algorithm.evaluate_splits)
   return evaluate_clients(trainer, algorithm.personalized_params(state.server, state.clients),
                           layout, data, client_chunk, algorithm.evaluate,
-                          split_names=split_names)
+                          split_names=split_names, evaluate_splits=algorithm.evaluate_splits)
 
 
 def build_test_evaluation(algorithm: Algorithm, trainer: ClientTrainer, layout: FederatedData,

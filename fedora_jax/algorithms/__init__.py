@@ -34,6 +34,7 @@ from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import elastic, fedadmm, pfedsim
 from fedora_jax.algorithms import ccvr
 from fedora_jax.algorithms import fedem
+from fedora_jax.algorithms import fedah, knnper
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput, InitContext,
@@ -181,6 +182,8 @@ REGISTRY: dict[str, Registered] = {
     "ccvr": Registered(ccvr.CcvrConfig, ccvr.ccvr, ccvr.FLAG_HELP,
                        train_fields=("lr", "rounds")),
     "fedem": Registered(fedem.FedEmConfig, fedem.fedem, fedem.FLAG_HELP),
+    "knnper": Registered(knnper.KnnPerConfig, knnper.knnper, knnper.FLAG_HELP),
+    "fedah": Registered(fedah.FedAhConfig, fedah.fedah, fedah.FLAG_HELP),
 }
 
 

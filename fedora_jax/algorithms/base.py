@@ -65,6 +65,12 @@ class Algorithm(NamedTuple):
   # a model of the run (FedCP's gated heads; built with trainer.evaluate_with).
   # None: trainer.evaluate.
   evaluate: Callable[[PyTree, ClientData], EvalStats] | None = None
+  # Where scoring a client reads its other splits beside the one scored (kNN-Per: a
+  # datastore of its training representations, its mixing weight picked on validation):
+  # evaluate_splits(model, splits, names) -> one EvalStats per split name, in place of
+  # `evaluate`.
+  evaluate_splits: Callable[[PyTree, ClientSplits, tuple[str, ...]],
+                            tuple[EvalStats, ...]] | None = None
   # Where every client's personalized model is one and the same (FedAvg's global model):
   # that model, from the server state. The engine then scores it on every client's data
   # without stacking K copies of it (what lets a run hold 10,000 clients in memory).
