@@ -4,9 +4,11 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedora_jax.algorithms import pfedhn
 from fedora_jax.algorithms.base import InitContext
+from fedora_jax.errors import ConfigError
 from tiny import init_params, tiny_data, tiny_model, tiny_trainer
 
 NUM_CLIENTS = 4
@@ -76,3 +78,40 @@ def test_server_step_moves_the_generated_models_towards_the_trained_ones():
     return sum(float(jnp.sum((a - b) ** 2)) for a, b in
                zip(jax.tree.leaves(models), jax.tree.leaves(trained)))
   assert gap(algorithm.personalized_params(new_state.server, new_state.clients)) < gap(sent)
+
+
+def test_per_client_steps_decay_once_per_sampled_client():
+  # Zero deltas leave only weight decay lam and momentum m: the official trainer's two
+  # steps (lr e) give p (1 - e lam) - e (m lam p + lam (1 - e lam) p) = 0.8575 p at
+  # e = 0.1, lam = 0.5, m = 0.9; one summed step 1 - e lam = 0.95. Clients 2, 3 sat out.
+  lr, decay = 0.1, 0.5
+  algorithm, state, _, _ = _setup(server_lr=lr, server_weight_decay=decay, grad_clip=0.0,
+                                  server_steps="per_client")
+  zeros = jax.tree.map(jnp.zeros_like, algorithm.broadcast(state.server, state.clients))
+  sampled = jnp.array([3.0, 5.0, 0.0, 0.0])
+  stepped = algorithm.aggregate(state.server, state.clients, zeros, sampled)
+  chex.assert_trees_all_close(stepped.server.params,
+                              jax.tree.map(lambda p: 0.8575 * p, state.server.params),
+                              atol=1e-6)
+  summed, _, _, _ = _setup(server_lr=lr, server_weight_decay=decay, grad_clip=0.0)
+  once = summed.aggregate(state.server, state.clients, zeros, sampled)
+  chex.assert_trees_all_close(once.server.params,
+                              jax.tree.map(lambda p: 0.95 * p, state.server.params), atol=1e-6)
+
+
+def test_per_client_steps_without_decay_or_momentum_add_up_to_the_summed_step():
+  # Each client's hypergradient is taken at the round's start, so plain SGD steps sum.
+  algorithm, state, _, _ = _setup(server_lr=1e-2, server_weight_decay=0.0, grad_clip=0.0,
+                                  server_momentum=0.0, server_steps="per_client")
+  sent = algorithm.broadcast(state.server, state.clients)
+  deltas = jax.tree.map(lambda a: 0.01 * jnp.cos(jnp.arange(a.size).reshape(a.shape)), sent)
+  stepped = algorithm.aggregate(state.server, state.clients, deltas, jnp.ones(NUM_CLIENTS))
+  grads = pfedhn.hypergradient(state.server.params, deltas)
+  chex.assert_trees_all_close(
+      stepped.server.params,
+      jax.tree.map(lambda p, g: p - 1e-2 * g, state.server.params, grads), atol=1e-6)
+
+
+def test_unknown_server_steps_is_a_config_error():
+  with pytest.raises(ConfigError, match="server_steps"):
+    _setup(server_steps="sequential")

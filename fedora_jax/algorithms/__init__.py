@@ -128,7 +128,11 @@ REGISTRY: dict[str, Registered] = {
         "server_lr": "Learning rate of the hypernetwork and the embeddings",
         "server_momentum": "Momentum of the server SGD",
         "server_weight_decay": "Weight decay of the server SGD",
-        "grad_clip": "Max global norm of the hypergradient (0: no clipping)"}),
+        "grad_clip": "Max global norm of the hypergradient (0: no clipping)",
+        "server_steps": "pFedHN server: one step a round on the clients' summed"
+                        " hypergradients (summed) or one step per sampled client, each"
+                        " clipped, decayed and with momentum (per_client, the official"
+                        " trainer's)"}),
     "fedala": Registered(fedala.FedAlaConfig, fedala.fedala, fedala.FLAG_HELP,
                          fedala.FLAG_NAMES),
     "coaching": Registered(coaching.CoachingConfig, coaching.coaching, coaching.FLAG_HELP,

@@ -17,7 +17,13 @@ A client's personalized model is h(v_k; phi).
 
 The paper's Algorithm 1 samples one client per server step; with all K clients in a
 round we take one step with the sum of their hypergradients, which is what K
-sequential one-client steps add up to to first order.
+sequential one-client steps add up to to first order (server_steps="summed"). Its
+clipping, weight decay and momentum then act once a round, so the weight decay is K
+times weaker than the official trainer's, which steps once per client.
+server_steps="per_client" takes the trainer's steps: one optimiser step per sampled
+client, in client order, each with that client's hypergradient alone (taken at the
+round's start, where the hypernetwork made the model the client trained), clipped,
+decayed and with momentum as the trainer's step is.
 
 Architecture (the official code's): v_k -> Linear(e, H) -> [ReLU -> Linear(H, H)] x n_hidden
 -> a linear head per target parameter (head pytrees with the target model's structure).
@@ -41,7 +47,9 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.batch_stats import is_statistic
 from fedora_jax.engine.local_training import ClientTrainer
-from fedora_jax.errors import FieldError
+from fedora_jax.errors import FieldError, check_one_of
+
+SERVER_STEPS = ("summed", "per_client")
 
 
 class PfedhnConfig(NamedTuple):
@@ -52,6 +60,7 @@ class PfedhnConfig(NamedTuple):
   server_momentum: float = 0.9
   server_weight_decay: float = 1e-3
   grad_clip: float = 50.0          # max global norm of the hypergradient; 0: off
+  server_steps: str = "summed"     # or "per_client": the official trainer's one step each
 
 
 class Hypernetwork(NamedTuple):
@@ -81,6 +90,7 @@ def validate(config: PfedhnConfig) -> PfedhnConfig:
     raise FieldError("pfedhn", "server_lr", f"must be > 0, got {config.server_lr}")
   if config.grad_clip < 0:
     raise FieldError("pfedhn", "grad_clip", f"must be >= 0, got {config.grad_clip}")
+  check_one_of("pfedhn", config, "server_steps", SERVER_STEPS)
   return config
 
 
@@ -138,6 +148,30 @@ def hypergradient(params: PfedhnParams, deltas) -> PfedhnParams:
   return pullback(deltas)[0]
 
 
+def client_hypergradient(params: PfedhnParams, client: jax.Array, delta) -> PfedhnParams:
+  """(d theta_k / d(phi, v))^T delta_k for one client k: its embedding's row alone."""
+  _, pullback = jax.vjp(
+      lambda p: hypernetwork_apply(p.hypernetwork, p.embeddings[client]), params)
+  return pullback(delta)[0]
+
+
+def per_client_steps(optimizer: optax.GradientTransformation, params: PfedhnParams,
+                     opt_state, deltas, active: jax.Array) -> tuple[PfedhnParams, Any]:
+  """One optimiser step per active client ([K] bool), in client order (the official
+  trainer's steps), each with its own hypergradient at `params` (the round's start)."""
+  def step(carry, inputs):
+    current, state = carry
+    client, delta, on = inputs
+    grads = client_hypergradient(params, client, delta)
+    updates, new_state = optimizer.update(grads, state, current)
+    keep = lambda new, old: jnp.where(on, new, old)
+    return (jax.tree.map(keep, optax.apply_updates(current, updates), current),
+            jax.tree.map(keep, new_state, state)), None
+  (params_out, state_out), _ = jax.lax.scan(
+      step, (params, opt_state), (jnp.arange(active.shape[0]), deltas, active))
+  return params_out, state_out
+
+
 def server_optimizer(config: PfedhnConfig) -> optax.GradientTransformation:
   """The official code's order: clip the gradient, add weight decay, SGD with momentum."""
   clip = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip > 0 else []
@@ -170,7 +204,12 @@ def pfedhn(config: PfedhnConfig, trainer: ClientTrainer) -> Algorithm:
     return ClientOutput(state=client_state, upload=delta, train=stats)
 
   def aggregate(server: PfedhnServer, clients, deltas, weights):
-    del weights  # a client that sat the round out uploads a zero delta: it adds nothing
+    if config.server_steps == "per_client":  # a client that sat the round out: no step
+      params, opt_state = per_client_steps(optimizer, server.params, server.opt_state,
+                                           deltas, weights > 0)
+      return AlgorithmState(server=PfedhnServer(params=params, opt_state=opt_state),
+                            clients=clients)
+    # A client that sat the round out uploads a zero delta: it adds nothing.
     grads = hypergradient(server.params, deltas)
     updates, opt_state = optimizer.update(grads, server.opt_state, server.params)
     return AlgorithmState(server=PfedhnServer(params=optax.apply_updates(server.params, updates),
