@@ -109,10 +109,10 @@ def _place(buckets: tuple, mesh, stacked: bool) -> tuple:
 
 
 def default_runs_per_step() -> int | None:
-  """One run at a time on CPUs, all at once (None: vmapped) elsewhere. On this project's
-  2-core CPU, 8 rotated-MNIST runs cost 0.78x a lone run's time each stepped one at a
-  time, 1.14x vmapped (docs/performance.md): the vmapped runs' working set outgrows the
-  caches, and a CPU has no idle lanes for them to fill, as an accelerator has."""
+  """One run at a time on CPUs, all at once (None: vmapped) elsewhere. On a CPU the
+  vmapped runs' working set outgrows the caches, and there are no idle lanes for them to
+  fill, as an accelerator has (measured: docs/performance.md, "several runs as one
+  program")."""
   return 1 if jax.default_backend() == "cpu" else None
 
 

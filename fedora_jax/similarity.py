@@ -30,10 +30,9 @@ l = p + 10 vectors is multiplied by Z and Z^T, and rotated onto its Ritz vectors
 SVD of the small [l, D] block, until a residual bound on their angle to the true
 subspace is below 1e-5 (`subspace_iteration`). Each
 step costs two [n, D] x [D, l] products, where the full SVD costs O(n D min(n, D)) and
-the [D, D] Gram matrix Z^T Z with `eigh` O(n D^2 + D^3). Measured on one CIFAR-10 client
-(n = 3334, D = 3082, this 2-core CPU, busy): SVD 16.7 s; Gram 1.0 s + eigh 4.1 s;
-subspace iteration 0.1-0.25 s. On an MNIST client (n = 600, D = 794): SVD 128 ms, Gram +
-eigh ~85 ms, subspace iteration ~5-8 ms. The Gram route also squares Z's condition number
+the [D, D] Gram matrix Z^T Z with `eigh` O(n D^2 + D^3); the iteration is the fastest of
+the three on MNIST and CIFAR-10 clients (docs/measurements/2026-11-26-benchmark-method.md).
+The Gram route also squares Z's condition number
 in float32; the iteration never forms Z^T Z.
 """
 

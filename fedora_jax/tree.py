@@ -75,9 +75,9 @@ def mix(weights: jax.Array, stacked):
   """sum_j weights[..., j] theta_j: leaves [..., ...] from weights [..., N] and models [N, ...]."""
   if weights.ndim == 1:
     # One mixture as a matrix-vector product of the flattened leaves: the same values,
-    # and XLA's CPU backend differentiates it w.r.t. the weights ~8x faster than the
-    # tensordot over a leaf's trailing axes (20 -> 2.6 ms for 36 models of 784 x 128;
-    # APPLE takes this gradient every local step).
+    # and XLA's CPU backend differentiates it w.r.t. the weights faster than the
+    # tensordot over a leaf's trailing axes (docs/log.md, 2026-11-26; APPLE takes this
+    # gradient every local step).
     return jax.tree.map(
         lambda leaf: (weights @ leaf.reshape(leaf.shape[0], -1)).reshape(leaf.shape[1:]),
         stacked)

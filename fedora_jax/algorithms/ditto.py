@@ -42,16 +42,12 @@ The code's validation data under --dynamic_lam is the last 10% of each device's 
 set (flearn/models/client.py); here it is the client's own validation split (FEDORA's
 Appendix B: 64 images a client on rotated MNIST).
 
-Measured (docs/measurements/2026-11-26-baselines.md, "Five low baselines"; rotated
-MNIST, seed 0, 100 rounds, LOCAL 0.752): fixed 0.535, per_client 0.739, per_step 0.751.
 With the run's momentum SGD, lambda = 1 drags the personal model a large part of the way
-to a global model that is still poor early on, so fixed learns slowly (it reaches LOCAL's level,
-0.755, by round 500). per_client picks the grid's smallest lambda almost always (0.1 on
-34-36 of the 36 clients in every round), and both selections track LOCAL; neither is
-above LOCAL at 100 rounds. At the authors' code's 500 rounds
-(docs/measurements/2026-11-26-fedora-table1.md, seeds 0-2 on an H100) per_client gives
-0.7703 +- 0.0047, R-Acc +0.019, PTR 0.69 (per_step 0.7707, +0.020, 0.70) against fixed's
-0.7546, -0.001, 0.46 and the FEDORA paper's Ditto row 0.7806 / +0.0220 / 0.7222. So
+to a global model that is still poor early on, so fixed learns slowly; per_client picks
+the grid's smallest lambda almost always and tracks LOCAL, and at the authors' code's 500
+rounds ends above fixed and near the FEDORA paper's Ditto row (measured:
+docs/measurements/2026-11-26-baselines.md, "Five low baselines", and
+docs/measurements/2026-11-26-fedora-table1.md). So
 "per_client", the rule the Ditto paper states, is the default;
 `--ditto_lambda_selection=fixed` is the authors' released setting.
 """

@@ -57,12 +57,10 @@ The paper's ablations (section 5.3), on top of either variant:
     proximal weight of Eq. (7), or the authors' pull strength).
 
 The default variant (DEFAULT_VARIANT, and so `--algorithm=fedora` with no other flag) is
-"authors": its numbers are the ones the paper reports. Rotated MNIST, 36 balanced
-clients, 500 rounds, seed 0 (2-core CPU, 2026-11-26): the authors' variant ends at Acc
-0.8158, R-Acc +0.0823, PTR 1.0 against the paper's 0.8251 / 0.0806 / 1.0 (Table 1; our
-LOCAL 0.7543, the paper's 0.7642), while the equations as printed end at 0.7605 /
-+0.0084 / 0.778, close to LOCAL. The dense sum-of-cosines graph is what holds them back:
-every weight lies between 0.78 and 1, so theta_hat_k is about half the client's own model
+"authors": on rotated MNIST it ends near the paper's Table 1, while the equations as
+printed end close to LOCAL (docs/measurements/2026-11-26-fedora-table1.md). The dense
+sum-of-cosines graph is what holds them back: every weight lies near 1, so theta_hat_k
+is about half the client's own model
 and half the plain mean of all clients, its validation loss is rarely below the
 client's, and lambda_k stays at its floor.
 """
@@ -255,9 +253,9 @@ SUBSPACE_CHUNK_BYTES = 64 * 2**20
 def _subspace_client_chunk(data: FederatedData) -> int | None:
   """Clients per chunk of the init's lax.map (None: all at once, vmapped).
 
-  On CPU one client at a time: it was as fast as vmap (1000 rotated-MNIST clients:
-  0.65 s against 1.2 s; CIFAR-10: 1.0 s against 1.9 s, fewer page faults). (The QR and
-  SVD inside go one matrix at a time on CPU either way: fedora_jax/linalg.py.)
+  On CPU one client at a time: it was faster than vmap, with fewer page faults
+  (docs/measurements/2026-11-26-benchmark-method.md). (The QR and SVD inside go one
+  matrix at a time on CPU either way: fedora_jax/linalg.py.)
   """
   if jax.default_backend() == "cpu":
     return 1

@@ -165,12 +165,11 @@ LAYER_TYPE_ORDER: tuple[str, ...] = ("Embed", "LSTM", "Conv", "ConvBN", "BasicBl
 
 # Default --client_chunk per model on CPU devices (None: vmap over all clients). There a
 # few clients at a time keep their weights, gradients and momentum in cache: vmapping all
-# 36 MLP clients streams ~50 MB through memory every SGD step. Measured on a 2-core CPU,
-# one device per core, with `python -m experiments.benchmark --client_chunks=1,2,3,4,6`
-# (FEDORA rmnist round 183 / 172 / 178 / 195 / 224 ms; 313 ms vmapped) and
-# benchmarks/vmap_vs_map.py (the CNN ~1.5x faster one client at a time). ResNet-18 one
-# client at a time too: one convolution's im2col patches at batch 64 are 151 MB
-# (64 x 32 x 32 x 576 floats), far past any cache already. Accelerators vmap.
+# 36 MLP clients streams ~50 MB through memory every SGD step. Chosen by
+# `python -m experiments.benchmark --client_chunks=1,2,3,4,6` and
+# benchmarks/vmap_vs_map.py (the timings: docs/measurements/2026-11-26-performance.md).
+# ResNet-18 one client at a time too: one convolution's im2col patches at batch 64 are
+# 151 MB (64 x 32 x 32 x 576 floats), far past any cache already. Accelerators vmap.
 CPU_CLIENT_BATCH: dict[str, int] = {"cnn": 1, "coaching_cnn": 1, "coaching_cnn_bn": 1,
                                     "fedavg_cnn": 1, "pfl_cnn": 1, "mlp": 2,
                                     "resnet18": 1}
@@ -183,9 +182,9 @@ def default_client_chunk(model: str, platform: str) -> int | None:
 
 # Default --eval_batch_size: images (rows) a client's evaluation forwards at once. On CPUs
 # the CNNs' convolution patches must stay near the caches: at 1,000 CIFAR-10 test images
-# the LeNet-5's first im2col patches are 235 MB. Its forward pass over 1,024 CIFAR-10
-# images in a lax.scan over chunks (im2col, 2-core CPU, medians of 5): 230 ms in chunks of
-# 1,024, 171 (256), 111 (128), 97 (64), 96 (32). The MLP and accelerators take large ones.
+# the LeNet-5's first im2col patches are 235 MB; chunks of 64 were about the fastest
+# (docs/measurements/2026-11-26-cnn-round-profile.md). The MLP and accelerators take
+# large ones.
 EVAL_BATCH = 1024
 CPU_EVAL_BATCH: dict[str, int] = {"cnn": 64, "coaching_cnn": 64, "coaching_cnn_bn": 64,
                                   "fedavg_cnn": 64, "pfl_cnn": 64, "resnet18": 64}

@@ -26,12 +26,12 @@ the same result up to float rounding:
   block's input window (5 rows x (block + 4) columns x C_in) is one row of the patches,
   multiplied by a banded [5 (block + 4) C_in, block C_out] matrix that holds the kernel
   at each output column's offset. Smaller patches and wider matmuls than im2col for
-  some multiplications by zero: the registry's default on CPUs (docs/performance.md: a
-  FEDORA CIFAR-10 round on 2 CPU cores 0.74x im2col's, its compilation half);
+  some multiplications by zero: the registry's default on CPUs, where it is faster than
+  im2col (docs/measurements/2026-11-26-cnn-round-profile.md);
 - `conv="xla"`: `lax.conv_general_dilated`. XLA's CPU backend runs convolutions inside a
   while loop (our `lax.scan` over SGD steps) through a slow generic path
-  (github.com/jax-ml/jax/issues/12868): 8 SGD steps of batch 64 took 8.9 s with
-  `lax.conv` in a scan and 1.1 s with im2col.
+  (github.com/jax-ml/jax/issues/12868), several times slower than im2col
+  (docs/measurements/2026-11-26-performance.md).
 Vmapped over clients, the matmuls become batched matmuls rather than grouped
 convolutions.
 """
@@ -74,9 +74,8 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
 
   The window's maximum is picked by a one-hot of its argmax, so the backward pass is an
   elementwise product. `nn.max_pool`'s gradient is XLA's select-and-scatter, which the CPU
-  backend runs slowly inside the SGD `lax.scan`: one step of the LeNet-5 at batch 64 took
-  30.1 ms with it and 21.0 ms with this (2-core CPU, 2026-11-26, median of 5 x 40 steps;
-  the parameters after 40 steps bit-identical, ties in flat image regions included)."""
+  backend runs slowly inside the SGD `lax.scan` (the timing, and the parameters after 40
+  steps bit-identical, ties included: docs/measurements/2026-11-26-cnn-round-profile.md)."""
   b, h, w, c = x.shape
   x = x[:, :h // 2 * 2, :w // 2 * 2]
   windows = x.reshape(b, h // 2, 2, w // 2, 2, c).transpose(0, 1, 3, 5, 2, 4)
