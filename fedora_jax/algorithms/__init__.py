@@ -32,7 +32,7 @@ from fedora_jax.algorithms import fedas, fedcac, feddbe, feddistill, fedgh, fml,
 from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import elastic, fedadmm, pfedsim
-from fedora_jax.algorithms import ccvr
+from fedora_jax.algorithms import ccvr, fediir
 from fedora_jax.algorithms import fedem
 from fedora_jax.algorithms import fedah, knnper
 from fedora_jax.algorithms import byzantine, robust
@@ -185,6 +185,7 @@ REGISTRY: dict[str, Registered] = {
     "elastic": Registered(elastic.ElasticConfig, elastic.elastic, elastic.FLAG_HELP),
     "ccvr": Registered(ccvr.CcvrConfig, ccvr.ccvr, ccvr.FLAG_HELP,
                        train_fields=("lr", "rounds")),
+    "fediir": Registered(fediir.FedIirConfig, fediir.fediir, fediir.FLAG_HELP),
     "fedem": Registered(fedem.FedEmConfig, fedem.fedem, fedem.FLAG_HELP),
     "knnper": Registered(knnper.KnnPerConfig, knnper.knnper, knnper.FLAG_HELP),
     "fedah": Registered(fedah.FedAhConfig, fedah.fedah, fedah.FLAG_HELP),
