@@ -30,6 +30,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 import byzantine_table  # noqa: E402
 import coaching_eta_r  # noqa: E402
 import communication_table  # noqa: E402
+import confree_solver  # noqa: E402
 import soak  # noqa: E402
 import dp_table  # noqa: E402
 import paper_gaps  # noqa: E402
@@ -48,6 +49,12 @@ def _leakage(measure: str) -> str:
   with open(_at(f"results/leakage/{measure}.json")) as f:
     report = json.load(f)
   return (leakage.dlg_table if measure == "dlg" else leakage.membership_table)(report)
+
+
+def _json(path: str) -> dict:
+  import json  # pylint: disable=import-outside-toplevel
+  with open(_at(path)) as f:
+    return json.load(f)
 
 
 def _one_round() -> str:
@@ -73,6 +80,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "results/coaching1/coaching1.json": paper_gaps.coaching1,
     "results/coaching2/coaching2.json": paper_gaps.coaching2,
     "results/coaching_eta_r": lambda: coaching_eta_r.table(_at("results/coaching_eta_r")),
+    "results/confree_solver/errors.json": lambda: confree_solver.render(
+        _json("results/confree_solver/errors.json")),
     "results/leakage/dlg.md": lambda: _leakage("dlg"),
     "results/leakage/membership.md": lambda: _leakage("membership"),
     "results/verification/long/table.md": lambda: _verification("results/verification/long"),

@@ -50,9 +50,8 @@ weights. The authors solve it with scipy's SLSQP. Here: accelerated projected gr
 (FISTA, Beck and Teboulle 2009) with a backtracking step size, gradient-test restarts
 (O'Donoghue and Candes 2015) and the exact Euclidean projection onto the simplex over S
 (Held et al. 1974's sort), `solver_steps` iterations from the uniform weights on S: all
-in jnp on the K x K Gram matrix. Against SLSQP with exact gradients in float64 its d* is
-within 1e-5 (relative) at the default 300 steps on random instances of up to 40
-clients; the mirror descent it replaces was up to 2.6 % off after 500 (docs/confree.md).
+in jnp on the K x K Gram matrix. Its d* against SLSQP with exact gradients in float64,
+and the mirror descent's it replaces: docs/confree.md (scripts/confree_solver.py).
 
 Hosts (those declaring `Algorithm.shared_part`): the part ConFREE moves is the host's
 shared model, the poster's theta_g (Algorithm 1: each client keeps its head h_i and
