@@ -5,10 +5,11 @@ Luo, Chen, Hu, Zhang, Liang, Feng. "No Fear of Heterogeneity: Classifier Calibra
 Federated Learning with Non-IID Data." NeurIPS 2021. https://arxiv.org/abs/2106.05001
 (code read, not run or copied: FL-bench's src/server/ccvr.py and src/client/ccvr.py,
 KarhouTam/FL-bench, GPL. The authors released no code. The paper's full text is not on
-disk and could not be read through the search tools beyond its abstract, so this module
-names no equation numbers; its formulas are the ones FL-bench and fluke's ccvr.py
-implement. PFLlib has no CCVR, so there is no verification row: the unit tests check the
-statistics, the global Gaussians and the calibration step by hand.)
+disk; its Sec. 4 formulas and its M_c below are as a reader's notes on it quote them
+(found through the search tools) and as FL-bench and fluke's ccvr.py implement them, so
+this module names no equation numbers. PFLlib has no CCVR, so there is no verification
+row: the unit tests check the statistics, the global Gaussians and the calibration step
+by hand.)
 
 Training is FedAvg. For a calibration, client k computes with the global model's feature
 extractor f (every layer below the top Dense layer, the classifier g) on its training
@@ -34,13 +35,15 @@ Where the sources differ, behind config fields:
     model before each evaluation and keeps training the uncalibrated one.
   * client covariance (`covariance`): "unbiased" (default, the 1/(N_{c,k} - 1) above that
     the global formula's weights assume) or "biased" (FL-bench's cov(correction=0)).
-  * virtual counts (`sample_counts`): "proportional" (default) deals M_c in proportion to
-    N_c / N, as the paper lets the virtual set reflect the classes' global shares, over
-    samples_per_class * C slots; "equal" is FL-bench's samples_per_class of each class.
+  * virtual counts (`sample_counts`): "equal" (default) draws M_c = samples_per_class of
+    every class, as the paper's experiments set M_c (100 on CIFAR-10, 500 on CIFAR-100,
+    1000 on CINIC-10; FL-bench 200); "proportional" deals the samples_per_class * C slots
+    by N_c / N, the paper's other reading ("could be determined by the fraction N_c/|D|
+    to reflect the inter-class distribution").
 
-samples_per_class (M) 200, calibration_epochs 1 and the calibration lr equal to the run's
-client lr are FL-bench's defaults (sample_per_class, one pass, optimizer.lr); the paper's
-own values are not read here.
+samples_per_class 100 is the paper's CIFAR-10 M_c (ten classes, as MNIST's). The paper's
+calibration optimiser is not read here: calibration_epochs 1 and the calibration lr equal
+to the run's client lr are FL-bench's (one pass, optimizer.lr).
 
 Departures, from fitting a post-hoc step into one pure round: a client computes its
 statistics in the same round as it trains, on the global model it received, so a
@@ -73,13 +76,13 @@ from fedora_jax.errors import FieldError, check_one_of
 Params = Any
 CALIBRATIONS = ("last", "every")
 COVARIANCES = ("unbiased", "biased")
-SAMPLE_COUNTS = ("proportional", "equal")
+SAMPLE_COUNTS = ("equal", "proportional")
 
 
 class CcvrConfig(NamedTuple):
   calibrate: str = "last"              # "last" (paper: post-hoc) or "every" (FL-bench)
-  samples_per_class: int = 200         # M: virtual representations a class (FL-bench's)
-  sample_counts: str = "proportional"  # M_c by N_c / N (paper) or M each ("equal")
+  samples_per_class: int = 100         # M_c (the paper's CIFAR-10 value; FL-bench 200)
+  sample_counts: str = "equal"         # M_c = M each (paper's runs) or by N_c / N
   covariance: str = "unbiased"         # clients' 1/(N-1) (paper) or 1/N ("biased")
   calibration_epochs: int = 1          # SGD passes over the virtual set (FL-bench: 1)
   lr: float = 5e-3                     # the calibration SGD's lr: the run's (train field)
@@ -89,9 +92,11 @@ class CcvrConfig(NamedTuple):
 FLAG_HELP = {
     "calibrate": "CCVR: calibrate the classifier once after the last round (last, the"
                  " paper's post-hoc step) or before every evaluation (every, FL-bench)",
-    "samples_per_class": "CCVR: virtual representations per class M (FL-bench: 200)",
-    "sample_counts": "CCVR: deal the M x C virtual representations by the classes' shares"
-                     " N_c / N (proportional, the paper) or M to each class (equal)",
+    "samples_per_class": "CCVR: virtual representations per class M_c (the paper: 100 on"
+                         " CIFAR-10, 500 on CIFAR-100, 1000 on CINIC-10; FL-bench 200)",
+    "sample_counts": "CCVR: M_c to each class (equal, the paper's runs) or the M_c x C"
+                     " virtual representations dealt by the classes' shares N_c / N"
+                     " (proportional, the paper's other reading)",
     "covariance": "CCVR: the clients' class covariances with 1/(N - 1) (unbiased, the"
                   " paper's) or 1/N (biased, FL-bench)",
     "calibration_epochs": "CCVR: SGD epochs of the classifier over the virtual"
