@@ -76,8 +76,8 @@ def mix(weights: jax.Array, stacked):
   if weights.ndim == 1:
     # One mixture as a matrix-vector product of the flattened leaves: the same values,
     # and XLA's CPU backend differentiates it w.r.t. the weights faster than the
-    # tensordot over a leaf's trailing axes (docs/log.md, 2026-11-26; APPLE takes this
-    # gradient every local step).
+    # tensordot over a leaf's trailing axes (docs/measurements/2026-11-26-cpu-kernels.md;
+    # APPLE takes this gradient every local step).
     return jax.tree.map(
         lambda leaf: (weights @ leaf.reshape(leaf.shape[0], -1)).reshape(leaf.shape[1:]),
         stacked)

@@ -29,6 +29,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 # pylint: disable=wrong-import-position
 import byzantine_table  # noqa: E402
 import coaching_eta_r  # noqa: E402
+import coaching_variants  # noqa: E402
 import communication_table  # noqa: E402
 import confree_solver  # noqa: E402
 import soak  # noqa: E402
@@ -80,6 +81,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "results/coaching1/coaching1.json": paper_gaps.coaching1,
     "results/coaching2/coaching2.json": paper_gaps.coaching2,
     "results/coaching_eta_r": lambda: coaching_eta_r.table(_at("results/coaching_eta_r")),
+    "results/coaching1_variants/fmnist_0.1/seed0": coaching_variants.table,
     "results/confree_solver/errors.json": lambda: confree_solver.render(
         _json("results/confree_solver/errors.json")),
     "results/leakage/dlg.md": lambda: _leakage("dlg"),

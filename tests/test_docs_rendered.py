@@ -30,7 +30,8 @@ def test_every_rendered_block_and_table_matches_its_files():
           "results/leakage/membership.md", "results/soak/soak.json",
           "results/dp/table.md", "results/verification/one_round.json",
           "results/coaching1/coaching1.json", "results/coaching2/coaching2.json",
-          "results/coaching_eta_r", "results/confree_solver/errors.json"} <= set(blocks)
+          "results/coaching_eta_r", "results/confree_solver/errors.json",
+          "results/coaching1_variants/fmnist_0.1/seed0"} <= set(blocks)
   assert render_docs.problems() == []
 
 

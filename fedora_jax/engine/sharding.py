@@ -40,7 +40,8 @@ def default_mesh(bucket_sizes: Sequence[int]) -> Mesh:
   smallest size bucket has clients. A bucket padded to the device count trains copies of
   its last client on the spare devices: free on accelerators, but on a CPU each copy
   takes a core from the real client (the imbalanced setting's one large client ran slower
-  split over 2 CPU devices than on 1 device using both cores: docs/log.md, 2026-11-26)."""
+  split over 2 CPU devices than on 1 device using both cores:
+  docs/measurements/2026-11-26-cpu-kernels.md)."""
   devices = jax.devices()
   if jax.default_backend() == "cpu" and jax.process_count() == 1:
     devices = devices[:max(1, min(len(devices), min(bucket_sizes)))]
