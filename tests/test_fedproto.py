@@ -158,3 +158,33 @@ def test_bad_hyperparameters_are_one_line_errors():
                         (fedproto.FedProtoConfig(prototypes="last"), "fedproto: prototypes")):
     with pytest.raises(ConfigError, match=match):
       fedproto.fedproto(config, trainer)
+
+
+def test_a_client_never_sampled_is_scored_by_every_global_prototype():
+  # Client 1 has no prototypes of its own yet: under global_own and local it gets Eq. 4's
+  # nearest of every global prototype (PFLlib's scoring), not the all-absent head's class 0.
+  data, _ = tiny_data([6, 6])
+  model = tiny_model(hidden=(5,))
+  stacked = tree.broadcast_to_clients(init_params(model), 2)
+  context = InitContext(params=stacked, data=data, trainer=None, key=jax.random.key(0))
+  global_protos = fedproto.Prototypes(means=jax.random.normal(jax.random.key(1), (3, 5)),
+                                      counts=jnp.array([2.0, 0.0, 3.0]))
+  own = fedproto.Prototypes(means=jnp.ones((2, 3, 5)),
+                            counts=jnp.array([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+  x = jax.random.normal(jax.random.key(2), (7, 4))
+  scored = {}
+  for inference in ("global", "global_own", "local"):
+    algorithm = fedproto.fedproto(fedproto.FedProtoConfig(inference=inference),
+                                  tiny_trainer(model))
+    clients = algorithm.init(context).clients._replace(prototypes=own)
+    personalised = algorithm.personalized_params(global_protos, clients)
+    scored[inference] = [model.apply(tree.take(personalised, k), x) for k in range(2)]
+  for inference in ("global_own", "local"):
+    np.testing.assert_allclose(scored[inference][1], scored["global"][1], atol=1e-6)
+  # The sampled client keeps its own classes (global_own: class 0 alone).
+  np.testing.assert_array_equal(np.argmax(scored["global_own"][0], axis=1), 0)
+  # Before any prototype exists, each client's own classifier.
+  algorithm = fedproto.fedproto(fedproto.FedProtoConfig(), tiny_trainer(model))
+  clients = algorithm.init(context).clients
+  empty = fedproto.Prototypes(means=jnp.zeros((3, 5)), counts=jnp.zeros(3))
+  chex.assert_trees_all_close(algorithm.personalized_params(empty, clients), stacked)

@@ -33,7 +33,7 @@ from fedora_jax.algorithms import fedas
 from fedora_jax.engine.local_training import (epoch_batches, make_client_trainer,
                                               make_optimizer)
 from fedora_jax.models import build_model
-from fedora_jax.rounds import client_keys
+from fedora_jax.rounds import client_keys, num_sampled_clients, sampled_clients
 from fedora_jax.simulation import (TrainConfig, initial_model, jitted_init, root_keys,
                                    run_algorithm)
 from verification import bridges
@@ -191,6 +191,9 @@ class Reference(NamedTuple):
   clients: Callable[[Setting], list[Client]] | None = None
   # Our run's --client_weights: "samples" (PFLlib's n_k) or "uniform" (1 a client).
   client_weights: str = "samples"
+  # The share of clients a round trains (our --participation); PFLlib's selected clients
+  # set to ours each round (rounds.sampled_clients). 1: every client.
+  participation: float = 1.0
 
 
 def _own_key(key: jax.Array) -> list[jax.Array]:
@@ -1413,6 +1416,13 @@ REFERENCES = {
 }
 
 
+# FedProto with half the clients a round, one round (so two are never sampled), scored
+# under global_own: a client never sampled by every global prototype, as PFLlib's
+# test_metrics scores every client.
+REFERENCES["fedproto_sampled"] = REFERENCES["fedproto"]._replace(
+    algorithm="fedproto", rounds=1, participation=0.5,
+    config={**REFERENCES["fedproto"].config, "inference": "global_own"},
+    args={**REFERENCES["fedproto"].args, "join_ratio": 0.5})
 # Server weights on clients of unequal sizes (UNEQUAL_SIZES), two rounds (the second
 # trains from the weighted mean): "<name>_samples" PFLlib's as it is, weighted by sample
 # counts (our --client_weights=samples, the default); "<name>_uniform" the authors'
@@ -1469,10 +1479,18 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
   if loaded is not None:
     reference.load_initial(server, loaded)
   server.selected_clients = list(server.clients)
+  train_key, sampled = root_keys(setting.seed)["train"], num_sampled_clients(
+      reference.participation, len(clients))
   for round_index, round_batches in enumerate(batches):  # [round][client][load][epoch]
+    active = np.asarray(sampled_clients(jax.random.fold_in(train_key, round_index),
+                                        len(clients), sampled))
+    if not active.all():
+      server.selected_clients = [c for c in server.clients if active[c.id]]
     if reference.aggregates and reference.sends:
       _send_models(server, reference, round_index)
     for client, data, trainings in zip(server.clients, clients, round_batches):
+      if not active[client.id]:
+        continue
       loaders = iter([bridges.EpochLoader(bridges.model_inputs(data.x_train),
                                           data.y_train.astype(np.int64), epochs)
                       for epochs in trainings])
@@ -1511,7 +1529,8 @@ def _our_initial_state(name: str, setting: Setting, clients: list[Client],
   train = TrainConfig(rounds=reference.rounds, local_epochs=epochs,
                       batch_size=setting.batch_size, lr=setting.lr, momentum=0.0,
                       weight_decay=0.0, seed=setting.seed, log_every=0,
-                      client_weights=reference.client_weights)
+                      client_weights=reference.client_weights,
+                      participation=reference.participation)
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
                                 epochs, train.batch_size)
   config = algorithms.default_config(name, train, **reference.config)
@@ -1572,7 +1591,8 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
   train = TrainConfig(rounds=reference.rounds, local_epochs=epochs,
                       batch_size=setting.batch_size, lr=setting.lr, momentum=0.0,
                       weight_decay=0.0, seed=setting.seed, log_every=0,
-                      client_weights=reference.client_weights)
+                      client_weights=reference.client_weights,
+                      participation=reference.participation)
   config = algorithms.default_config(name, train, **reference.config)
   keys = root_keys(setting.seed)
   initial = initial_model(model, data, keys["init"])

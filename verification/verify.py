@@ -34,6 +34,7 @@ COVERED += ("fedgen", "fedcross", "fedgc")  # issue 52's, PFLlib's forms (one_ro
 # Server weights on clients of unequal sizes: PFLlib's sample counts, the authors' 1/|S|.
 COVERED += ("ditto_samples", "ditto_uniform", "lg_fedavg_samples", "lg_fedavg_uniform",
             "fedbabu_samples", "fedbabu_uniform")
+COVERED += ("fedproto_sampled",)  # half the clients a round: some never sampled
 
 
 def missing() -> str | None:
@@ -177,6 +178,10 @@ def main(argv: list[str]) -> int:
                           " 360 training images, two rounds, the server weighing by sample"
                           " counts (PFLlib's, our default) and uniformly (the authors' codes,"
                           " our --client_weights=uniform; PFLlib's weights set to 1/|S|)")
+  document["setting"] += ("; FedProto as above with half the clients a round (PFLlib's"
+                          " selection set to ours), one round, scored by the client's own"
+                          " classes' global prototypes (ours: global_own), every global"
+                          " prototype for a client never sampled (PFLlib: every client)")
   print(render(write(args.out, document)))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
   print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")

@@ -41,7 +41,10 @@ Where the printed equations and the authors' code differ, behind config fields:
     global prototype among the classes the client holds (its training classes); "global"
     is Eq. 4 over every global prototype; "local" uses the client's own prototypes; "head"
     the client's classifier (the authors' "w/o protos" accuracy). The default is the
-    code's, whose accuracies the paper reports.
+    code's, whose accuracies the paper reports. A client never sampled has no classes
+    (nor prototypes) of its own yet: under "global_own" and "local" it is scored by every
+    global prototype, as under "global" (and as PFLlib scores every client); before any
+    prototype exists, by its own classifier.
 With partial participation the server averages the prototypes the round's sampled clients
 upload (weight-0 clients are ignored); a class none of them holds keeps its previous
 global prototype.
@@ -237,12 +240,23 @@ def fedproto(config: FedProtoConfig, trainer: ClientTrainer) -> Algorithm:
     if config.inference == "head":
       return clients.params
     head = _head_shapes(tree.first(clients.params))[0]
-    local = clients.prototypes
-    prototypes = local if config.inference == "local" else broadcast(global_prototypes, clients)
-    if config.inference == "global_own":  # only the classes of the client's training split
-      prototypes = prototypes._replace(counts=prototypes.counts * (local.counts > 0))
-    return {"params": {**clients.params["params"],
-                       head: jax.vmap(prototype_head)(prototypes)}}
+    local, shared = clients.prototypes, broadcast(global_prototypes, clients)
+    own = local.counts > 0                             # [K, C]
+    trained = jnp.any(own, axis=-1, keepdims=True)     # [K, 1] False: never sampled yet
+    prototypes = shared
+    if config.inference == "local":  # a client without prototypes of its own: Eq. 4's
+      prototypes = Prototypes(means=jnp.where(trained[..., None], local.means, shared.means),
+                              counts=jnp.where(trained, local.counts, shared.counts))
+    if config.inference == "global_own":  # the classes of the client's training split;
+      # a client never sampled knows none yet: every global prototype (Eq. 4's).
+      prototypes = shared._replace(counts=shared.counts * jnp.where(trained, own, True))
+    # No prototype at all (nobody has uploaded one yet): the client's own classifier,
+    # not the arbitrary class 0 of an all-absent head.
+    usable = jnp.any(prototypes.counts > 0, axis=-1)
+    heads = jax.tree.map(
+        lambda new, old: jnp.where(usable.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+        jax.vmap(prototype_head)(prototypes), clients.params["params"][head])
+    return {"params": {**clients.params["params"], head: heads}}
 
   return Algorithm(name="fedproto", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
