@@ -45,8 +45,8 @@ round's sampled clients only (rounds.py); the others keep their w_i, which s_i a
 step read as part of W^k ("the parameters of all clients in the server", after Eq. 14).
 R's step covers every row each round (Eq. 9's whole cube); Algorithm 1's loop over
 clients, read for selection, would step only the sampled clients' rows. With the default
-step R moves ~5e-6 a round there, so the two readings agree to that (docs/coaching.md,
-"Under client selection", with the measured reason coaching trails LOCAL there).
+step R barely moves in a round there, so the two readings nearly agree (measured:
+docs/coaching.md, "Under client selection", with the reason coaching trails LOCAL there).
 
 Defaults are the paper's where it states them: E_r = 1 ("the local epochs for W and R
 are set to 5 and 1 ... the learning rates for W and R are both set to 0.01"; E and the
