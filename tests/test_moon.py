@@ -11,8 +11,10 @@ import pytest
 from fedora_jax import tree
 from fedora_jax.algorithms import moon
 from fedora_jax.algorithms.base import InitContext
+from fedora_jax.algorithms.layers import apply_with_representation
+from fedora_jax.engine import batch_stats
 from fedora_jax.errors import ConfigError
-from tiny import init_params, tiny_data, tiny_model, tiny_trainer
+from tiny import TinyBN, init_folded, init_params, tiny_data, tiny_model, tiny_trainer
 
 LR = 0.1
 
@@ -103,3 +105,29 @@ def test_bad_hyperparameters_are_one_line_errors():
                         (moon.MoonConfig(evaluate="best"), "moon: evaluate")):
     with pytest.raises(ConfigError, match=match):
       moon.moon(config, trainer)
+
+
+def test_fixed_models_run_on_their_running_averages_on_batch_norm_models():
+  # The global and previous models in inference mode (the authors' eval()), the trained
+  # one in train mode: the loss equals the one built from each pass computed by hand.
+  model = TinyBN()
+  trainer = tiny_trainer(model)
+  params, global_params, previous = (init_folded(model, seed=s) for s in (0, 1, 2))
+  moved = lambda p: jax.tree_util.tree_map_with_path(  # averages far from a batch's
+      lambda path, a: a + 0.7 if batch_stats.is_statistic(path) else a, p)
+  global_params, previous = moved(global_params), moved(previous)
+  x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+  y, weights = np.array([0, 1, 2, 0, 1, 2]), np.ones(6, np.float32)
+  config = moon.MoonConfig(mu=1.0, tau=0.5)
+  loss = moon.moon_loss(trainer.apply, "Dense_1", global_params, previous, jnp.array(True),
+                        config)
+  with batch_stats.training(jnp.ones(6, bool)):
+    got = loss(params, x, y, weights)
+    logits, z = apply_with_representation(trainer.apply, params, x, "Dense_1")
+    z_train_mode = apply_with_representation(trainer.apply, global_params, x, "Dense_1")[1]
+  z_glob = apply_with_representation(trainer.apply, global_params, x, "Dense_1")[1]
+  z_prev = apply_with_representation(trainer.apply, previous, x, "Dense_1")[1]
+  want = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y)
+                  + moon.contrastive_loss(z, z_glob, z_prev, 0.5, jnp.array(True)))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert not np.allclose(z_glob, z_train_mode, atol=1e-3)  # the modes differ here

@@ -14,7 +14,9 @@ own previous local model w_i^{t-1}, trains w (initialised at w^t) on (Section 3.
   l     = l_sup(w; x, y) + mu * l_con,
 
 sim the cosine similarity (PyTorch's: <a, b> / max(|a| |b|, 1e-8)), l_sup the
-cross-entropy, both averaged over the minibatch. w^t and w_i^{t-1} are fixed.
+cross-entropy, both averaged over the minibatch. w^t and w_i^{t-1} are fixed, and on
+models with BatchNorm they run in inference mode (their running averages; the authors'
+code's eval()), only w in train mode.
 
 Representations: MOON's networks are a base encoder, a projection head (a 2-layer MLP) and
 an output layer, z being the projection head's output. Here z is the body's output, the
@@ -50,6 +52,7 @@ from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, 
 from fedora_jax.algorithms.layers import (apply_with_representation,
                                           check_representation_trainer, head_layer)
 from fedora_jax.algorithms.plugin_fields import SERVER_MODEL
+from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError, check_one_of, traced
 
@@ -97,8 +100,11 @@ def moon_loss(apply_fn, head: str, global_params: Params, previous: Params,
   """loss_fn(params, x, y, weights): cross-entropy + mu * l_con, means over the batch."""
   def loss(params, x, y, weights):
     logits, z = apply_with_representation(apply_fn, params, x, head)
-    z_glob = apply_with_representation(apply_fn, global_params, x, head)[1]
-    z_prev = apply_with_representation(apply_fn, previous, x, head)[1]
+    # The fixed models on their running averages (BatchNorm's inference mode), as the
+    # authors' code runs them (eval()); the trained model in train mode.
+    with batch_stats.inference():
+      z_glob = apply_with_representation(apply_fn, global_params, x, head)[1]
+      z_prev = apply_with_representation(apply_fn, previous, x, head)[1]
     per_sample = (optax.softmax_cross_entropy_with_integer_labels(logits, y)
                   + config.mu * contrastive_loss(z, jax.lax.stop_gradient(z_glob),
                                                  jax.lax.stop_gradient(z_prev), config.tau,

@@ -25,9 +25,10 @@ explicitly, set on the trained parameters they came from (a step that trains no 
 averages, a head over a fixed body, runs inference mode): the step (ClientTrainer.train,
 Per-FedAvg's and pFedMe's loops) writes them into its state in place of the optimizer's
 update (their gradient entries are zero). A loss may build the model it runs from what
-it trains (FedBABU's merge, FedRep's masks, APFL's mixture, MOON's fixed models beside
-it), so each pass's update `used - new` is pulled back through the map from the trained
-parameters to the averages that pass used (a vjp of that map alone): the trained model's
+it trains (FedBABU's merge, FedRep's masks, APFL's mixture, a fixed model beside it; MOON
+runs its fixed models in inference mode, `inference`), so each pass's update `used - new`
+is pulled back through the map from the trained parameters to the averages that pass
+used (a vjp of that map alone): the trained model's
 own averages become the new ones, a mixture a v + (1 - a) w moves v and w by their
 share, constants receive nothing, and two passes over the same averages move them
 twice, as two train-mode passes in PyTorch do. PyTorch stores the unbiased batch
@@ -124,6 +125,19 @@ def training(mask: jax.Array):
     yield passes
   finally:
     _TRAINING.pop()
+
+
+@contextlib.contextmanager
+def inference():
+  """Forward passes of `model_apply` traced inside run in inference mode, on their running
+  averages, even within `training`: a fixed model beside the trained one (MOON's global
+  and previous models, which its authors' code puts in eval()). Records no `Pass`."""
+  outer = _TRAINING[:]
+  _TRAINING.clear()
+  try:
+    yield
+  finally:
+    _TRAINING[:] = outer
 
 
 def _nonnegative_variances(statistics: dict) -> dict:
