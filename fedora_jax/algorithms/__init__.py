@@ -33,7 +33,7 @@ from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import elastic, fedadmm, pfedsim
 from fedora_jax.algorithms import ccvr, fediir
-from fedora_jax.algorithms import fedem
+from fedora_jax.algorithms import cfl, fedem
 from fedora_jax.algorithms import fedah, knnper
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
@@ -187,6 +187,7 @@ REGISTRY: dict[str, Registered] = {
                        train_fields=("lr", "rounds")),
     "fediir": Registered(fediir.FedIirConfig, fediir.fediir, fediir.FLAG_HELP),
     "fedem": Registered(fedem.FedEmConfig, fedem.fedem, fedem.FLAG_HELP),
+    "cfl": Registered(cfl.CflConfig, cfl.cfl, cfl.FLAG_HELP),
     "knnper": Registered(knnper.KnnPerConfig, knnper.knnper, knnper.FLAG_HELP),
     "fedah": Registered(fedah.FedAhConfig, fedah.fedah, fedah.FLAG_HELP),
 }
