@@ -47,6 +47,7 @@ import optax
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError, FieldError
 
@@ -138,8 +139,11 @@ def fedem(config: FedEmConfig, trainer: ClientTrainer) -> Algorithm:
     log_mixture = jnp.log(client.mixture)
 
     def loss_fn(params, seen, x, y, w):
-      q = jax.lax.stop_gradient(
-          responsibilities(log_mixture, per_sample_losses(apply_fn, components, x, y)))
+      # The E-step's models are fixed: BatchNorm on their running averages (the authors'
+      # and FL-bench's eval() while computing the sample weights).
+      with batch_stats.inference():
+        received = per_sample_losses(apply_fn, components, x, y)
+      q = jax.lax.stop_gradient(responsibilities(log_mixture, received))
       loss = weighted_loss(per_sample_losses(apply_fn, params, x, y), q, w)
       return loss, (seen[0] + jnp.sum(w[:, None] * q, axis=0), seen[1] + jnp.sum(w))
 
