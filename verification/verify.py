@@ -35,6 +35,7 @@ COVERED += ("fedgen", "fedcross", "fedgc")  # issue 52's, PFLlib's forms (one_ro
 COVERED += ("ditto_samples", "ditto_uniform", "lg_fedavg_samples", "lg_fedavg_uniform",
             "fedbabu_samples", "fedbabu_uniform")
 COVERED += ("fedproto_sampled",)  # half the clients a round: some never sampled
+COVERED += ("fedbn",)  # on a PyTorch twin of coaching_cnn_bn (verification/twins.py)
 
 
 def missing() -> str | None:
@@ -182,6 +183,10 @@ def main(argv: list[str]) -> int:
                           " selection set to ours), one round, scored by the client's own"
                           " classes' global prototypes (ours: global_own), every global"
                           " prototype for a client never sampled (PFLlib: every client)")
+  document["setting"] += (f"; FedBN on coaching_cnn_bn and its PyTorch twin (its BatchNorm"
+                          f" recording the biased batch variance, as ours), clients of"
+                          f" {one_round.FEDBN_TRAIN} training images, one round, BatchNorm's"
+                          " running averages compared too")
   print(render(write(args.out, document)))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
   print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")
