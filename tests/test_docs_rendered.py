@@ -76,3 +76,14 @@ def test_a_paper_tables_gaps_are_its_rows_differences():
   line = paper_gaps.table2({"columns": {"a": column}, "command": "c"},
                            {"columns": {"a": sampled}}).splitlines()[2]
   assert line == "| A | 1 / 0 of 4 | -1.0 to +4.0 | -2.0 / -1.0 |"
+
+
+def test_the_readme_lists_every_registered_algorithm_and_counts_them():
+  from fedora_jax.algorithms import REGISTRY  # pylint: disable=import-outside-toplevel
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  table = readme[readme.index("| `--algorithm` | method |"):]
+  listed = {name for row in table.split("\n\n", 1)[0].splitlines()
+            for name in re.findall(r"`([a-z0-9_]+)`", row.split(" | ", 1)[0])}
+  assert listed == set(REGISTRY)
+  others = int(re.search(r"alongside LOCAL, FedAvg,\s+(\d+) other registered", readme)[1])
+  assert others == len(REGISTRY) - 3  # FEDORA, LOCAL and FedAvg named beside it
