@@ -1098,6 +1098,46 @@ def _fedbn_clients(setting: Setting) -> list[Client]:
           for c in real_clients(setting)]
 
 
+# MOON's BatchNorm row: the first 20 training images of each client. Over its two rounds
+# FedBN's 40 met a float32 tie at ReLU's zero, after which the codes part (docs/log.md).
+MOON_BN_TRAIN = 20
+
+
+def _moon_bn_clients(setting: Setting) -> list[Client]:
+  return [c._replace(x_train=c.x_train[:MOON_BN_TRAIN], y_train=c.y_train[:MOON_BN_TRAIN])
+          for c in real_clients(setting)]
+
+
+def _moon_eval_train(client) -> None:
+  """clientMOON.train with its global and previous models in eval(), on their running
+  averages, as the authors' code runs them (PFLlib leaves them in train mode)."""
+  client.global_model.eval()
+  client.old_model.eval()
+  client.train()
+
+
+def _average_buffers(server) -> None:
+  """BatchNorm's running averages averaged with the parameters' weights, as ours (PFLlib's
+  aggregate_parameters averages parameters() and keeps the first upload's buffers)."""
+  uploads = [dict(model.named_buffers()) for model in server.uploaded_models]
+  for name, buffer in server.global_model.named_buffers():
+    if not name.endswith("num_batches_tracked"):
+      buffer.data = sum(w * upload[name].data
+                        for w, upload in zip(server.uploaded_weights, uploads))
+
+
+def _receive_buffers(server, setting: Setting, clients: list[Client]) -> None:
+  """Each client's set_parameters taking the global model's running averages too, as ours
+  (PFLlib's copies parameters() only, so a client keeps its own)."""
+  del setting, clients
+  for client in server.clients:
+    def set_parameters(model, client=client, original=client.set_parameters):
+      original(model)
+      for new, old in zip(model.buffers(), client.model.buffers()):
+        old.data = new.data.clone()
+    client.set_parameters = set_parameters
+
+
 MU = 0.1  # FedProx's mu and Ditto's lambda in the checks
 REFERENCES = {
     "local": Reference("serverlocal.Local", "clientavg.py", ("train",), _own_key,
@@ -1448,6 +1488,14 @@ REFERENCES = {
 }
 
 
+# MOON on the BatchNorm twin (clients of MOON_BN_TRAIN images), its global and previous
+# models in eval(), the authors' form (PFLlib's own leave them in train mode), its server
+# averaging and sending the running averages as ours. Two rounds: in the first the
+# contrastive loss is constant.
+REFERENCES["moon_bn"] = REFERENCES["moon"]._replace(
+    algorithm="moon", twin=twins.COACHING_CNN_BN_BIASED, clients=_moon_bn_clients,
+    steps=(_moon_eval_train,), server_steps=("aggregate_parameters", _average_buffers),
+    prepare=_receive_buffers)
 # FedProto with half the clients a round, one round (so two are never sampled), scored
 # under global_own: a client never sampled by every global prototype, as PFLlib's
 # test_metrics scores every client.

@@ -36,6 +36,7 @@ COVERED += ("ditto_samples", "ditto_uniform", "lg_fedavg_samples", "lg_fedavg_un
             "fedbabu_samples", "fedbabu_uniform")
 COVERED += ("fedproto_sampled",)  # half the clients a round: some never sampled
 COVERED += ("fedbn",)  # on a PyTorch twin of coaching_cnn_bn (verification/twins.py)
+COVERED += ("moon_bn",)  # MOON on that twin, its fixed models on running averages
 
 
 def missing() -> str | None:
@@ -187,6 +188,11 @@ def main(argv: list[str]) -> int:
                           f" recording the biased batch variance, as ours), clients of"
                           f" {one_round.FEDBN_TRAIN} training images, one round, BatchNorm's"
                           " running averages compared too")
+  document["setting"] += (f"; MOON (mu 1, tau 0.5) on the same twin, clients of"
+                          f" {one_round.MOON_BN_TRAIN} training images, two rounds,"
+                          " PFLlib's global and previous models in eval() (the authors'"
+                          " form; PFLlib's own: train mode), its server averaging and"
+                          " sending BatchNorm's running averages as ours")
   print(render(write(args.out, document)))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
   print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")
