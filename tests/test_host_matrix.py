@@ -22,9 +22,10 @@ TRAIN = TrainConfig(rounds=2, local_epochs=5, batch_size=32, lr=0.05, participat
 MODEL = MLP(hidden=(8,), num_outputs=synthetic.NUM_CLASSES)
 # Five local epochs: FedRep and FedPAC train their heads for fewer (their defaults).
 # One global model, no client state, a server that averages the sampled uploads (kNN-Per:
-# FedAvg's, scored with each slot's training split beside).
+# FedAvg's, scored with each slot's training split beside; pFedFDA: the global Gaussians
+# beside the model).
 SERVED = ("ccvr", "fedavg", "fediir", "fedavgm", "fednova", "fedntd", "fedopt", "fedprox",
-          "knnper")
+          "knnper", "pfedfda")
 
 
 @pytest.mark.parametrize("name", sorted(algorithms.REGISTRY))
