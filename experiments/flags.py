@@ -122,6 +122,9 @@ flags.DEFINE_float("max_pad_ratio", 2.0, "Size buckets: a client is padded to at
 flags.DEFINE_integer("new_clients", 0, "FEDORA's Algorithm 2: hold this many clients out of"
                      " training; afterwards each gets its propagated model, used as is and"
                      " fine-tuned, against FedAvg's global model.", lower_bound=0)
+flags.DEFINE_integer("public_size", None, "Training samples held out of every client as a"
+                     " public set, for algorithms that distil on one (FedMD); default: the"
+                     " size the algorithm declares, none for the others.", lower_bound=0)
 flags.DEFINE_integer("new_client_epochs", 5, "Epochs a new client with labels trains.",
                      lower_bound=1)
 flags.DEFINE_bool("verbose", False, "Show the Python traceback of an unexpected error,"
@@ -414,7 +417,8 @@ def runs() -> list[sweep.Row]:
 _HELP_GROUPS = {
     "1. the run: algorithm, data, seeds": (
         "algorithm", "dataset", "data_dir", "data_source", "num_clients", "setting",
-        "rounds", "seed", "data_seed", "new_clients", "new_client_epochs", "seeds", "sweep",
+        "rounds", "seed", "data_seed", "new_clients", "new_client_epochs", "public_size",
+        "seeds", "sweep",
         "batch_runs", "runs_per_step"),
     "2. client partition": (
         "partition", "split", "classes_per_client", "dirichlet_alpha", "min_client_size",

@@ -56,6 +56,9 @@ class DataConfig:
   partition: PartitionConfig | None = None  # None: the dataset's default
   data_seed: int | None = None      # None: train.seed
   max_pad_ratio: float = 2.0
+  # Training samples held out of every client as a public set (data/public.py); None:
+  # the size the algorithm declares (algorithms.public_size), none if it declares none.
+  public_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +132,9 @@ def resolve(config: ExperimentConfig) -> ExperimentConfig:
   partition = (None if datasets.natural_users(data.dataset) else
                data.partition or datasets.default_partition(data.dataset, data.setting))
   data = dataclasses.replace(data, partition=partition, data_seed=(
-      config.train.seed if data.data_seed is None else data.data_seed))
+      config.train.seed if data.data_seed is None else data.data_seed),
+      public_size=(algorithms.public_size(name, algorithm.config)
+                   if data.public_size is None else data.public_size))
   model = dataclasses.replace(config.model, name=config.model.name or spec.model,
                               hidden=tuple(config.model.hidden))
   return dataclasses.replace(config, data=data, model=model, algorithm=algorithm)

@@ -234,7 +234,7 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
         val_loss=val.loss, val_score=val.score, test_loss=test.loss,
         test_score=test.score, extra=out.metrics,
         bytes_up=jnp.where(arrived, uploaded, 0).astype(jnp.int32),
-        bytes_down=jnp.where(received, communication.per_client_bytes(messages),
+        bytes_down=jnp.where(received, _download_bytes(algorithm, messages),
                              0).astype(jnp.int32))
     return RoundState(round=state.round + 1, algorithm=new_state), metrics
 
@@ -247,6 +247,12 @@ def _upload_bytes(algorithm: Algorithm, out: ClientOutput, clients: Any) -> int:
   read = () if algorithm.state_upload is None else jax.eval_shape(
       jax.vmap(algorithm.state_upload), clients)
   return communication.per_client_bytes((out.upload, read))
+
+
+def _download_bytes(algorithm: Algorithm, messages: Any) -> int:
+  """One client's message in bytes (static), less what it holds already (`preshared`)."""
+  held = () if algorithm.preshared is None else algorithm.preshared(messages)
+  return communication.per_client_bytes(messages) - communication.per_client_bytes(held)
 
 
 def _client_step(algorithm: Algorithm, budgeted: bool = False):

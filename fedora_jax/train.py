@@ -281,7 +281,8 @@ def _build_data(config: ExperimentConfig, num_clients: int):
   return datasets.build_federated_dataset(
       data_config.dataset, data_config.data_dir, num_clients, data_config.setting,
       data_config.data_seed, data_config.max_pad_ratio, config.new_clients.count,
-      data_source=data_config.data_source, partition_config=data_config.partition)
+      data_source=data_config.data_source, partition_config=data_config.partition,
+      public_size=data_config.public_size or 0)
 
 
 def prepare_run(config: ExperimentConfig, workdir: str | None = None,

@@ -166,12 +166,14 @@ def run_path(name: str, plugin: str, path: Path, num_clients: int = len(SIZES)) 
   models = [MODEL_ROWS[p] for p in plugin.split(",") if p in MODEL_ROWS]
   make_model, x_shape = models[0] if models else (tiny.tiny_model, None)
   data, _ = tiny.tiny_data(client_sizes(num_clients), x_shape=x_shape)
+  config = config_of(name, plugin)
+  data = tiny.with_public(data, algorithms.public_size(name, config), x_shape)
   model = make_model()
   train = TrainConfig(rounds=2, local_epochs=2, batch_size=4, lr=0.1, momentum=0.9,
                       log_every=0, client_chunk=path.client_chunk,
                       participation=path.participation, **conditions_of(plugin))
   mesh = sharding.client_mesh(jax.devices()[:path.devices])
-  result = run_algorithm(algorithms.make(name, config_of(name, plugin)), model, data, train,
+  result = run_algorithm(algorithms.make(name, config), model, data, train,
                          mesh=mesh)
   history = result.history
   return {"val_loss": history.val_loss.tolist(), "test_acc": history.test_score.tolist(),

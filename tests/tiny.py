@@ -8,6 +8,7 @@ import optax
 
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.data.client_data import Client, stack_clients
+from fedora_jax.data.public import PublicData
 from fedora_jax.rounds import RoundState, build_train_round
 from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.engine import batch_stats
@@ -115,4 +116,18 @@ def default_config(name: str):
   default 4 head epochs would leave no epoch for the body)."""
   from fedora_jax import algorithms  # pylint: disable=import-outside-toplevel
   config = algorithms.get(name).config_class()
+  if name == "fedmd":  # a public set of 8, 6 of them a round (its default: 5000)
+    return config._replace(public_size=8, alignment_size=6)
   return config._replace(head_epochs=1) if name == "fedrep" else config
+
+
+def with_public(data, size, x_shape=None, num_features=4, seed=1):
+  """`data` with a public set of `size` random samples (None: unchanged), as the data
+  layer gives one to an algorithm that declares it (data/public.py)."""
+  if not size:
+    return data
+  rng = np.random.default_rng(seed)
+  shape = (num_features,) if x_shape is None else tuple(x_shape)
+  return data._replace(public=PublicData(
+      x=rng.normal(size=(size, *shape)).astype(np.float32),
+      y=rng.integers(0, data.num_classes, size).astype(np.int32)))

@@ -36,7 +36,7 @@ from fedora_jax.algorithms import ccvr, fediir
 from fedora_jax.algorithms import fedsr
 from fedora_jax.algorithms import cfl, fedem
 from fedora_jax.algorithms import fedah, knnper
-from fedora_jax.algorithms import pfedfda
+from fedora_jax.algorithms import fedmd
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput, InitContext,
@@ -66,6 +66,10 @@ class Registered(NamedTuple):
   round_cost: Callable[[Any], RoundCost] = no_round_cost
   # Whether benchmarks/torch_loop.py replays its rounds as a sequential PyTorch loop.
   torch_loop: bool = False
+  # Its config -> the public set it distils on (data/public.py: training samples no
+  # client holds, in InitContext.data.public): its default size, unless --public_size.
+  # None: it reads no public set.
+  public_size: Callable[[Any], int] | None = None
 
 
 REGISTRY: dict[str, Registered] = {
@@ -188,11 +192,12 @@ REGISTRY: dict[str, Registered] = {
     "ccvr": Registered(ccvr.CcvrConfig, ccvr.ccvr, ccvr.FLAG_HELP,
                        train_fields=("lr", "rounds")),
     "fediir": Registered(fediir.FedIirConfig, fediir.fediir, fediir.FLAG_HELP),
+    "fedmd": Registered(fedmd.FedMdConfig, fedmd.fedmd, fedmd.FLAG_HELP,
+                        public_size=fedmd.public_size),
     "fedem": Registered(fedem.FedEmConfig, fedem.fedem, fedem.FLAG_HELP),
     "cfl": Registered(cfl.CflConfig, cfl.cfl, cfl.FLAG_HELP),
     "knnper": Registered(knnper.KnnPerConfig, knnper.knnper, knnper.FLAG_HELP),
     "fedah": Registered(fedah.FedAhConfig, fedah.fedah, fedah.FLAG_HELP),
-    "pfedfda": Registered(pfedfda.PfedFdaConfig, pfedfda.pfedfda, pfedfda.FLAG_HELP),
     "fedsr": Registered(fedsr.FedSrConfig, fedsr.fedsr, fedsr.FLAG_HELP),
 }
 
@@ -214,6 +219,12 @@ def canonical_name(name: str) -> str:
 def get(name: str) -> Registered:
   """The registered algorithm `name`, in any case."""
   return REGISTRY[canonical_name(name)]
+
+
+def public_size(name: str, config: Any) -> int | None:
+  """The public set `name` declares with `config` (None: it reads none)."""
+  declared = get(name).public_size
+  return None if declared is None else declared(config)
 
 
 def default_config(name: str, train: Any = None, preset: str | None = None, **overrides):

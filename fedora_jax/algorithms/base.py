@@ -97,6 +97,10 @@ class Algorithm(NamedTuple):
   # sampled [K] bool, in place of `broadcast` in the round (`broadcast` is this with
   # every client sampled).
   sampled_broadcast: Callable[[PyTree, PyTree, jax.Array], PyTree] | None = None
+  # Where a message carries samples every client holds from the start (a public set,
+  # data/public.py, of which only indices would travel): that part of the [K, ...]
+  # messages, left out of the round's bytes down (communication.py).
+  preshared: Callable[[PyTree], PyTree] | None = None
 
 
 class RoundCost(NamedTuple):

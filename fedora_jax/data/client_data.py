@@ -15,6 +15,8 @@ from fedora_jax.errors import DataError
 if TYPE_CHECKING:  # annotations only: the data modules do not import jax
   import jax
 
+  from fedora_jax.data.public import PublicData
+
 
 class ClientData(NamedTuple):
   """One split of the clients of one bucket: numpy arrays as built, jax arrays on the
@@ -52,6 +54,8 @@ class FederatedData(NamedTuple):
   client_ids: tuple[np.ndarray, ...]
   num_clients: int
   num_classes: int
+  # The public set no client holds (data/public.py), for algorithms that declare one.
+  public: "PublicData | None" = None
 
   @property
   def input_shape(self) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from fedora_jax.data.yearbook import load_yearbook
 from fedora_jax.data import root as data_root
 from fedora_jax.data.cifar import load_cifar10, load_cifar100
 from fedora_jax.data.partitions import Partition, PartitionConfig, make_partition
+from fedora_jax.data.public import hold_out_public
 from fedora_jax.data.sources import ImageDataset, load_fashion_mnist, load_mnist
 from fedora_jax.data.tinyimagenet import load_tinyimagenet
 from fedora_jax.data.flowers102 import load_flowers102
@@ -312,8 +313,8 @@ def build_federated_dataset(name: str, data_dir: str | None, num_clients: int,
                             new_clients: int = 0, train_per_client: int = 128,
                             val_per_client: int = 64,
                             data_source: str = "files",
-                            partition_config: PartitionConfig | None = None
-                            ) -> FederatedDataset:
+                            partition_config: PartitionConfig | None = None,
+                            public_size: int = 0) -> FederatedDataset:
   """Loads `name`'s source files, partitions them and stacks the clients in size buckets.
 
   With `new_clients` = N > 0, N of the `num_clients` clients are held out of training
@@ -323,10 +324,17 @@ def build_federated_dataset(name: str, data_dir: str | None, num_clients: int,
   `data_source`: "files" (the dataset's own files) or "tfds" (prepared TFDS data).
   `partition_config`: how to cut the clients (default: the dataset's partition, with
   `setting`, `train_per_client` and `val_per_client`); its `kind` None means the dataset's.
+  `public_size` > 0: that many training samples held out of every client as the public
+  set (data/public.py), in the training clients' `data.public`.
   """
   spec = get_spec(name)
   new_ids = held_out_clients(num_clients, new_clients, seed)
   groups = None
+  public = None
+  if public_size and (spec.generated or natural_users(name)):
+    raise FieldError("experiment", "public_size",
+                     f"{name}'s clients are not cut from one training split, so it has no"
+                     " slice to hold out as a public set")
   if spec.generated:
     source, partition = _build_synthetic(partition_config, num_clients, setting, seed,
                                          data_source)
@@ -338,6 +346,8 @@ def build_federated_dataset(name: str, data_dir: str | None, num_clients: int,
                                                seed, data_source)
   else:
     source = load_source(name, data_dir, data_source)
+    if public_size:
+      source, public = hold_out_public(source, public_size, seed)
     config = partition_config or PartitionConfig(
         kind=spec.partition, classes_per_client=spec.classes_per_client,
         train_per_client=train_per_client, val_per_client=val_per_client)
@@ -349,7 +359,8 @@ def build_federated_dataset(name: str, data_dir: str | None, num_clients: int,
   train_ids = np.setdiff1d(np.arange(num_clients), new_ids)
   stack = lambda ids: stack_clients([partition.clients[k] for k in ids],
                                     source.num_classes, max_pad_ratio)
-  return FederatedDataset(data=stack(train_ids), partition=partition, source=source,
+  return FederatedDataset(data=stack(train_ids)._replace(public=public),
+                          partition=partition, source=source,
                           client_ids=train_ids,
                           new_data=stack(new_ids) if len(new_ids) else None,
                           new_client_ids=new_ids, groups=groups)
