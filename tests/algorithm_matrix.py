@@ -56,15 +56,16 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 # "a,b" combines a plug-in with a model. pFedSim's rounds=2 puts its warm-up's end after
 # the first round (its default row is all warm-up); CCVR's calibrate=every calibrates in
 # both rounds (its default, once in the last of 100); CFL's row lets every cluster of
-# more than 2 clients split from round 1 (its default waits 20 rounds); a number is read as
-# its field's type.
+# more than 2 clients split from round 1 (its default waits 20 rounds); Floco's rounds=2
+# places its clients on the simplex after the first round (its default row never does); a
+# number is read as its field's type.
 OPTION_ROWS = (("fedprox", "evaluate=local"), ("apfl", "mixing=pfllib"),
                ("coaching", "fs=norm,lr_r_rule=fixed"), ("pfedla", "evaluate=local"),
                ("fedavg", "model=cnn"),
                ("fedora", "model=cnn"), ("perfedavg", "model=resnet"),
                ("pfedme", "model=resnet"), ("fedavg", "ala,model=resnet"),
                ("pfedsim", "rounds=2"), ("ccvr", "calibrate=every"),
-               ("cfl", "warmup_rounds=0,eps1=100,eps2=0"))
+               ("cfl", "warmup_rounds=0,eps1=100,eps2=0"), ("floco", "rounds=2"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
 # Clients as they really are (issue 51; fedora_jax/availability.py): 30 % dropout and

@@ -33,7 +33,7 @@ from fedora_jax.algorithms import fedkd, fedmtl, fedpcl
 from fedora_jax.algorithms import fedcross, fedgc, fedgen
 from fedora_jax.algorithms import elastic, fedadmm, pfedsim
 from fedora_jax.algorithms import ccvr, fediir
-from fedora_jax.algorithms import fedsr
+from fedora_jax.algorithms import fedsr, floco
 from fedora_jax.algorithms import cfl, fedem
 from fedora_jax.algorithms import fedah, knnper
 from fedora_jax.algorithms import fedmd
@@ -199,6 +199,8 @@ REGISTRY: dict[str, Registered] = {
     "knnper": Registered(knnper.KnnPerConfig, knnper.knnper, knnper.FLAG_HELP),
     "fedah": Registered(fedah.FedAhConfig, fedah.fedah, fedah.FLAG_HELP),
     "fedsr": Registered(fedsr.FedSrConfig, fedsr.fedsr, fedsr.FLAG_HELP),
+    "floco": Registered(floco.FlocoConfig, floco.floco, floco.FLAG_HELP,
+                        train_fields=("rounds",)),
 }
 
 
