@@ -68,6 +68,8 @@ OPTION_ROWS = (("fedprox", "evaluate=local"), ("apfl", "mixing=pfllib"),
                ("cfl", "warmup_rounds=0,eps1=100,eps2=0"), ("floco", "rounds=2"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
+# ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.
+OPTION_ROWS += (("adcol", "model=fedavg"),)
 # Clients as they really are (issue 51; fedora_jax/availability.py): 30 % dropout and
 # half the clients straggling (partial work), or a deadline that drops the slow ones, as
 # rows of their own on both paths above and at full participation (FULL: the masks on

@@ -36,7 +36,7 @@ from fedora_jax.algorithms import ccvr, fediir
 from fedora_jax.algorithms import fedsr, floco
 from fedora_jax.algorithms import cfl, fedem
 from fedora_jax.algorithms import fedah, knnper
-from fedora_jax.algorithms import fedmd
+from fedora_jax.algorithms import adcol, fedmd
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput, InitContext,
@@ -194,6 +194,7 @@ REGISTRY: dict[str, Registered] = {
     "fediir": Registered(fediir.FedIirConfig, fediir.fediir, fediir.FLAG_HELP),
     "fedmd": Registered(fedmd.FedMdConfig, fedmd.fedmd, fedmd.FLAG_HELP,
                         public_size=fedmd.public_size),
+    "adcol": Registered(adcol.AdcolConfig, adcol.adcol, adcol.FLAG_HELP),
     "fedem": Registered(fedem.FedEmConfig, fedem.fedem, fedem.FLAG_HELP),
     "cfl": Registered(cfl.CflConfig, cfl.cfl, cfl.FLAG_HELP),
     "knnper": Registered(knnper.KnnPerConfig, knnper.knnper, knnper.FLAG_HELP),
