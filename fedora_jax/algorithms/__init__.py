@@ -36,6 +36,7 @@ from fedora_jax.algorithms import ccvr, fediir
 from fedora_jax.algorithms import fedsr, floco
 from fedora_jax.algorithms import cfl, fedem
 from fedora_jax.algorithms import fedah, knnper
+from fedora_jax.algorithms import pefll, pfedfda
 from fedora_jax.algorithms import adcol, fedmd
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
@@ -199,6 +200,8 @@ REGISTRY: dict[str, Registered] = {
     "cfl": Registered(cfl.CflConfig, cfl.cfl, cfl.FLAG_HELP),
     "knnper": Registered(knnper.KnnPerConfig, knnper.knnper, knnper.FLAG_HELP),
     "fedah": Registered(fedah.FedAhConfig, fedah.fedah, fedah.FLAG_HELP),
+    "pfedfda": Registered(pfedfda.PfedFdaConfig, pfedfda.pfedfda, pfedfda.FLAG_HELP),
+    "pefll": Registered(pefll.PefllConfig, pefll.pefll, pefll.FLAG_HELP),
     "fedsr": Registered(fedsr.FedSrConfig, fedsr.fedsr, fedsr.FLAG_HELP),
     "floco": Registered(floco.FlocoConfig, floco.floco, floco.FLAG_HELP,
                         train_fields=("rounds",)),
