@@ -8,7 +8,7 @@ ARGS ?=
 
 VERIFY_STAMP := $(VENV)/.installed-verify
 
-.PHONY: install run lint test test-quick verify clean
+.PHONY: install run lint test test-quick test-slow verify clean
 
 install: $(STAMP)
 
@@ -26,13 +26,19 @@ lint: install
 	$(VENV)/bin/ruff check fedora_jax
 	$(VENV)/bin/mypy fedora_jax
 
-# Two workers: most of the suite's time is single-threaded XLA compilation.
+# Two workers: most of the suite's time is single-threaded XLA compilation. The tiers
+# (tests/conftest.py): test-quick, the first check after a change, about 2 minutes on 2
+# cores; test, everything but the heavy modules, under 10; test-slow, the heavy modules
+# (every algorithm on every engine path, several devices and processes). CI runs test,
+# then test-slow.
 test: install lint
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 -m "not heavy" tests
 
-# The first check after a change: unit tests and one end-to-end run, a few minutes.
 test-quick: install
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
+
+test-slow: install
+	$(PY) -m pytest -q -n 2 -m heavy tests
 
 # One round of each covered algorithm beside its reference implementation (PyTorch,
 # from ../shared/references); says what is missing and passes where they are absent.

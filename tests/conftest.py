@@ -55,26 +55,36 @@ def mnist():
   return _mnist()
 
 
-# The quick tier (`make test-quick`) leaves out the tests marked slow: these modules'
-# end-to-end commands, several devices and processes, and the algorithm matrix, but for
-# the one end-to-end run marked quick.
-SLOW_MODULES = frozenset((
-    "test_algorithm_matrix", "test_sharding", "test_golden_results", "test_reproduce",
-    "test_paper_tables", "test_checkpoint", "test_watchdog", "test_notebook",
-    "test_benchmark", "test_main", "test_plots", "test_download", "test_loaders_fixtures",
-    "test_dp_run", "test_sweep", "test_sweep_batch", "test_host_matrix",
-    # The run axis, partial participation, plug-in hosts and the runner API end to end:
-    # engine paths the matrix also crosses; each compiles whole rounds.
-    "test_batch", "test_participation", "test_runner_api", "test_verification_long",
-    # The CNN, ResNet and BatchNorm models' tests: compiling them is most of a cold run.
-    "test_batch_norm", "test_fedbn", "test_cifar", "test_layerwise_cnn", "test_split_layers"))
+# Three tiers, so that each command fits its budget on 2 cores from a cold compilation
+# cache (docs/log.md):
+# - `make test-quick`, the first check after a change (about 2 minutes): the modules in
+#   QUICK_MODULES (the engine, FEDORA and its linear algebra, the data layer, the results
+#   and the command line's units) and the one end-to-end run marked quick;
+# - `make test` (under 10 minutes) adds every algorithm's, plug-in's and feature's tests
+#   and the end-to-end commands (marked slow), but for HEAVY_MODULES;
+# - `make test-slow`: HEAVY_MODULES (marked heavy), whole programs run many times: every
+#   algorithm on every engine path, several devices and processes, killed and resumed
+#   runs, byte-identical results. CI runs `make test`, then `make test-slow`.
+QUICK_MODULES = frozenset((
+    "test_engine", "test_fedora", "test_propagation", "test_similarity", "test_linalg",
+    "test_client_weights", "test_eval_every", "test_precision", "test_progress",
+    "test_data", "test_partitions", "test_synthetic", "test_official_formats",
+    "test_authors_split", "test_authors_cifar_split", "test_tfds_source",
+    "test_natural_data", "test_regression", "test_metrics", "test_docs_rendered",
+    "test_verification"))
+HEAVY_MODULES = frozenset((
+    "test_algorithm_matrix", "test_host_matrix", "test_sharding", "test_checkpoint",
+    "test_golden_results", "test_dp_run"))
 # Started first, so that two workers end together (each takes minutes).
-LONGEST = ("test_algorithm_matrix.py", "test_sharding.py")
+LONGEST = ("test_algorithm_matrix.py", "test_main.py", "test_fedbn.py")
 
 
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:
-    if item.module.__name__ in SLOW_MODULES and not item.get_closest_marker("quick"):
+    module = item.module.__name__
+    if module in HEAVY_MODULES:
+      item.add_marker(pytest.mark.heavy)
+    if module not in QUICK_MODULES and not item.get_closest_marker("quick"):
       item.add_marker(pytest.mark.slow)
   items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in LONGEST)
