@@ -29,8 +29,8 @@ lint: install
 # Two workers: most of the suite's time is single-threaded XLA compilation. The tiers
 # (tests/conftest.py): test-quick, the first check after a change, about 2 minutes on 2
 # cores; test, everything but the heavy modules, under 10; test-slow, the heavy modules
-# (every algorithm on every engine path, several devices and processes). CI runs test,
-# then test-slow.
+# (whole programs run many times: every algorithm on every engine path, several devices
+# and processes, resumed runs, sweeps). CI runs test, then test-slow.
 test: install lint
 	$(PY) -m pytest -q -n 2 -m "not heavy" tests
 

@@ -64,7 +64,8 @@ def mnist():
 #   and the end-to-end commands (marked slow), but for HEAVY_MODULES;
 # - `make test-slow`: HEAVY_MODULES (marked heavy), whole programs run many times: every
 #   algorithm on every engine path, several devices and processes, killed and resumed
-#   runs, byte-identical results. CI runs `make test`, then `make test-slow`.
+#   runs, byte-identical results, sweeps, tables and the benchmark, the BatchNorm CNN's
+#   FedBN runs. CI runs `make test`, then `make test-slow`.
 QUICK_MODULES = frozenset((
     "test_engine", "test_fedora", "test_propagation", "test_similarity", "test_linalg",
     "test_client_weights", "test_eval_every", "test_precision", "test_progress",
@@ -74,7 +75,9 @@ QUICK_MODULES = frozenset((
     "test_verification"))
 HEAVY_MODULES = frozenset((
     "test_algorithm_matrix", "test_host_matrix", "test_sharding", "test_checkpoint",
-    "test_golden_results", "test_dp_run"))
+    "test_golden_results", "test_dp_run", "test_batch", "test_sweep", "test_sweep_batch",
+    "test_watchdog", "test_reproduce", "test_paper_tables", "test_benchmark", "test_plots",
+    "test_fedbn"))
 # Started first, so that two workers end together (each takes minutes).
 LONGEST = ("test_algorithm_matrix.py", "test_main.py", "test_fedbn.py")
 

@@ -103,9 +103,11 @@ def test_every_round_hands_lapack_one_matrix(name, plugin):
             if p in algorithm_matrix.MODEL_ROWS]
   make_model, x_shape = models[0] if models else (tiny.tiny_model, None)
   data, _ = tiny.tiny_data(algorithm_matrix.SIZES, x_shape=x_shape)
+  config = algorithm_matrix.config_of(name, plugin)
+  data = tiny.with_public(data, algorithms.public_size(name, config), x_shape)
   model = make_model()
   trainer = tiny.tiny_trainer(model, epochs=2, batch_size=4)  # the matrix's
-  algorithm = algorithms.build(name, algorithm_matrix.config_of(name, plugin), trainer)
+  algorithm = algorithms.build(name, config, trainer)
   keys = root_keys(0)
   mesh = sharding.client_mesh(jax.devices()[:1])
   buckets = sharding.place_buckets(data.buckets, mesh)
