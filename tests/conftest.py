@@ -58,8 +58,9 @@ def mnist():
 # Three tiers, so that each command fits its budget on 2 cores from a cold compilation
 # cache (docs/log.md):
 # - `make test-quick`, the first check after a change (about 2 minutes): the modules in
-#   QUICK_MODULES (the engine, FEDORA and its linear algebra, the data layer, the results
-#   and the command line's units) and the one end-to-end run marked quick;
+#   QUICK_MODULES (the engine, FEDORA and its linear algebra, the methods of its Table 1
+#   and FedALA's ALA, the data layer, the results and the command line's units) and the
+#   one end-to-end run marked quick;
 # - `make test` (under 10 minutes) adds every algorithm's, plug-in's and feature's tests
 #   and the end-to-end commands (marked slow), but for HEAVY_MODULES;
 # - `make test-slow`: HEAVY_MODULES (marked heavy), whole programs run many times: every
@@ -72,7 +73,8 @@ QUICK_MODULES = frozenset((
     "test_data", "test_partitions", "test_synthetic", "test_official_formats",
     "test_authors_split", "test_authors_cifar_split", "test_tfds_source",
     "test_natural_data", "test_regression", "test_metrics", "test_docs_rendered",
-    "test_verification"))
+    "test_verification", "test_fedprox", "test_ditto_apfl", "test_fedu_fedamp",
+    "test_clustering", "test_fedfomo", "test_pfedhn", "test_fedala"))
 HEAVY_MODULES = frozenset((
     "test_algorithm_matrix", "test_host_matrix", "test_sharding", "test_checkpoint",
     "test_golden_results", "test_dp_run", "test_batch", "test_sweep", "test_sweep_batch",
