@@ -28,7 +28,8 @@ def test_riesz_energy_by_hand():
 
 @pytest.mark.parametrize("rows,components", [(5, 3), (3, 4)])
 def test_pca_scores_against_scikit_learn(rows, components):
-  decomposition = pytest.importorskip("sklearn.decomposition")
+  decomposition = pytest.importorskip(
+      "sklearn.decomposition", reason="needs scikit-learn, in the verify extra: pip install -e '.[verify]'")
   x = np.random.default_rng(0).normal(size=(rows, 7))
   ours = np.asarray(floco.pca_scores(jnp.asarray(x, jnp.float32), components))
   usable = min(components, rows - 1)     # the centred rows' rank

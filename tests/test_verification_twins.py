@@ -10,8 +10,9 @@ import pytest
 from fedora_jax.engine import batch_stats
 from fedora_jax.models import build_model
 from verification import bridges, twins
+from conftest import NEEDS_TORCH
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 
 
 def _model_and_variables():
