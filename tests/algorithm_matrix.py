@@ -66,6 +66,9 @@ OPTION_ROWS = (("fedprox", "evaluate=local"), ("apfl", "mixing=pfllib"),
                ("pfedme", "model=resnet"), ("fedavg", "ala,model=resnet"),
                ("pfedsim", "rounds=2"), ("ccvr", "calibrate=every"),
                ("cfl", "warmup_rounds=0,eps1=100,eps2=0"), ("floco", "rounds=2"))
+# FLUTE with every local epoch joint (the authors' code as run; its default row trains
+# the head alone for the first of the matrix's two epochs).
+OPTION_ROWS += (("flute", "rep_epochs=2"),)
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
 # ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.

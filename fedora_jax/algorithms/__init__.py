@@ -38,6 +38,7 @@ from fedora_jax.algorithms import cfl, fedem
 from fedora_jax.algorithms import fedah, knnper
 from fedora_jax.algorithms import pefll, pfedfda
 from fedora_jax.algorithms import adcol, fedmd
+from fedora_jax.algorithms import flute
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput, InitContext,
@@ -205,6 +206,7 @@ REGISTRY: dict[str, Registered] = {
     "fedsr": Registered(fedsr.FedSrConfig, fedsr.fedsr, fedsr.FLAG_HELP),
     "floco": Registered(floco.FlocoConfig, floco.floco, floco.FLAG_HELP,
                         train_fields=("rounds",)),
+    "flute": Registered(flute.FluteConfig, flute.flute, flute.FLAG_HELP),
 }
 
 
