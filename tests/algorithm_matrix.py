@@ -73,6 +73,10 @@ MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHA
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
 # ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.
 OPTION_ROWS += (("adcol", "model=fedavg"),)
+# FedAP on BatchNorm (the tiny ResNet), its warm-up's end after round 1 (rounds=2): its
+# similarities from the BatchNorm inputs, then the mixtures; and FL-bench's form.
+OPTION_ROWS += (("fedap", "rounds=2,model=resnet"),
+                ("fedap", "rounds=2,batch_norm=statistics,score=trained,model=resnet"))
 # Clients as they really are (issue 51; fedora_jax/availability.py): 30 % dropout and
 # half the clients straggling (partial work), or a deadline that drops the slow ones, as
 # rows of their own on both paths above and at full participation (FULL: the masks on

@@ -38,6 +38,7 @@ from fedora_jax.algorithms import cfl, fedem
 from fedora_jax.algorithms import fedah, knnper
 from fedora_jax.algorithms import pefll, pfedfda
 from fedora_jax.algorithms import adcol, fedmd
+from fedora_jax.algorithms import fedap
 from fedora_jax.algorithms import flute
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
@@ -189,6 +190,8 @@ REGISTRY: dict[str, Registered] = {
     "fedgc": Registered(fedgc.FedGcConfig, fedgc.fedgc, fedgc.FLAG_HELP, train_fields=("lr",)),
     "pfedsim": Registered(pfedsim.PfedSimConfig, pfedsim.pfedsim, pfedsim.FLAG_HELP,
                           train_fields=("rounds",)),
+    "fedap": Registered(fedap.FedApConfig, fedap.fedap, fedap.FLAG_HELP,
+                        train_fields=("rounds",)),
     "fedadmm": Registered(fedadmm.FedAdmmConfig, fedadmm.fedadmm, fedadmm.FLAG_HELP),
     "elastic": Registered(elastic.ElasticConfig, elastic.elastic, elastic.FLAG_HELP),
     "ccvr": Registered(ccvr.CcvrConfig, ccvr.ccvr, ccvr.FLAG_HELP,
