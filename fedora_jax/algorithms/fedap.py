@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from fedora_jax import tree
+from fedora_jax.algorithms import pfedsim
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.batch_stats import is_batch_norm, is_statistic
 from fedora_jax.engine.local_training import ClientTrainer
@@ -101,15 +102,8 @@ class ApServer(NamedTuple):
 
 
 def warmup_rounds(config: FedApConfig) -> int:
-  """T_w: int(warmup * rounds) for a warmup in [0, 1], else int(warmup) (< rounds)."""
-  if config.rounds < 1:
-    raise FieldError("fedap", "rounds", f"must be >= 1, got {config.rounds}")
-  if 0 <= config.warmup <= 1:
-    return int(config.warmup * config.rounds)
-  if 1 < config.warmup < config.rounds:
-    return int(config.warmup)
-  raise FieldError("fedap", "warmup", f"must be in [0, 1] or in (1, rounds ="
-                   f" {config.rounds}), got {config.warmup}")
+  """T_w, as pFedSim reads its warm-up: a fraction of the rounds, or a count."""
+  return pfedsim.warmup_rounds(config, owner="fedap")
 
 
 def validate(config: FedApConfig) -> FedApConfig:

@@ -65,15 +65,16 @@ class SimServer(NamedTuple):
   similarity: jax.Array    # [K, K] s_ij, 1 on the diagonal
 
 
-def warmup_rounds(config: PfedSimConfig) -> int:
-  """T_w: int(warmup * rounds) for a warmup in [0, 1], else int(warmup) (< rounds)."""
+def warmup_rounds(config: Any, owner: str = "pfedsim") -> int:
+  """T_w: int(warmup * rounds) for a warmup in [0, 1], else int(warmup) (< rounds), from
+  a config with `warmup` and `rounds` (pFedSim's; FedAP's f-FedAP warm-up takes it too)."""
   if config.rounds < 1:
-    raise FieldError("pfedsim", "rounds", f"must be >= 1, got {config.rounds}")
+    raise FieldError(owner, "rounds", f"must be >= 1, got {config.rounds}")
   if 0 <= config.warmup <= 1:
     return int(config.warmup * config.rounds)
   if 1 < config.warmup < config.rounds:
     return int(config.warmup)
-  raise FieldError("pfedsim", "warmup", f"must be in [0, 1] or in (1, rounds ="
+  raise FieldError(owner, "warmup", f"must be in [0, 1] or in (1, rounds ="
                    f" {config.rounds}), got {config.warmup}")
 
 
