@@ -1,10 +1,12 @@
 """`make verify`: each covered algorithm's one round beside its reference implementation.
 
-  python -m verification.verify                  # run the checks, print and write the table
+  python -m verification.verify                  # run the checks, print the table
+  python -m verification.verify --algorithms=fedbn --record  # and record the rows run
   python -m verification.verify --render FILE    # the table of a written file, no training
 
-Writes results/verification/one_round.json (--out), merging a run of some algorithms
-(--algorithms) into the rows already there. Exits 1 when a row is off (a max
+With --record, merges the rows run (--algorithms) into results/verification/one_round.json
+(--out), the file docs/verification.md's table renders; without it the tree is left as
+it was, since a rerun's errors move in float32's last digits. Exits 1 when a row is off (a max
 relative error over 1e-4 or any test accuracy unequal) or when the control row, the
 reference given other batches, is not told apart; 0 with one line when
 ../shared/references or PyTorch is missing.
@@ -121,6 +123,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--out", default=os.path.join(bridges.ROOT, "results", "verification",
                                                     "one_round.json"))
   parser.add_argument("--algorithms", default=",".join(COVERED))
+  parser.add_argument("--record", action="store_true",
+                      help="merge the rows run into --out (the docs' table renders it)")
   args = parser.parse_args(argv)
   if args.render:
     with open(args.render) as f:
@@ -193,7 +197,7 @@ def main(argv: list[str]) -> int:
                           " PFLlib's global and previous models in eval() (the authors'"
                           " form; PFLlib's own: train mode), its server averaging and"
                           " sending BatchNorm's running averages as ours")
-  print(render(write(args.out, document)))
+  print(render(write(args.out, document) if args.record else document))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
   print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")
   if failed:
