@@ -46,7 +46,6 @@ renews each round (the engine's evaluation takes none), the same for every clien
 val and test, and for each chunk of a client's samples.
 """
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -54,6 +53,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.pfedhn import torch_linear
 from fedora_jax.algorithms.layers import (affine_head, apply_with_representation,
                                           check_representation_trainer, head_layer)
 from fedora_jax.engine.local_training import ClientTrainer, masked_cross_entropy
@@ -125,10 +125,8 @@ def validate(config: FedSrConfig, trainer: ClientTrainer) -> FedSrConfig:
 
 def init_map(key: jax.Array, dim: int) -> Params:
   """PyTorch's Linear(d, 2d) init: kernel and bias uniform in +-1/sqrt(d)."""
-  bound = 1.0 / math.sqrt(dim)
-  k_key, b_key = jax.random.split(key)
-  return {"kernel": jax.random.uniform(k_key, (dim, 2 * dim), jnp.float32, -bound, bound),
-          "bias": jax.random.uniform(b_key, (2 * dim,), jnp.float32, -bound, bound)}
+  kernel, bias = torch_linear(key, dim, 2 * dim)
+  return {"kernel": kernel, "bias": bias}
 
 
 def distribution(map_params: Params, h: jax.Array, relu: bool) -> tuple[jax.Array, jax.Array]:
