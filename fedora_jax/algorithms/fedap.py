@@ -57,6 +57,7 @@ import jax.numpy as jnp
 
 from fedora_jax import tree
 from fedora_jax.algorithms import pfedsim
+from fedora_jax.algorithms.layers import in_chunks
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.engine.batch_stats import is_batch_norm, is_statistic
 from fedora_jax.engine.local_training import ClientTrainer
@@ -136,13 +137,7 @@ def client_moments(apply: Callable[[Params, jax.Array], Any], params: Params, x:
                    mask: jax.Array) -> Moments:
   """Per-channel mean and variance of each BatchNorm layer's input over the samples
   `mask` marks (and every position of a convolution's map), chunk by chunk."""
-  size = mask.shape[0]
-  chunk = min(size, STATS_CHUNK)
-  num_chunks = math.ceil(size / chunk)
-  pad = num_chunks * chunk - size
-  if pad:
-    x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
-    mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
+  chunk = min(mask.shape[0], STATS_CHUNK)
 
   def sums(_, batch):
     xb, mb = batch
@@ -156,8 +151,7 @@ def client_moments(apply: Callable[[Params, jax.Array], Any], params: Params, x:
                   jnp.sum(mb).astype(feature.dtype) * positions))
     return None, out
 
-  _, per_chunk = jax.lax.scan(sums, None, (x.reshape((num_chunks, chunk) + x.shape[1:]),
-                                           mask.reshape(num_chunks, chunk)))
+  _, per_chunk = jax.lax.scan(sums, None, (in_chunks(x, chunk), in_chunks(mask, chunk)))
   means, variances = [], []
   for first, second, count in per_chunk:
     total = jnp.maximum(jnp.sum(count), 1.0)

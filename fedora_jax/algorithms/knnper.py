@@ -51,7 +51,7 @@ import optax
 from fedora_jax.algorithms import fedavg
 from fedora_jax.algorithms.base import Algorithm
 from fedora_jax.algorithms.layers import (affine_head, check_representation_trainer,
-                                          head_layer, representations)
+                                          head_layer, in_chunks, representations)
 from fedora_jax.data.client_data import ClientData, ClientSplits
 from fedora_jax.engine.local_training import ClientTrainer, EvalStats
 from fedora_jax.errors import FieldError, check_one_of, traced
@@ -161,15 +161,7 @@ def split_sums(config: KnnPerConfig, apply_fn, params: Params, head: str,
   """(loss sums [G], correct counts [G]) of the mixture at each lambda of `grid` over
   the real samples of `data`."""
   num_classes = params["params"][head]["kernel"].shape[-1]
-  size = data.mask.shape[0]
-  chunk = min(size, QUERY_CHUNK)
-  num_chunks = -(-size // chunk)
-  pad = num_chunks * chunk - size
-  x, y, mask = data.x, data.y, data.mask
-  if pad:
-    x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
-    y = jnp.concatenate([y, jnp.zeros((pad,), y.dtype)])
-    mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
+  chunk = min(data.mask.shape[0], QUERY_CHUNK)
 
   def one_chunk(batch):
     xb, yb, mb = batch
@@ -186,8 +178,7 @@ def split_sums(config: KnnPerConfig, apply_fn, params: Params, head: str,
     return jnp.sum(losses * weight, -1), jnp.sum(correct * weight, -1)
 
   losses, correct = jax.lax.map(one_chunk, (
-      x.reshape((num_chunks, chunk) + x.shape[1:]), y.reshape(num_chunks, chunk),
-      mask.reshape(num_chunks, chunk)))
+      in_chunks(data.x, chunk), in_chunks(data.y, chunk), in_chunks(data.mask, chunk)))
   return jnp.sum(losses, 0), jnp.sum(correct, 0)
 
 

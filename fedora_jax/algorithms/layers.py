@@ -97,20 +97,26 @@ def apply_with_representation(apply_fn: Callable[[Params, jax.Array], jax.Array]
   return outputs, captured[0].reshape(captured[0].shape[0], -1)
 
 
+def in_chunks(array: Any, chunk: int) -> jax.Array:
+  """[num_chunks, chunk, ...]: `array`'s rows zero-padded (False for a mask) to whole
+  chunks, for a lax.map or scan over them."""
+  array = jnp.asarray(array)
+  num_chunks = math.ceil(array.shape[0] / chunk)
+  pad = num_chunks * chunk - array.shape[0]
+  if pad:
+    array = jnp.concatenate([array, jnp.zeros((pad,) + array.shape[1:], array.dtype)])
+  return array.reshape((num_chunks, chunk) + array.shape[1:])
+
+
 def representations(apply_fn: Callable[[Params, jax.Array], jax.Array], params: Params,
                     x: jax.Array, head: str, chunk: int = 256) -> jax.Array:
   """[N, d] body outputs of all N samples of `x`, `chunk` samples per forward pass."""
   size = x.shape[0]
-  chunk = min(size, chunk)
-  num_chunks = math.ceil(size / chunk)
-  pad = num_chunks * chunk - size
-  if pad:
-    x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
 
   def one_chunk(xb):
     return apply_with_representation(apply_fn, params, xb, head)[1]
-  features = jax.lax.map(one_chunk, x.reshape((num_chunks, chunk) + x.shape[1:]))
-  return features.reshape(num_chunks * chunk, -1)[:size]
+  features = jax.lax.map(one_chunk, in_chunks(x, min(size, chunk)))
+  return features.reshape(-1, features.shape[-1])[:size]
 
 
 def _check_count(count: int, names: list[str], role: str) -> None:
