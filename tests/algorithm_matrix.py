@@ -69,6 +69,9 @@ OPTION_ROWS = (("fedprox", "evaluate=local"), ("apfl", "mixing=pfllib"),
 # FLUTE with every local epoch joint (the authors' code as run; its default row trains
 # the head alone for the first of the matrix's two epochs).
 OPTION_ROWS += (("flute", "rep_epochs=2"),)
+# FedRep and FedPAC with a fresh optimizer state when the body's phase begins (the
+# authors' optimizer per phase).
+OPTION_ROWS += (("fedrep", "phase_optimizer=separate"), ("fedpac", "phase_optimizer=separate"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
 # ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.

@@ -160,6 +160,7 @@ def test_server_step_averages_sampled_clients_and_mixes_their_heads():
     (fedpac.FedPacConfig(head_epochs=2), "fedpac: head_epochs"),
     (fedpac.FedPacConfig(lam=-1.0), "fedpac: lam"),
     (fedpac.FedPacConfig(min_weight=1.0), "fedpac: min_weight"),
+    (fedpac.FedPacConfig(phase_optimizer="each"), "fedpac: phase_optimizer"),
 ])
 def test_bad_config_is_one_line_error(config, message):
   with pytest.raises(ConfigError, match=message):

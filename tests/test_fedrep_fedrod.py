@@ -106,3 +106,31 @@ def test_fedrod_step_and_personalised_model():
   evaluated = algorithm.personalized_params(params, state.clients)
   np.testing.assert_allclose(evaluated["params"]["Dense_1"]["bias"][0],
                              2 * params["params"]["Dense_1"]["bias"], atol=1e-7)
+
+
+def test_frozen_part_gathers_momentum_of_its_weight_decay_unless_the_phase_restarts():
+  # Two head steps, then one body step, on the loss body + head (both gradients 1):
+  # lr 0.1, momentum 0.5, weight decay 0.1, both parts starting at 1. The head steps are
+  # 1 - 0.1 * 1.1 = 0.89, then its trace 0.5 * 1.1 + (1 + 0.1 * 0.89) = 1.639: 0.7261.
+  # The frozen body's gradient is 0 plus its decay 0.1: trace 0.1, then 0.15. Its step:
+  # shared, 0.5 * 0.15 + 1.1 = 1.175 -> 0.8825; separate, a fresh trace: 1.1 -> 0.89.
+  data, _ = tiny_data([6])
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  trainer = tiny_trainer(tiny_model(), lr=0.1, momentum=0.5, weight_decay=0.1, epochs=3,
+                         batch_size=8)  # one step an epoch
+  params = {"params": {"body": {"w": jnp.ones(())}, "head": {"w": jnp.ones(())}}}
+
+  def loss(p, x, y, weights):
+    del x, y, weights
+    return p["params"]["body"]["w"] + p["params"]["head"]["w"]
+
+  for phase_optimizer, body in (("shared", 0.8825), ("separate", 0.89)):
+    trained, stats = fedrep.alternating_train(
+        trainer, params, ["head"], jnp.asarray(2.0), splits.train, jax.random.key(0),
+        loss_fn=loss, phase_optimizer=phase_optimizer)
+    assert int(stats.steps) == 3
+    np.testing.assert_allclose(trained["params"]["head"]["w"], 0.7261, rtol=1e-6)
+    np.testing.assert_allclose(trained["params"]["body"]["w"], body, rtol=1e-6,
+                               err_msg=phase_optimizer)
+  with pytest.raises(ConfigError, match="fedrep: phase_optimizer"):
+    fedrep.fedrep(fedrep.FedRepConfig(head_epochs=1, phase_optimizer="each"), trainer)

@@ -46,7 +46,11 @@ Evaluation: the latest global body under the client's head (the authors' accurac
 
 Departures: the authors train the head with lr 0.1 and the body with the run's lr
 (0.01), both SGD with momentum 0.5 and weight decay 5e-4; here both phases use the run's
-local optimizer. Their epochs are 1 (head) + E (body); here the head's `head_epochs`
+local optimizer. The authors build a new SGD for each phase over its trained part only;
+here one optimizer state runs through both phases by default, and the frozen body's
+momentum gathers its weight decay in the head's epochs (fedrep.py says how much):
+phase_optimizer=separate restarts the state when the body's phase begins, the authors'
+form (PFLlib's FedPAC: one plain SGD, no state to tell them apart). Their epochs are 1 (head) + E (body); here the head's `head_epochs`
 come out of the run's --local_epochs, as for FedRep. Equation numbers are not given: the
 paper's full text is not on disk; the equations above are the authors' code's.
 Defaults: lambda = 1 (authors' --lam), head_epochs = 1 (their epoch_classifier).
@@ -60,7 +64,8 @@ import jax.numpy as jnp
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.plugin_fields import BODY
-from fedora_jax.algorithms.fedrep import alternating_train, batch_size_of
+from fedora_jax.algorithms.fedrep import (alternating_train, batch_size_of,
+                                          check_phase_optimizer)
 from fedora_jax.algorithms.layers import (apply_with_representation, head_layer, merge_layers,
                                           split_body_head, take_layers)
 from fedora_jax.data.client_data import ClientData
@@ -75,6 +80,7 @@ class FedPacConfig(NamedTuple):
   head_epochs: int = 1      # epochs of head training (body frozen) before the body's
   qp_steps: int = 500       # FISTA iterations of the classifier-combination QP
   min_weight: float = 1e-3  # combination weights below this are zeroed (authors' eps)
+  phase_optimizer: str = "shared"  # separate: a fresh optimizer state for the body's phase
 
 
 FLAG_HELP = {
@@ -85,6 +91,8 @@ FLAG_HELP = {
                 " classifier-combination quadratic program",
     "min_weight": "FedPAC: combination weights below this are zeroed, the rest"
                   " renormalised",
+    "phase_optimizer": "FedPAC: shared (one optimizer state over both phases) or separate"
+                       " (a fresh state when the body's phase begins, the authors')",
 }
 
 
@@ -125,6 +133,7 @@ def validate(config: FedPacConfig, trainer: ClientTrainer) -> FedPacConfig:
     raise FieldError("fedpac", "min_weight", f"must be in [0, 1), got {config.min_weight}")
   if trainer.task != "classification":
     raise ConfigError("fedpac needs a classification task (class prototypes)")
+  check_phase_optimizer("fedpac", config.phase_optimizer)
   return config
 
 
@@ -261,7 +270,7 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
     steps_per_epoch = (data.train.n + batch_size - 1) // batch_size
     head_steps = (config.head_epochs * steps_per_epoch).astype(jnp.float32)
     params, stats = alternating_train(trainer, params, [head], head_steps, data.train, key,
-                                      loss_fn=loss)
+                                      loss_fn=loss, phase_optimizer=config.phase_optimizer)
     after = training_sums(params, head, data.train, num_classes)
     upload = FedPacUpload(body=take_layers(params, body_names),
                           head=take_layers(params, [head]), proto_sums=after.sums,

@@ -16,8 +16,20 @@ Evaluation: the latest global body under the client's own head.
 
 Both phases run in ONE pass of the run's local SGD (the run's --local_epochs in all): the
 trained pytree carries a step counter, the loss stops the gradient of the frozen part,
-and a post-step restores it exactly, so the optimizer state of the trained part is never
-touched by the other phase (a fresh optimizer state per round, as everywhere here).
+and a post-step restores it exactly (a fresh optimizer state per round, as everywhere
+here). The frozen part's optimizer state is NOT untouched: its gradient is zero, but
+the optimizer still adds the weight decay lambda w to it, so with momentum beta its trace
+grows to lambda w (1 - beta^T) / (1 - beta) over the head's T steps, and the body's
+first step then moves it by that much more (tests/test_fedrep_fedrod.py measures it;
+with momentum 0, or weight decay 0, nothing carries over). phase_optimizer=separate
+starts the optimizer state afresh when the body's phase begins: an optimizer per phase,
+as FedPAC's authors build one (methods/fedpac.py) and as PFLlib's FedRep keeps one per
+part (clientrep.py, plain SGD: no state). The authors' FedRep code has one SGD (momentum
+0.5, weight decay 1e-4) over the whole model with requires_grad switched: the body has
+no gradient yet in the head's epochs and is skipped, the separate form; on its pinned
+torch 0.4.1, whose zero_grad zeroes a gradient rather than dropping it, the head keeps
+stepping on its momentum and decay through the body's epochs (read, not run), which
+neither form here does.
 
 head_epochs: the authors' code trains the head for local_ep - local_rep_ep = 9 of 10
 epochs and the body for 1; PFLlib trains the head for plocal_epochs = 1 epoch and then
@@ -44,13 +56,24 @@ Params = Any
 class FedRepConfig(NamedTuple):
   head_epochs: int = 4  # epochs of head training (body frozen) before the body's epochs
   head_layers: int = 1  # top layers that form the personal head
+  phase_optimizer: str = "shared"  # separate: the optimizer state restarts with the body
 
 
 FLAG_HELP = {
     "head_epochs": "FedRep: local epochs training the head (body frozen) before the body"
                    " trains for the remaining epochs (head frozen)",
     "head_layers": "FedRep: number of top layers in the personal head",
+    "phase_optimizer": "FedRep: shared (one optimizer state over both phases: the frozen"
+                       " part's momentum gathers its weight decay) or separate (a fresh"
+                       " state when the body's phase begins, the authors' codes)",
 }
+PHASE_OPTIMIZERS = ("shared", "separate")
+
+
+def check_phase_optimizer(algorithm: str, value: str) -> None:
+  if value not in PHASE_OPTIMIZERS:
+    raise FieldError(algorithm, "phase_optimizer",
+                     f"must be one of {', '.join(PHASE_OPTIMIZERS)}, got {value!r}")
 
 
 def batch_size_of(trainer: ClientTrainer) -> int:
@@ -73,9 +96,11 @@ class PhasedParams(NamedTuple):
 
 
 def alternating_train(trainer: ClientTrainer, params: Params, first: list[str],
-                      first_steps: jax.Array, data, key: jax.Array, loss_fn=None):
+                      first_steps: jax.Array, data, key: jax.Array, loss_fn=None,
+                      phase_optimizer: str = "shared"):
   """Trains only the layers `first` for `first_steps` steps, then only the others, on
-  `loss_fn(params, x, y, weights)` (default: the model's own loss).
+  `loss_fn(params, x, y, weights)` (default: the model's own loss); with
+  phase_optimizer "separate" the optimizer state starts afresh at the second phase.
 
   Returns (params, stats). One pass of the trainer's local SGD.
   """
@@ -105,8 +130,13 @@ def alternating_train(trainer: ClientTrainer, params: Params, first: list[str],
                          for n in new.params["params"]}}
     return PhasedParams(params=params, step=old.step + 1.0)
 
+  def second_phase_starts(p: PhasedParams) -> jax.Array:
+    return p.step == first_steps
+
   start = PhasedParams(params=params, step=jnp.zeros((), jnp.float32))
-  trained, stats = trainer.train(start, data, key, post_step=post_step, loss_fn=phased_loss)
+  restart = second_phase_starts if phase_optimizer == "separate" else None
+  trained, stats = trainer.train(start, data, key, post_step=post_step, loss_fn=phased_loss,
+                                 restart_optimizer=restart)
   return trained.params, stats
 
 
@@ -119,6 +149,7 @@ def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
                      f" ({trainer.epochs}), or the body never trains")
   if config.head_layers < 1:
     raise FieldError("fedrep", "head_layers", f"must be >= 1, got {config.head_layers}")
+  check_phase_optimizer("fedrep", config.phase_optimizer)
   batch_size = batch_size_of(trainer)
 
   def body_of(params: Params) -> Params:
@@ -136,7 +167,8 @@ def fedrep(config: FedRepConfig, trainer: ClientTrainer) -> Algorithm:
     head = split_body_head(params, config.head_layers, "fedrep_head_layers")[1]
     steps_per_epoch = (data.train.n + batch_size - 1) // batch_size
     head_steps = (config.head_epochs * steps_per_epoch).astype(jnp.float32)
-    params, stats = alternating_train(trainer, params, head, head_steps, data.train, key)
+    params, stats = alternating_train(trainer, params, head, head_steps, data.train, key,
+                                      phase_optimizer=config.phase_optimizer)
     return ClientOutput(state=params, upload=body_of(params), train=stats)
 
   def aggregate(server, client_params, uploads, weights):

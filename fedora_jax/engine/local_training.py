@@ -49,6 +49,10 @@ Observe = Callable[[Params, jax.Array, jax.Array, jax.Array], Any]
 # state the steps thread through, read and renewed by each real step's loss (FedDBE's
 # running mean of the representations); padded steps keep it.
 CarriedLossFn = Callable[[Params, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+# restart_optimizer(params) -> [] bool, read before each real step: when true the
+# optimizer state starts afresh at that step (a phase with an optimizer of its own, as
+# FedPAC's authors build one per phase of their alternating training).
+RestartOptimizer = Callable[[Params], jax.Array]
 
 
 class TrainStats(NamedTuple):
@@ -182,7 +186,8 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
             loss_fn: LossFn | None = None,
             epochs: int | None = None,
             observe: Observe | None = None,
-            carry: Any = None):
+            carry: Any = None,
+            restart_optimizer: RestartOptimizer | None = None):
     """`epochs` (static): this call's epochs instead of the trainer's (fine-tuning).
     With `observe`, returns (params, stats, the sum of observe over the real steps).
     With `carry` (the loss then a CarriedLossFn), returns its last value after those."""
@@ -212,6 +217,10 @@ def make_client_trainer(apply_fn: Callable[[Params, jax.Array], jax.Array],
 
     def take_step(carry, idx, w):
       params, opt_state, seen, threaded = carry
+      if restart_optimizer is not None:
+        restart = restart_optimizer(params)
+        opt_state = jax.tree.map(lambda fresh, old: jnp.where(restart, fresh, old),
+                                 optimizer.init(params), opt_state)
       if observe is not None:
         seen = jax.tree.map(jnp.add, seen, observed(params, data.x[idx], data.y[idx], w))
       # BatchNorm (flax's imagenet example): the loss in train mode returns the new
