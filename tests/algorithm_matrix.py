@@ -74,6 +74,9 @@ OPTION_ROWS += (("flute", "rep_epochs=2"),)
 OPTION_ROWS += (("fedrep", "phase_optimizer=separate"), ("fedpac", "phase_optimizer=separate"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
+# FedAMP's attention from the round's uploaders only (PFLlib's, issue 46): the aggregate
+# reads who took part from the weights.
+OPTION_ROWS += (("fedamp", "attention_from=uploaders"),)
 # ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.
 OPTION_ROWS += (("adcol", "model=fedavg"),)
 # FedAP on BatchNorm (the tiny ResNet), its warm-up's end after round 1 (rounds=2): its

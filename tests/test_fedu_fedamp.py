@@ -123,3 +123,49 @@ def test_fedamp_clips_the_step_to_the_papers_bound_by_hand():
   np.testing.assert_allclose(np.diag(fedamp.attention_matrix(same, raw)), -1.0, atol=1e-7)
   raw_message = fedamp.fedamp(raw, tiny_trainer(tiny_model())).broadcast(state.server, params)
   np.testing.assert_allclose(raw_message.prox_weight, [0.15, 0.15, 0.15], rtol=1e-6)
+
+
+def test_fedamp_attention_from_the_uploaders_only_by_hand():
+  # Clients 0 and 2 uploaded (weight > 0), 1 and 3 sat the round out (PFLlib's
+  # send_models): xi_ij = alpha_k exp(-d_ij / sigma) / sigma for an uploader j != i, 0
+  # for the others, xi_ii = 1 - row sum, whether or not i uploaded.
+  params = {"w": jnp.array([[0.0], [1.0], [3.0], [2.0]])}
+  config = fedamp.FedAmpConfig(alpha_k=0.5, sigma=2.0, attention_from="uploaders")
+  algorithm = fedamp.fedamp(config, tiny_trainer(tiny_model()))
+  weights = jnp.array([3.0, 0.0, 1.0, 0.0])
+  attention = algorithm.aggregate(None, params, (), weights).server.attention
+  w = np.array([0.0, 1.0, 3.0, 2.0])
+  xi = np.zeros((4, 4))
+  for i in range(4):
+    for j in (0, 2):
+      if j != i:
+        xi[i, j] = 0.5 * np.exp(-(w[i] - w[j]) ** 2 / 2.0) / 2.0
+    xi[i, i] = 1.0 - xi[i].sum()
+  np.testing.assert_allclose(attention, xi, rtol=1e-6)
+  assert xi[0, 2] > 0 and xi[1, 3] == 0 and xi[3, 1] == 0
+  message = algorithm.broadcast(fedamp.FedAmpServer(attention=attention), params)
+  np.testing.assert_allclose(message.cloud_model["w"][:, 0], xi @ w, rtol=1e-6)
+  # Every client uploaded: the same as attending to all (our default).
+  every = algorithm.aggregate(None, params, (), jnp.ones(4)).server.attention
+  np.testing.assert_allclose(every, fedamp.attention_matrix(params, config._replace(
+      attention_from="all")), rtol=1e-6)
+  # The default ignores who uploaded.
+  default = fedamp.fedamp(config._replace(attention_from="all"), tiny_trainer(tiny_model()))
+  np.testing.assert_allclose(default.aggregate(None, params, (), weights).server.attention,
+                             every, rtol=1e-6)
+
+
+def test_fedamp_cosine_attention_from_the_uploaders_only_by_hand():
+  # Only client 1 uploaded: clients 0 and 2 attend to it alone (softmax over one: 1 - 0.4),
+  # client 1 has no other uploader and keeps its own model.
+  params = {"w": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])}
+  config = fedamp.FedAmpConfig(attention="cosine", self_weight=0.4,
+                               attention_from="uploaders")
+  xi = fedamp.attention_matrix(params, config, uploaded=jnp.array([False, True, False]))
+  np.testing.assert_allclose(xi, [[0.4, 0.6, 0.0], [0.0, 1.0, 0.0], [0.0, 0.6, 0.4]],
+                             atol=1e-7)
+
+
+def test_fedamp_rejects_an_unknown_attention_set():
+  with pytest.raises(ConfigError, match="fedamp: attention_from"):
+    fedamp.fedamp(fedamp.FedAmpConfig(attention_from="sampled"), tiny_trainer(tiny_model()))

@@ -129,7 +129,10 @@ REGISTRY: dict[str, Registered] = {
         "self_weight": "HeurFedAMP's self-attention xi_ii (cosine attention only)",
         "cosine_scale": "HeurFedAMP's scale of the cosines in the softmax (cosine only)",
         "clip_step": "Attention step min(alpha_k, sigma / (K - 1)) so every xi_ii >= 0"
-                     " (the paper's bound); false: alpha_k as given (PFLlib)"}),
+                     " (the paper's bound); false: alpha_k as given (PFLlib)",
+        "attention_from": "all: attention and cloud models from every client's stored"
+                          " model; uploaders: from the round's uploaded models only"
+                          " (PFLlib, under --participation < 1)"}),
     "pfedhn": Registered(pfedhn.PfedhnConfig, pfedhn.pfedhn, {
         "embed_dim": "Client embedding size; 0: 1 + K / 4",
         "hidden_dim": "Hypernetwork hidden width",

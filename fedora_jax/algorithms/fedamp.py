@@ -39,6 +39,14 @@ regulariser from `p.data` (detached), so the term has no gradient and it trains 
 LOCAL: its numbers cannot show the extrapolation. The version behind the FedALA paper's
 table (a41f7ba, 2022-11-30) had the gradient, but built u_i from xi_ii times the client's
 previous cloud model u_i, not its own w_i (fixed 2023-04-08, 0998c54).
+Partial participation (`attention_from`). The paper's clients all take part every round
+(cross-silo), so it does not say which models build the attention when some sit a round
+out. `"all"` (the default) reads every client's stored model, a stale one for a client
+that sat out; `"uploaders"` reads only the models uploaded in the round (weight > 0 in
+`aggregate`), PFLlib's serverAMP.send_models: xi_ij is 0 for a j that did not upload,
+and client i's own w_i keeps 1 - sum_j xi_ij whether or not it uploaded. The step clip
+stays sigma / (K - 1), which bounds xi_ii >= 0 for any set of uploaders. The authors'
+code is not public (no repository found).
 The FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so the
 settings behind the FEDORA paper's row are not known. docs/measurements/2026-11-26-baselines.md
 ("FedAMP's hyperparameters") has a sweep of alpha_k, lambda and sigma and of HeurFedAMP on rotated
@@ -57,6 +65,8 @@ from fedora_jax.algorithms.plugin_fields import AlaHooks
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import ConfigError, FieldError
 
+ATTENTION_FROM = ("all", "uploaders")
+
 
 class FedAmpConfig(NamedTuple):
   attention: str = "distance"  # "distance": the paper's FedAMP; "cosine": HeurFedAMP
@@ -66,6 +76,7 @@ class FedAmpConfig(NamedTuple):
   self_weight: float = 0.5     # HeurFedAMP's xi_ii (cosine attention only)
   cosine_scale: float = 1.0    # HeurFedAMP's sigma in softmax(sigma * cos) (cosine only)
   clip_step: bool = True       # xi with min(alpha_k, sigma / (K - 1)): xi_ii >= 0 (paper's bound)
+  attention_from: str = "all"  # "all": every stored model; "uploaders": the round's (PFLlib)
 
 
 class FedAmpServer(NamedTuple):
@@ -89,24 +100,42 @@ def validate(config: FedAmpConfig) -> FedAmpConfig:
     raise FieldError("fedamp", "sigma", f"must be > 0, got {config.sigma}")
   if not 0.0 <= config.self_weight <= 1.0:
     raise FieldError("fedamp", "self_weight", f"must be in [0, 1], got {config.self_weight}")
+  if config.attention_from not in ATTENTION_FROM:
+    raise FieldError("fedamp", "attention_from",
+                     f"must be all or uploaders, got {config.attention_from!r}")
   return config
 
 
-def distance_attention(squared_distances: jax.Array, alpha_k: float,
-                       sigma: float) -> jax.Array:
-  """xi from ||w_i - w_j||^2 [K, K]: alpha_k A'(d) off the diagonal, 1 - row sum on it."""
-  off_diagonal = ~jnp.eye(squared_distances.shape[0], dtype=bool)
-  xi = jnp.where(off_diagonal, alpha_k * jnp.exp(-squared_distances / sigma) / sigma, 0.0)
+def _others(candidates: jax.Array | None, num_clients: int) -> jax.Array:
+  """[K, K] bool: j != i and j a candidate (every client where candidates is None)."""
+  off_diagonal = ~jnp.eye(num_clients, dtype=bool)
+  return off_diagonal if candidates is None else off_diagonal & candidates[None, :]
+
+
+def distance_attention(squared_distances: jax.Array, alpha_k: float, sigma: float,
+                       candidates: jax.Array | None = None) -> jax.Array:
+  """xi from ||w_i - w_j||^2 [K, K]: alpha_k A'(d) off the diagonal (for the candidate
+  j's [K] bool only, where given), 1 - row sum on it."""
+  others = _others(candidates, squared_distances.shape[0])
+  xi = jnp.where(others, alpha_k * jnp.exp(-squared_distances / sigma) / sigma, 0.0)
   return xi + jnp.diag(1.0 - jnp.sum(xi, axis=1))
 
 
-def cosine_attention(gram: jax.Array, self_weight: float, scale: float) -> jax.Array:
-  """HeurFedAMP's xi from the Gram matrix <w_i, w_j> [K, K]."""
+def cosine_attention(gram: jax.Array, self_weight: float, scale: float,
+                     candidates: jax.Array | None = None) -> jax.Array:
+  """HeurFedAMP's xi from the Gram matrix <w_i, w_j> [K, K]; a row with no candidate
+  other than itself keeps its own model (xi_ii = 1)."""
   norms = jnp.sqrt(jnp.maximum(jnp.diag(gram), 1e-30))
   cosine = gram / (norms[:, None] * norms[None, :])
-  off_diagonal = ~jnp.eye(gram.shape[0], dtype=bool)
-  others = jax.nn.softmax(jnp.where(off_diagonal, scale * cosine, -jnp.inf), axis=1)
-  return (1.0 - self_weight) * others + self_weight * jnp.eye(gram.shape[0])
+  others = _others(candidates, gram.shape[0])
+  # A row's max over its candidates (0 where it has none) keeps exp finite and no row NaN.
+  logits = jnp.where(others, scale * cosine, -jnp.inf)
+  shifted = jnp.exp(logits - jnp.max(jnp.where(others, logits, 0.0), axis=1, keepdims=True))
+  total = jnp.sum(shifted, axis=1, keepdims=True)
+  has_other = total > 0
+  softmax = shifted / jnp.where(has_other, total, 1.0)
+  own = jnp.where(has_other[:, 0], self_weight, 1.0)
+  return (1.0 - own)[:, None] * softmax + jnp.diag(own)
 
 
 def step_size(config: FedAmpConfig, num_clients: int) -> float:
@@ -121,13 +150,17 @@ def first_round_self_weight(num_clients: int, config: FedAmpConfig) -> float:
   return 1.0 - (num_clients - 1) * step_size(config, num_clients) / config.sigma
 
 
-def attention_matrix(client_params, config: FedAmpConfig) -> jax.Array:
+def attention_matrix(client_params, config: FedAmpConfig,
+                     uploaded: jax.Array | None = None) -> jax.Array:
+  """xi [K, K] from the clients' models; with `uploaded` [K] bool and attention_from
+  "uploaders", only the uploaders' models are attended to."""
+  candidates = uploaded if config.attention_from == "uploaders" else None
   if config.attention == "distance":
     alpha_k = step_size(config, tree.leading_size(client_params))
     return distance_attention(tree.pairwise_squared_distances(client_params),
-                              alpha_k, config.sigma)
+                              alpha_k, config.sigma, candidates)
   return cosine_attention(tree.gram(client_params), config.self_weight,
-                          config.cosine_scale)
+                          config.cosine_scale, candidates)
 
 
 def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
@@ -164,9 +197,10 @@ def fedamp(config: FedAmpConfig, trainer: ClientTrainer) -> Algorithm:
                         metrics={"self_weight": message.self_weight})
 
   def aggregate(server, client_params, uploads, weights):
-    del server, uploads, weights
-    return AlgorithmState(server=FedAmpServer(attention=attention_matrix(client_params, config)),
-                          clients=client_params)
+    del server, uploads
+    # weights > 0: the clients whose models arrived this round (rounds.py).
+    attention = attention_matrix(client_params, config, uploaded=weights > 0)
+    return AlgorithmState(server=FedAmpServer(attention=attention), clients=client_params)
 
   return Algorithm(name="fedamp", init=init, broadcast=broadcast,
                    client_update=client_update, aggregate=aggregate,
