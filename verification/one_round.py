@@ -1503,6 +1503,24 @@ REFERENCES["fedproto_sampled"] = REFERENCES["fedproto"]._replace(
     algorithm="fedproto", rounds=1, participation=0.5,
     config={**REFERENCES["fedproto"].config, "inference": "global_own"},
     args={**REFERENCES["fedproto"].args, "join_ratio": 0.5})
+
+
+def _select_all(server) -> None:
+  """After a round's receive: every client selected, so that the run's closing
+  send_models builds every client's cloud model (each round's own selection is set again
+  before its send_models)."""
+  server.selected_clients = list(server.clients)
+
+
+# FedAMP with half the clients a round, two rounds: its attention and cloud models from
+# the round's uploaders only (our --fedamp_attention_from=uploaders, PFLlib's
+# send_models), every client's cloud model built at the close, a stale own model in it
+# for a client that sat the last round out.
+REFERENCES["fedamp_sampled"] = REFERENCES["fedamp"]._replace(
+    algorithm="fedamp", rounds=2, participation=0.5,
+    config={**REFERENCES["fedamp"].config, "attention_from": "uploaders"},
+    args={**REFERENCES["fedamp"].args, "join_ratio": 0.5},
+    server_steps=("aggregate_parameters", _select_all))
 # Server weights on clients of unequal sizes (UNEQUAL_SIZES), two rounds (the second
 # trains from the weighted mean): "<name>_samples" PFLlib's as it is, weighted by sample
 # counts (our --client_weights=samples, the default); "<name>_uniform" the authors'
@@ -1552,23 +1570,6 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     head = copy.deepcopy(model.fc)
     model.fc = torch.nn.Identity()
 
-
-def _select_all(server) -> None:
-  """After a round's receive: every client selected, so that the run's closing
-  send_models builds every client's cloud model (each round's own selection is set again
-  before its send_models)."""
-  server.selected_clients = list(server.clients)
-
-
-# FedAMP with half the clients a round, two rounds: its attention and cloud models from
-# the round's uploaders only (our --fedamp_attention_from=uploaders, PFLlib's
-# send_models), every client's cloud model built at the close, a stale own model in it
-# for a client that sat the last round out.
-REFERENCES["fedamp_sampled"] = REFERENCES["fedamp"]._replace(
-    algorithm="fedamp", rounds=2, participation=0.5,
-    config={**REFERENCES["fedamp"].config, "attention_from": "uploaders"},
-    args={**REFERENCES["fedamp"].args, "join_ratio": 0.5},
-    server_steps=("aggregate_parameters", _select_all))
     model = models.BaseHeadSplit(model, head)
   args = _pfllib_args(setting, class_name, model, **reference.args)
   with tempfile.TemporaryDirectory() as folder:
