@@ -69,6 +69,11 @@ OPTION_ROWS = (("fedprox", "evaluate=local"), ("apfl", "mixing=pfllib"),
 # FLUTE with every local epoch joint (the authors' code as run; its default row trains
 # the head alone for the first of the matrix's two epochs).
 OPTION_ROWS += (("flute", "rep_epochs=2"),)
+# MetaFed's stages within the matrix's two rounds (its default row is all warm-up): an
+# accumulation round of copies setting the flags, then the personalisation; and a warm-up
+# round, then an accumulation round whose flagged clients distil.
+OPTION_ROWS += (("metafed", "rounds=2,threshold=0"),
+                ("metafed", "rounds=3,warmup_epochs=2,threshold=0"))
 # FedRep and FedPAC with a fresh optimizer state when the body's phase begins (the
 # authors' optimizer per phase).
 OPTION_ROWS += (("fedrep", "phase_optimizer=separate"), ("fedpac", "phase_optimizer=separate"))

@@ -40,6 +40,7 @@ from fedora_jax.algorithms import pefll, pfedfda
 from fedora_jax.algorithms import adcol, fedmd
 from fedora_jax.algorithms import fedap
 from fedora_jax.algorithms import flute
+from fedora_jax.algorithms import metafed
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
 from fedora_jax.algorithms.base import (Algorithm, AlgorithmState, ClientOutput, InitContext,
@@ -213,6 +214,8 @@ REGISTRY: dict[str, Registered] = {
     "floco": Registered(floco.FlocoConfig, floco.floco, floco.FLAG_HELP,
                         train_fields=("rounds",)),
     "flute": Registered(flute.FluteConfig, flute.flute, flute.FLAG_HELP),
+    "metafed": Registered(metafed.MetaFedConfig, metafed.metafed, metafed.FLAG_HELP,
+                          train_fields=("rounds",), round_cost=metafed.round_cost),
 }
 
 
