@@ -82,6 +82,9 @@ MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHA
 # FedAMP's attention from the round's uploaders only (PFLlib's, issue 46): the aggregate
 # reads who took part from the weights.
 OPTION_ROWS += (("fedamp", "attention_from=uploaders"),)
+# FedU in its authors' code's form (issue 46): only the round's clients step, over each
+# other, the code's step, its random graph in the server state.
+OPTION_ROWS += (("fedu", "update=sampled,step=code,graph=random"),)
 # ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.
 OPTION_ROWS += (("adcol", "model=fedavg"),)
 # FedAP on BatchNorm (the tiny ResNet), its warm-up's end after round 1 (rounds=2): its

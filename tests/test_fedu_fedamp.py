@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedora_jax import similarity
 from fedora_jax.algorithms import fedamp, fedu
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.errors import ConfigError
@@ -25,6 +26,52 @@ def test_fedu_laplacian_step_by_hand():
 def test_fedu_rejects_negative_lambda():
   with pytest.raises(ConfigError, match="fedu: lam"):
     fedu.fedu(fedu.FedUConfig(lam=-1.0), tiny_trainer(tiny_model()))
+
+
+def test_fedu_code_forms_reject_unknown_values():
+  for field in ("update", "step", "graph"):
+    with pytest.raises(ConfigError, match=f"fedu: {field}"):
+      fedu.fedu(fedu.FedUConfig(**{field: "other"}), tiny_trainer(tiny_model()))
+
+
+def test_fedu_updates_only_the_sampled_clients_over_each_other_by_hand():
+  # Clients 0 and 2 took part (weight > 0): each steps over the other alone (the code's
+  # user_list is the selected users); clients 1 and 3 keep their models. eta lambda = 0.05.
+  params = {"w": jnp.array([[1.0], [2.0], [6.0], [4.0]]), "b": jnp.array([0.0, 5.0, 3.0, 1.0])}
+  algorithm = fedu.fedu(fedu.FedUConfig(lam=0.5, eta=0.1, update="sampled"),
+                        tiny_trainer(tiny_model()))
+  state = algorithm.aggregate((), params, (), jnp.array([2.0, 0.0, 1.0, 0.0]))
+  np.testing.assert_allclose(state.clients["w"][:, 0],
+                             [1 - 0.05 * (1 - 6), 2, 6 - 0.05 * (6 - 1), 4], rtol=1e-6)
+  np.testing.assert_allclose(state.clients["b"], [0 - 0.05 * (0 - 3), 5, 3 - 0.05 * 3, 1],
+                             rtol=1e-6)
+  # Every client sampled: the same as the default's step over all.
+  every = algorithm.aggregate((), params, (), jnp.ones(4))
+  default = fedu.fedu(fedu.FedUConfig(lam=0.5, eta=0.1), tiny_trainer(tiny_model()))
+  chex.assert_trees_all_close(every.clients,
+                              default.aggregate((), params, (), jnp.ones(4)).clients,
+                              rtol=1e-6)
+
+
+def test_fedu_codes_step_and_random_graph_by_hand():
+  # The code's step: 0.5 * local_epochs * eta * lambda = 0.5 * 5 * 0.1 * 0.5 = 0.125 per
+  # unit a_kl; its graph drawn once at init by similarity.random_similarity (threshold 0.25).
+  trainer = tiny_trainer(tiny_model(), epochs=5)
+  config = fedu.FedUConfig(lam=0.5, eta=0.1, step="code", graph="random")
+  assert fedu.step_size(config, 5) == pytest.approx(0.125)
+  assert fedu.step_size(config._replace(step="paper"), 5) == pytest.approx(0.05)
+  params = {"w": jnp.array([[1.0], [2.0], [6.0]])}
+  key = jax.random.key(3)
+  algorithm = fedu.fedu(config, trainer)
+  state = algorithm.init(InitContext(params=params, data=None, trainer=trainer, key=key))
+  graph = np.asarray(similarity.random_similarity(key, 3, 0.25))
+  np.testing.assert_array_equal(state.server, graph)
+  assert np.all(graph == graph.T) and np.all((graph == 0) | (graph >= 0.25))
+  after = algorithm.aggregate(state.server, params, (), jnp.ones(3))
+  w = np.array([1.0, 2.0, 6.0])
+  expected = [w[k] - 0.125 * sum(graph[k, l] * (w[k] - w[l]) for l in range(3) if l != k)
+              for k in range(3)]
+  np.testing.assert_allclose(after.clients["w"][:, 0], expected, rtol=1e-6)
 
 
 def test_fedamp_distance_attention_and_cloud_models_by_hand():

@@ -119,7 +119,13 @@ REGISTRY: dict[str, Registered] = {
         "distance_eps": "Added to ||theta_n - theta_i|| in the weights (PFLlib: 1e-5)"}),
     "fedu": Registered(fedu.FedUConfig, fedu.fedu, {
         "lam": "Laplacian regularisation strength lambda",
-        "eta": "Step size of the Laplacian step after local training"}),
+        "eta": "Step size of the Laplacian step after local training",
+        "update": "all: every client steps over every client's stored model; sampled: only"
+                  " the round's clients, over each other (the authors' code)",
+        "step": "paper: eta lambda per unit a_kl; code: 0.5 local_epochs eta lambda (the"
+                " authors' code)",
+        "graph": "complete: a_kl = 1; random: the authors' code's K = 0 graph, (B + B^T) / 2"
+                 " with B ~ U(0, 1), entries below 0.25 zeroed, drawn once"}),
     "fedamp": Registered(fedamp.FedAmpConfig, fedamp.fedamp, {
         "attention": "distance: xi_ij = alpha_k exp(-||w_i - w_j||^2 / sigma) / sigma"
                      " (FedAMP); cosine: HeurFedAMP's softmax of cosines",
