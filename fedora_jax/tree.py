@@ -88,7 +88,8 @@ def group_means(stacked, assignment: jax.Array, previous, members: jax.Array | N
   """Mean of the models assigned to each group; a group nobody chose keeps `previous`.
 
   `assignment` [N] int holds each model's group in [0, C); `previous` has leaves [C, ...];
-  `members` [N] bool, if given, says which models count (a round's sampled clients).
+  `members` [N] bool, if given, says which models count (a round's sampled clients); [N]
+  float weights give each model's weight in its group's mean.
   """
   num_groups = leading_size(previous)
   one_hot = jax.nn.one_hot(assignment, num_groups, dtype=jnp.float32)   # [N, C]

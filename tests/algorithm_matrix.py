@@ -85,6 +85,9 @@ OPTION_ROWS += (("fedamp", "attention_from=uploaders"),)
 # FedU in its authors' code's form (issue 46): only the round's clients step, over each
 # other, the code's step, its random graph in the server state.
 OPTION_ROWS += (("fedu", "update=sampled,step=code,graph=random"),)
+# FeSEM's M-step over the round's uploaders by their weights (the authors' code, issue
+# 46), from the random start so that its E/M steps run in both rounds.
+OPTION_ROWS += (("fesem", "m_step=uploaders,init=random"),)
 # ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.
 OPTION_ROWS += (("adcol", "model=fedavg"),)
 # FedAP on BatchNorm (the tiny ResNet), its warm-up's end after round 1 (rounds=2): its

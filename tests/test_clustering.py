@@ -142,6 +142,36 @@ def test_fesem_assigns_each_client_to_the_nearest_center_and_averages():
                              [[1.0, 1.0], [4.0, 3.5], [1.0, 1.0], [4.0, 3.5]])
 
 
+def test_fesem_m_step_over_the_round_uploaders_by_their_weights_by_hand():
+  # The E-step as above reassigns every client: [0, 1, 0, 1]. Clients 0, 1 and 3 uploaded
+  # with 2, 3 and 1 samples, client 2 sat out (weight 0): center 0 = client 0's model
+  # alone, center 1 = (3 * [3, 3] + 1 * [5, 4]) / 4 (the authors' code's weighted mean of
+  # the round's); center 2, with no uploader, keeps its value.
+  centers = {"w": jnp.array([[0.0, 0.0], [4.0, 4.0], [-9.0, 9.0]])}
+  models = {"w": jnp.array([[1.0, 0.0], [3.0, 3.0], [1.0, 2.0], [5.0, 4.0]])}
+  clients = fesem.FesemClients(params=models, cluster=jnp.array([2, 2, 2, 2], jnp.int32))
+  server = fesem.FesemServer(centers=centers, warmup_left=jnp.asarray(0, jnp.int32))
+  weights = jnp.array([2.0, 3.0, 0.0, 1.0])
+  algorithm = fesem.fesem(fesem.FesemConfig(num_clusters=3, m_step="uploaders"),
+                          tiny_trainer(tiny_model()))
+  state = algorithm.aggregate(server, clients, (), weights)
+  np.testing.assert_array_equal(state.clients.cluster, [0, 1, 0, 1])
+  np.testing.assert_allclose(state.server.centers["w"],
+                             [[1.0, 0.0], [3.5, 3.25], [-9.0, 9.0]], rtol=1e-6)
+  # The default: every client's model, stale client 2's too, unweighted.
+  default = fesem.fesem(fesem.FesemConfig(num_clusters=3), tiny_trainer(tiny_model()))
+  np.testing.assert_allclose(default.aggregate(server, clients, (), weights).server.centers["w"],
+                             [[1.0, 1.0], [4.0, 3.5], [-9.0, 9.0]], rtol=1e-6)
+  # A cluster whose clients all sat out keeps its center.
+  idle = algorithm.aggregate(server, clients, (), jnp.array([0.0, 3.0, 0.0, 1.0]))
+  np.testing.assert_allclose(idle.server.centers["w"][0], [0.0, 0.0])
+
+
+def test_fesem_rejects_an_unknown_m_step():
+  with pytest.raises(ConfigError, match="fesem: m_step"):
+    fesem.fesem(fesem.FesemConfig(m_step="weighted"), tiny_trainer(tiny_model()))
+
+
 def test_fesem_clients_train_from_their_center():
   data, clients = tiny_data([6, 6, 6])
   model = tiny_model()

@@ -102,7 +102,10 @@ REGISTRY: dict[str, Registered] = {
                 " random centers and assignment",
         "warmup_rounds": "Rounds of local training whose models k-means clusters"
                          " (init=kmeans)",
-        "kmeans_iterations": "Lloyd steps of that k-means (init=kmeans)"}),
+        "kmeans_iterations": "Lloyd steps of that k-means (init=kmeans)",
+        "m_step": "mean: each center the plain mean of its clients' current models, stale"
+                  " ones included (the paper's); uploaders: of its clients that uploaded"
+                  " this round, by --client_weights (the authors' code)"}),
     "fedfomo": Registered(fedfomo.FedFomoConfig, fedfomo.fedfomo, {
         "num_models": "Models M each client downloads per round",
         "epsilon": "Initial probability of downloading M random models instead of the"

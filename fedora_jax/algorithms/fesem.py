@@ -37,6 +37,19 @@ MNIST at 100 rounds (LOCAL 0.752): random start 0.537, k-means after 1 local rou
 FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so which
 start the FEDORA paper's row used is not known; k-means is the default because the
 random start cannot separate the rotations at all.
+
+Partial participation (`m_step`). The M-step above sets a center to the plain mean of
+its clients' models; with some clients sitting a round out, `"mean"` (the default)
+reads every client's current model, a stale one for a client that sat out. The authors'
+code (github.com/mingxuts/multi-center-fed-learning@e206681, models/fedsem.py,
+TensorFlow 1) sets a center to the mean of the models its clients trained that round
+only, weighted by their sample counts (`Server.update_model_wmode`, its default mode):
+`"uploaders"` (weights > 0 in `aggregate`, the engine's --client_weights: sample counts
+by default, 1 with uniform; a center none of whose clients uploaded keeps its value).
+Both E-steps reassign every client by its current model (the code re-clusters its
+clients' last known models too). Not offered: the code samples clients within each
+cluster, not over the federation, and re-clusters by k-means every
+`update-center-every` rounds on one layer's weights.
 """
 
 from typing import NamedTuple
@@ -50,6 +63,7 @@ from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError
 
 INITS = ("kmeans", "random")
+M_STEPS = ("mean", "uploaders")
 
 
 class FesemConfig(NamedTuple):
@@ -59,6 +73,7 @@ class FesemConfig(NamedTuple):
   init: str = "kmeans"         # "kmeans": k-means on round 1's local models; "random": the paper's
   warmup_rounds: int = 10      # rounds of local training before the k-means (init="kmeans")
   kmeans_iterations: int = 10  # Lloyd steps of that k-means (init="kmeans")
+  m_step: str = "mean"         # "mean": every client, unweighted; "uploaders": the code's
 
 
 class FesemServer(NamedTuple):
@@ -81,6 +96,8 @@ def validate(config: FesemConfig) -> FesemConfig:
   if config.kmeans_iterations < 0:
     raise FieldError("fesem", "kmeans_iterations",
                      f"must be >= 0, got {config.kmeans_iterations}")
+  if config.m_step not in M_STEPS:
+    raise FieldError("fesem", "m_step", f"must be mean or uploaders, got {config.m_step!r}")
   return config
 
 
@@ -90,9 +107,10 @@ def e_step(client_params, centers) -> jax.Array:
       jnp.int32)
 
 
-def m_step(client_params, assignment: jax.Array, centers):
-  """Each center becomes the mean of its assigned clients' models."""
-  return tree.group_means(client_params, assignment, centers)
+def m_step(client_params, assignment: jax.Array, centers, weights: jax.Array | None = None):
+  """Each center becomes the mean of its assigned clients' models, weighted by [K]
+  `weights` where given (a center whose clients all weigh 0 keeps its value)."""
+  return tree.group_means(client_params, assignment, centers, weights)
 
 
 def farthest_first_seeds(pairwise: jax.Array, num: int) -> jax.Array:
@@ -148,10 +166,13 @@ def fesem(config: FesemConfig, trainer: ClientTrainer) -> Algorithm:
     return ClientOutput(state=client_state._replace(params=params), upload=(), train=stats)
 
   def aggregate(server: FesemServer, clients: FesemClients, uploads, weights):
-    del uploads, weights  # the models are read from the client state; the mean is plain
+    del uploads  # the models are read from the client state
+    # "mean": plain, over every client; "uploaders": the round's, by their weights.
+    center_weights = weights if config.m_step == "uploaders" else None
+
     def em(params):
       assignment = e_step(params, server.centers)
-      return m_step(params, assignment, server.centers), assignment
+      return m_step(params, assignment, server.centers, center_weights), assignment
 
     def cluster(params):
       return kmeans(params, config.num_clusters, config.kmeans_iterations)
