@@ -90,6 +90,9 @@ OPTION_ROWS += (("fedu", "update=sampled,step=code,graph=random"),)
 OPTION_ROWS += (("fesem", "m_step=uploaders,init=random"),)
 # ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.
 OPTION_ROWS += (("adcol", "model=fedavg"),)
+# Per-FedAvg scored as the references score it (issue 46): every client adapts the
+# latest global model (PFLlib's), or takes two steps on test batches (PFLlib a41f7ba's).
+OPTION_ROWS += (("perfedavg", "evaluation=latest"), ("perfedavg", "evaluation=test"))
 # FedAP on BatchNorm (the tiny ResNet), its warm-up's end after round 1 (rounds=2): its
 # similarities from the BatchNorm inputs, then the mixtures; and FL-bench's form.
 OPTION_ROWS += (("fedap", "rounds=2,model=resnet"),

@@ -116,3 +116,84 @@ def test_server_averages_only_the_sampled_uploads():
 def test_bad_variant_is_refused():
   with pytest.raises(ConfigError, match="perfedavg: variant"):
     perfedavg.perfedavg(perfedavg.PerFedAvgConfig(variant="so"), tiny_trainer(tiny_model()))
+
+
+def _identical_test_client(num_test):
+  """One client whose test samples are all the same (every test batch's mean loss is
+  that sample's), its training samples random."""
+  rng = np.random.default_rng(2)
+  x_test = np.repeat(rng.normal(size=(1, 4)).astype(np.float32), num_test, axis=0)
+  client = Client(rng.normal(size=(6, 4)).astype(np.float32), np.arange(6) % 3,
+                  rng.normal(size=(3, 4)).astype(np.float32), np.zeros(3, np.int32),
+                  x_test, np.full(num_test, 1, np.int32))
+  data = stack_clients([client], num_classes=3)
+  return jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0]), client
+
+
+def test_latest_scores_one_step_from_the_global_model_on_a_training_batch():
+  model = tiny_model()
+  trainer = tiny_trainer(model, batch_size=2)
+  splits, client = _identical_sample_client(4)
+  alpha = 0.4
+  algorithm = perfedavg.perfedavg(
+      perfedavg.PerFedAvgConfig(alpha=alpha, evaluation="latest"), trainer)
+  w0 = init_params(model)
+  scored = perfedavg.Adaptable(model=w0, key=jax.random.key(3))
+  val, test = jax.jit(algorithm.evaluate_splits, static_argnums=2)(
+      scored, splits, ("val", "test"))
+  grads = jax.grad(lambda p: mean_ce(model, p, client.x_train, client.y_train))(w0)
+  adapted = jax.tree.map(lambda p, g: p - alpha * g, w0, grads)
+  by_hand = lambda x, y: mean_ce(model, adapted, x, y)
+  np.testing.assert_allclose(test.loss, by_hand(client.x_test, client.y_test), rtol=1e-5)
+  np.testing.assert_allclose(val.loss, by_hand(client.x_val, client.y_val), rtol=1e-5)
+
+
+def test_a41f7ba_form_takes_alpha_then_beta_on_two_test_batches():
+  model = tiny_model()
+  trainer = tiny_trainer(model, batch_size=2)
+  splits, client = _identical_test_client(5)
+  alpha, beta = 0.4, 0.25
+  algorithm = perfedavg.perfedavg(
+      perfedavg.PerFedAvgConfig(alpha=alpha, beta=beta, evaluation="test"), trainer)
+  w0 = init_params(model)
+  (test,) = jax.jit(algorithm.evaluate_splits, static_argnums=2)(
+      perfedavg.Adaptable(model=w0, key=jax.random.key(3)), splits, ("test",))
+  loss = lambda p: mean_ce(model, p, client.x_test, client.y_test)
+  step = lambda p, lr: jax.tree.map(lambda a, g: a - lr * g, p, jax.grad(loss)(p))
+  np.testing.assert_allclose(test.loss, loss(step(step(w0, alpha), beta)), rtol=1e-5)
+  # One step alone (the head's form on test data) is another number.
+  assert abs(float(test.loss) - float(loss(step(w0, alpha)))) > 1e-4
+
+
+@pytest.mark.parametrize("evaluation", ["latest", "test"])
+def test_every_client_is_scored_from_the_latest_global_model(evaluation):
+  from tiny import run_rounds, tiny_data  # pylint: disable=import-outside-toplevel
+  model = tiny_model()
+  trainer = tiny_trainer(model, batch_size=2)
+  data, clients = tiny_data((4, 4, 4, 4))
+  config = perfedavg.PerFedAvgConfig(alpha=0.3, beta=0.2, evaluation=evaluation)
+  algorithm = perfedavg.perfedavg(config, trainer)
+  state, metrics, _, _ = run_rounds(algorithm, trainer, data, model, rounds=2,
+                                    participation=0.5)
+  server = state.algorithm.server
+  sat_out = np.isnan(np.asarray(metrics.train_loss))
+  assert sat_out.sum() == 2 and int(server.round) == 2
+  keys = perfedavg.adaptation_keys(server, jnp.arange(4))
+  bucket = jax.tree.map(jnp.asarray, data.buckets[0])
+  for k in range(4):  # sampled or not, each client adapts the server's model
+    splits = jax.tree.map(lambda a, k=k: a[k], bucket)
+    if evaluation == "test":
+      adapted = perfedavg.adapt_on_test(trainer.loss, config, server.model, splits.test,
+                                        keys[k], 2)
+    else:
+      adapted = perfedavg.adapt(trainer.loss, 0.3, server.model, splits.train, keys[k], 2)
+    expected = mean_ce(model, adapted, clients[k].x_test, clients[k].y_test)
+    np.testing.assert_allclose(metrics.test_loss[k], expected, rtol=1e-5)
+
+
+def test_latest_is_no_ala_host_and_bad_evaluation_is_refused():
+  trainer = tiny_trainer(tiny_model())
+  latest = perfedavg.perfedavg(perfedavg.PerFedAvgConfig(evaluation="latest"), trainer)
+  assert latest.ala_hooks is None
+  with pytest.raises(ConfigError, match="perfedavg: evaluation"):
+    perfedavg.perfedavg(perfedavg.PerFedAvgConfig(evaluation="fresh"), trainer)

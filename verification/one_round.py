@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedora_jax import algorithms
-from fedora_jax.algorithms import ala, fedcp
+from fedora_jax.algorithms import ala, fedcp, perfedavg
 from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.data.sources import load_mnist
 from fedora_jax.algorithms import fedas
@@ -198,6 +198,12 @@ class Reference(NamedTuple):
   # The share of clients a round trains (our --participation); PFLlib's selected clients
   # set to ours each round (rounds.sampled_clients). 1: every client.
   participation: float = 1.0
+  # Where the reference scores EVERY client through a step of its own after its last
+  # send_models (Per-FedAvg's evaluate_one_step: every client adapts the latest global
+  # model): that step, (client) -> None, and (our final state, the setting, the
+  # clients) -> [client][load][epoch] the batches it reads (ours). None: no such step.
+  final_step: Callable[[Any], None] | None = None
+  final_loads: Callable[[Any, Setting, list[Client]], list] | None = None
 
 
 _MLP = twins.Twin("mlp", None, bridges.dense_stack_to_torch, bridges.load_linear_layers,
@@ -244,6 +250,39 @@ def _peravg_score(client) -> None:
   client.train_one_step()
   client.adapted = copy.deepcopy(client.model)
   client.clone_model(received, client.model)
+
+
+def _peravg_latest_loads(key: jax.Array, n: int, epochs: int, batch_size: int
+                         ) -> list[list[np.ndarray]]:
+  """Per-FedAvg scored as PFLlib scores it (our evaluation latest): one loader an epoch
+  of batches of 2B as _peravg_loads, no scoring batch in the round (the client key
+  trains alone; every client is scored after the last send_models)."""
+  return [[np.concatenate([chunks[:, 0::2], chunks[:, 1::2]], axis=1)]
+          for chunks in bridges.shuffled_epochs(key, n, epochs, 2 * batch_size)]
+
+
+def _peravg_final_loads(state, setting: Setting, clients: list[Client]) -> list:
+  """Each client's adaptation batch of our final state (perfedavg.adaptation_keys): the
+  one loader PFLlib's evaluate_one_step reads."""
+  keys = perfedavg.adaptation_keys(state.server, jnp.arange(len(clients)))
+  return [[[bridges.shuffle(keys[k], len(c.x_train), setting.batch_size)]]
+          for k, c in enumerate(clients)]
+
+
+def _peravg_ours_adapted(personal: perfedavg.Adaptable):
+  """Our scored models under evaluation latest: each client's step from the latest
+  global model on its adaptation batch (what its evaluate_splits scores), on the row's
+  clients (real_clients of the default Setting) and the MLP."""
+  setting = Setting()
+  data = stack_clients(real_clients(setting), num_classes=10)
+  model = build_model("mlp", 10, (HIDDEN,))
+  trainer = make_client_trainer(model.apply, make_optimizer(setting.lr, 0.0, 0.0), 1,
+                                setting.batch_size)
+  bucket = jax.tree.map(jnp.asarray, data.buckets[0].train)
+  alpha = REFERENCES["perfedavg_sampled"].config["alpha"]
+  adapt = jax.vmap(lambda model_k, train_k, key_k: perfedavg.adapt(
+      trainer.loss, alpha, model_k, train_k, key_k, setting.batch_size))
+  return adapt(personal.model, bucket, personal.key)
 
 
 def _amp_ours_cloud(algorithm, state):
@@ -1499,6 +1538,15 @@ REFERENCES["moon_bn"] = REFERENCES["moon"]._replace(
 # FedProto with half the clients a round, one round (so two are never sampled), scored
 # under global_own: a client never sampled by every global prototype, as PFLlib's
 # test_metrics scores every client.
+# Per-FedAvg with half the clients a round, two rounds, scored as PFLlib scores it (our
+# --perfedavg_evaluation=latest): after the last send_models every client, sampled or
+# not, adapts the latest global model on its batch of our adaptation keys.
+REFERENCES["perfedavg_sampled"] = REFERENCES["perfedavg"]._replace(
+    algorithm="perfedavg", participation=0.5, steps=("train", "train"),
+    config={**REFERENCES["perfedavg"].config, "evaluation": "latest"},
+    args={"join_ratio": 0.5}, loads=_peravg_latest_loads,
+    server_model=lambda server: server.model, final_step=_peravg_score,
+    final_loads=_peravg_final_loads, our_personal=_peravg_ours_adapted)
 REFERENCES["fedproto_sampled"] = REFERENCES["fedproto"]._replace(
     algorithm="fedproto", rounds=1, participation=0.5,
     config={**REFERENCES["fedproto"].config, "inference": "global_own"},
@@ -1549,7 +1597,8 @@ PFLLIB_COMMIT = "d832e76f6a23"
 
 
 def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client], initial,
-                  batches, built=None, loaded=None) -> tuple[list | None, list, list[float]]:
+                  batches, built=None, loaded=None, final=None
+                  ) -> tuple[list | None, list, list[float]]:
   """One PFLlib round: (the server's layers, None where it averages nothing; each client's
   layers of the model it is scored with; each client's test accuracy of that model)."""
   bridges.import_pfllib()
@@ -1608,6 +1657,13 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     # Where PFLlib scores a round: its next round's evaluate() follows send_models (a
     # client scored with its own model holds the server's new part by then).
     _send_models(server, reference, len(batches))
+  if final is not None:  # every client scored through its own step (final_step)
+    for client, data, loads in zip(server.clients, clients, final):
+      loaders = iter([bridges.EpochLoader(bridges.model_inputs(data.x_train),
+                                          data.y_train.astype(np.int64), epochs)
+                      for epochs in loads])
+      client.load_train_data = lambda batch_size=None, loaders=loaders: next(loaders)
+      reference.final_step(client)
   server_layers = None
   if reference.aggregates and reference.compare_server:
     server_layers = twin.read(copy.deepcopy(server.global_model))
@@ -1755,9 +1811,12 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
   loaded = (None if reference.load_initial is None
             else _our_initial_state(name, setting, clients, reference))
   twin = reference.twin or _MLP
-  server, scored, accuracy = _pfllib_round(reference, setting, clients,
-                                           twin.to_torch(initial), batches, built, loaded)
   state = result.final_state.algorithm
+  final = (None if reference.final_loads is None
+           else reference.final_loads(state, setting, clients))
+  server, scored, accuracy = _pfllib_round(reference, setting, clients,
+                                           twin.to_torch(initial), batches, built, loaded,
+                                           final)
   errors = []
   if server is not None:
     ours = twin.to_torch(jax.tree.map(np.asarray, reference.server_model(state.server)))

@@ -37,6 +37,7 @@ COVERED += ("fedgen", "fedcross", "fedgc")  # issue 52's, PFLlib's forms (one_ro
 COVERED += ("ditto_samples", "ditto_uniform", "lg_fedavg_samples", "lg_fedavg_uniform",
             "fedbabu_samples", "fedbabu_uniform")
 COVERED += ("fedproto_sampled",)  # half the clients a round: some never sampled
+COVERED += ("perfedavg_sampled",)  # half a round, every client adapting the latest model
 COVERED += ("fedamp_sampled",)  # half the clients a round, the uploaders' attention
 COVERED += ("fedbn",)  # on a PyTorch twin of coaching_cnn_bn (verification/twins.py)
 COVERED += ("moon_bn",)  # MOON on that twin, its fixed models on running averages
@@ -189,6 +190,10 @@ def main(argv: list[str]) -> int:
                           " selection set to ours), one round, scored by the client's own"
                           " classes' global prototypes (ours: global_own), every global"
                           " prototype for a client never sampled (PFLlib: every client)")
+  document["setting"] += ("; Per-FedAvg as above with half the clients a round, two"
+                          " rounds, every client scored by its adaptation of the latest"
+                          " global model (ours: --perfedavg_evaluation=latest; PFLlib's"
+                          " evaluate_one_step after its last send_models, fed our batches)")
   document["setting"] += ("; FedAMP as above with half the clients a round, two rounds,"
                           " its attention and cloud models from the round's uploaders only"
                           " (PFLlib's; ours --fedamp_attention_from=uploaders), every"

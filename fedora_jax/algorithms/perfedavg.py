@@ -37,7 +37,19 @@ and `personalized_params` sees no data, so client i adapts the global model it r
 at the start of the round, alongside its training, and keeps theta_i in its state: the
 round's numbers are those of the model PFLlib evaluates in the same round (PFLlib adapts
 and evaluates right after sending the global model, before training). A client that sits
-a round out keeps the adaptation of the last global model it received.
+a round out keeps the adaptation of the last global model it received
+(`evaluation="received"`, the default; the paper scores only its final model).
+
+The references re-adapt EVERY client from the latest global model before each evaluation
+(PFLlib's evaluate_one_step after send_models, which reaches all clients; the pFedMe
+authors' evaluate_one_step too), so under partial participation no client is scored on a
+stale adaptation (issue 46). `evaluation="latest"` does that: after the server step each
+client's scored model is one step of size alpha from the new global model on a random
+training batch of B, drawn from the round's own key (`adaptation_keys`), the numbers of
+PFLlib's next evaluation. `evaluation="test"` is PFLlib's form at commit a41f7ba (the code
+behind FedALA's table, until its f8e3a80): the same, but two steps on two random test
+batches of B, alpha then beta from where the first left off (its train_one_step read
+load_test_data): a test-data leak, offered only to reproduce that table.
 
 variant: "fo" is the default, because it is what the comparisons run (the pFedMe
 authors' Per-FedAvg and PFLlib's, behind the FedALA paper's table, implement only the
@@ -57,22 +69,28 @@ import optax
 from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.plugin_fields import model_message
+from fedora_jax.algorithms.fedfomo import raw_key
 from fedora_jax.algorithms.fedrep import batch_size_of
-from fedora_jax.data.client_data import ClientData
+from fedora_jax.data.client_data import ClientData, ClientSplits
 from fedora_jax.engine import batch_stats
-from fedora_jax.engine.local_training import (ClientTrainer, TrainStats, epoch_batches,
-                                               within_budget)
+from fedora_jax.engine.local_training import (ClientTrainer, EvalStats, TrainStats,
+                                               epoch_batches, within_budget)
 from fedora_jax.errors import FieldError, check_one_of
 
 Params = Any
 
 VARIANTS = ("fo", "hf")
+# The scored model: the adaptation of the model a client last received (ours), every
+# client's adaptation of the latest global model (PFLlib's), or that on test batches
+# (PFLlib a41f7ba's).
+EVALUATIONS = ("received", "latest", "test")
 
 
 class PerFedAvgConfig(NamedTuple):
   alpha: float = 0.005  # inner (personalisation) step size
   beta: float = 0.001   # outer (meta) step size
   variant: str = "fo"   # "fo": first-order MAML step; "hf": Hessian-free step
+  evaluation: str = "received"  # scored: "received", "latest" or "test" (EVALUATIONS)
 
 
 FLAG_HELP = {
@@ -80,6 +98,11 @@ FLAG_HELP = {
     "beta": "Per-FedAvg: outer step size beta of the meta update",
     "variant": "Per-FedAvg: fo (first-order MAML step, the compared codes') or hf"
                " (Hessian-free step with an exact Hessian-vector product)",
+    "evaluation": "Per-FedAvg: scored model, received (each client's one-step adaptation"
+                  " of the global model it last received, kept while it sits rounds"
+                  " out), latest (every client adapts the latest global model each"
+                  " round, PFLlib's) or test (PFLlib a41f7ba's: two steps, alpha then"
+                  " beta, on two test batches, a test-data leak)",
 }
 
 
@@ -89,6 +112,7 @@ def validate(config: PerFedAvgConfig) -> PerFedAvgConfig:
   if config.beta < 0:
     raise FieldError("perfedavg", "beta", f"must be >= 0, got {config.beta}")
   check_one_of("perfedavg", config, "variant", VARIANTS)
+  check_one_of("perfedavg", config, "evaluation", EVALUATIONS)
   return config
 
 
@@ -175,9 +199,47 @@ def adapt(loss_fn, alpha: float, params: Params, data: ClientData, key: jax.Arra
   return batch_stats.take_statistics(sgd_step(params, grads, alpha), moved)
 
 
+def adapt_on_test(loss_fn, config: PerFedAvgConfig, params: Params, data: ClientData,
+                  key: jax.Array, batch_size: int) -> Params:
+  """PFLlib a41f7ba's scored model: a step of size alpha on one random test batch of B,
+  then one of size beta on the next, from where the first left off (BatchNorm in train
+  mode). A step whose batch holds no real sample changes nothing."""
+  idx, weights = epoch_batches(key, data.mask, data.n, batch_size, 2)
+  value_and_grad = train_mode_value_and_grad(loss_fn)
+  for j, lr in enumerate((config.alpha, config.beta)):
+    _, grads, moved = value_and_grad(params, data.x[idx[j]], data.y[idx[j]], weights[j])
+    stepped = batch_stats.take_statistics(sgd_step(params, grads, lr), moved)
+    params = optax.tree_utils.tree_where(jnp.sum(weights[j]) > 0, stepped, params)
+  return params
+
+
+class LatestServer(NamedTuple):
+  """The server of the references' evaluation: the global model and what draws each
+  round's adaptation batches."""
+  model: Params
+  key: jax.Array     # the algorithm's key, its uint32 data (a checkpoint stores it)
+  round: jax.Array   # [] int32, rounds aggregated so far
+
+
+class Adaptable(NamedTuple):
+  """What a client scores under evaluation latest / test: the latest global model and
+  the key of its adaptation batches."""
+  model: Params
+  key: jax.Array
+
+
+def adaptation_keys(server: LatestServer, clients: jax.Array) -> jax.Array:
+  """[K] keys of the clients' adaptation batches after `server.round` rounds:
+  fold_in(fold_in(key, round), client)."""
+  round_key = jax.random.fold_in(jax.random.wrap_key_data(server.key), server.round)
+  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, clients)
+
+
 def perfedavg(config: PerFedAvgConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config)
   batch_size = batch_size_of(trainer)
+  if config.evaluation != "received":
+    return _latest(config, trainer, batch_size)
 
   def init(context: InitContext) -> AlgorithmState:
     # Before any round each client holds the shared initial model, not yet adapted.
@@ -207,3 +269,52 @@ def perfedavg(config: PerFedAvgConfig, trainer: ClientTrainer) -> Algorithm:
                    # meta-training and the one-step adaptation; theta_i is the trained meta
                    # model (PFLlib's clientperavg.py).
                    ala_hooks=model_message(personal_is_local=False))
+
+
+def _latest(config: PerFedAvgConfig, trainer: ClientTrainer, batch_size: int) -> Algorithm:
+  """Per-FedAvg scored as the references score it: every client adapts the latest global
+  model at every evaluation (evaluation "latest" or "test"). A client's state is its
+  index, which keys its adaptation batches."""
+
+  def init(context: InitContext) -> AlgorithmState:
+    num_clients = tree.leading_size(context.params)
+    return AlgorithmState(
+        server=LatestServer(model=tree.first(context.params), key=raw_key(context.key),
+                            round=jnp.zeros((), jnp.int32)),
+        clients=jnp.arange(num_clients, dtype=jnp.int32))
+
+  def broadcast(server: LatestServer, clients):
+    return tree.broadcast_to_clients(server.model, tree.leading_size(clients))
+
+  def client_update(index, global_params, data, key):
+    trained, stats = meta_train(trainer.loss, config, global_params,
+                                jax.tree.map(jnp.asarray, data.train), key,
+                                trainer.epochs, batch_size)
+    return ClientOutput(state=index, upload=trained, train=stats)
+
+  def aggregate(server: LatestServer, clients, uploads, weights):
+    return AlgorithmState(
+        server=LatestServer(model=tree.weighted_mean(uploads, weights), key=server.key,
+                            round=server.round + 1),
+        clients=clients)
+
+  def personalized_params(server: LatestServer, clients) -> Adaptable:
+    return Adaptable(model=broadcast(server, clients),
+                     key=adaptation_keys(server, clients))
+
+  def evaluate_splits(scored: Adaptable, splits: ClientSplits,
+                      names: tuple[str, ...]) -> tuple[EvalStats, ...]:
+    if config.evaluation == "test":
+      model = adapt_on_test(trainer.loss, config, scored.model,
+                            jax.tree.map(jnp.asarray, splits.test), scored.key, batch_size)
+    else:
+      model = adapt(trainer.loss, config.alpha, scored.model,
+                    jax.tree.map(jnp.asarray, splits.train), scored.key, batch_size)
+    return tuple(trainer.evaluate(model, getattr(splits, name)) for name in names)
+
+  # No ALA host: the scored model is the global model's adaptation, whatever ALA made of
+  # it in training.
+  return Algorithm(name="perfedavg", init=init, broadcast=broadcast,
+                   client_update=client_update, aggregate=aggregate,
+                   personalized_params=personalized_params,
+                   evaluate_splits=evaluate_splits)
