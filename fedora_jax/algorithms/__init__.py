@@ -40,6 +40,7 @@ from fedora_jax.algorithms import pefll, pfedfda
 from fedora_jax.algorithms import adcol, fedmd
 from fedora_jax.algorithms import fedap
 from fedora_jax.algorithms import flute
+from fedora_jax.algorithms import fedfed
 from fedora_jax.algorithms import metafed
 from fedora_jax.algorithms import byzantine, robust
 from fedora_jax.algorithms import dp as dp_lib
@@ -223,6 +224,8 @@ REGISTRY: dict[str, Registered] = {
     "floco": Registered(floco.FlocoConfig, floco.floco, floco.FLAG_HELP,
                         train_fields=("rounds",)),
     "flute": Registered(flute.FluteConfig, flute.flute, flute.FLAG_HELP),
+    "fedfed": Registered(fedfed.FedFedConfig, fedfed.fedfed, fedfed.FLAG_HELP,
+                         train_fields=("lr", "momentum", "weight_decay")),
     "metafed": Registered(metafed.MetaFedConfig, metafed.metafed, metafed.FLAG_HELP,
                           train_fields=("rounds",), round_cost=metafed.round_cost),
 }
