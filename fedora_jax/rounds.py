@@ -166,6 +166,8 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
   scores test with `build_test_evaluation` in the rounds it needs).
   client_weights: each client's weight in `aggregate`, "samples" (its n_k training
   samples) or "uniform" (1 for every client; 0 for those not sampled either way).
+  An algorithm with `trains_unsampled` trains every client every round; the ones not
+  sampled keep their new state, but upload zeros and weigh 0 in `aggregate`.
   conditions: dropout, availability and stragglers (availability.py). A sampled client
   that drops (or is offline, or late for the deadline) still fills its slot, but its
   output is thrown away as a filler's: to `aggregate` it is a client that was not
@@ -179,6 +181,10 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
   if client_weights == "uniform":
     train_weights = jnp.ones_like(train_weights)
   num_sampled = num_sampled_clients(participation, num_clients)
+  if algorithm.trains_unsampled and algorithm.uploads_unordered:
+    raise ValueError(f"{algorithm.name}: trains_unsampled reads uploads in client order")
+  # Only the sampled clients train (in slots), unless every client does.
+  in_slots = num_sampled < num_clients and not algorithm.trains_unsampled
 
   def train_round(state: RoundState, data: tuple[ClientSplits, ...], key: jax.Array):
     round_key = jax.random.fold_in(key, state.round)
@@ -197,7 +203,7 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
     step = _client_step(algorithm, budgeted)
     weights = train_weights
     slot_clients = None
-    if num_sampled < num_clients:
+    if in_slots:
       out, slot_clients = map_over_sampled(
           step, per_client, data, layout.client_ids, num_clients, active, num_sampled,
           client_chunk)
@@ -210,8 +216,18 @@ def build_train_round(algorithm: Algorithm, trainer: ClientTrainer, layout: Fede
       received, arrived = active & fate.online, active & fate.arrives
       # A client that did not arrive is thrown away as a filler slot (client K) is.
       slots = jnp.arange(num_clients) if slot_clients is None else slot_clients
-      slot_clients = jnp.where(jnp.append(arrived, False)[slots], slots, num_clients)
-    if slot_clients is not None:
+      kept = arrived | ~active if algorithm.trains_unsampled else arrived
+      slot_clients = jnp.where(jnp.append(kept, False)[slots], slots, num_clients)
+    if algorithm.trains_unsampled and (fate is not None or num_sampled < num_clients):
+      # Every client trained: those not sampled keep their state, upload nothing.
+      received = received | ~active
+      if slot_clients is not None:
+        out = _sampled_outputs(out, slot_clients, clients, num_clients)
+      out = out._replace(upload=jax.tree.map(
+          lambda u: jnp.where(arrived.reshape((-1,) + (1,) * (u.ndim - 1)), u,
+                              jnp.zeros_like(u)), out.upload))
+      weights = jnp.where(arrived, train_weights, 0.0)
+    elif slot_clients is not None:
       out = _sampled_outputs(out, slot_clients, clients, num_clients,
                              upload_slots=algorithm.uploads_unordered)
       weights = jnp.where(arrived, train_weights, 0.0)

@@ -93,6 +93,8 @@ OPTION_ROWS += (("adcol", "model=fedavg"),)
 # Per-FedAvg scored as the references score it (issue 46): every client adapts the
 # latest global model (PFLlib's), or takes two steps on test batches (PFLlib a41f7ba's).
 OPTION_ROWS += (("perfedavg", "evaluation=latest"), ("perfedavg", "evaluation=test"))
+# pFedMe training only the sampled clients (PFLlib's; its default trains every client).
+OPTION_ROWS += (("pfedme", "train_clients=sampled"),)
 # FedAP on BatchNorm (the tiny ResNet), its warm-up's end after round 1 (rounds=2): its
 # similarities from the BatchNorm inputs, then the mixtures; and FL-bench's form.
 OPTION_ROWS += (("fedap", "rounds=2,model=resnet"),

@@ -100,3 +100,56 @@ def test_bad_settings_are_refused():
     pfedme.pfedme(pfedme.PfedmeConfig(k=0), tiny_trainer(tiny_model()))
   with pytest.raises(ConfigError, match="pfedme: personal_model"):
     pfedme.pfedme(pfedme.PfedmeConfig(personal_model="w"), tiny_trainer(tiny_model()))
+
+
+def _by_hand(model, w0, x, y, lam, k, personal_lr, eta, iterations):
+  """theta_i and w_{i,R} of one client whose samples are all the same."""
+  grad = jax.jit(jax.grad(lambda p: mean_ce(model, p, x, y)))
+  theta, local = w0, w0
+  for _ in range(iterations):
+    for _ in range(k):
+      theta = jax.tree.map(lambda t, g, w: t - personal_lr * (g + lam * (t - w)), theta,
+                           grad(theta), local)
+    local = jax.tree.map(lambda w, t: w - eta * lam * (w - t), local, theta)
+  return theta, local
+
+
+@pytest.mark.parametrize("train_clients", ["all", "sampled"])
+def test_partial_participation_trains_every_client_or_the_sampled(train_clients):
+  from tiny import run_rounds  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(4)
+  clients, sizes = [], (3, 3, 3, 3)
+  for k, n in enumerate(sizes):  # each client's samples identical: any batch is the same
+    x = np.repeat(rng.normal(size=(1, 4)).astype(np.float32), n, axis=0)
+    extra = (rng.normal(size=(2, 4)).astype(np.float32), np.zeros(2, np.int32))
+    clients.append(Client(x, np.full(n, k % 3, np.int32), *extra, *extra))
+  data = stack_clients(clients, num_classes=3)
+  model = tiny_model()
+  trainer = tiny_trainer(model, batch_size=4, epochs=2)  # R = 2 iterations of 1 batch
+  config = pfedme.PfedmeConfig(lam=3.0, k=2, personal_lr=0.2, eta=0.05, beta=1.5,
+                               train_clients=train_clients)
+  state, metrics, stacked, _ = run_rounds(pfedme.pfedme(config, trainer), trainer, data,
+                                          model, rounds=1, participation=0.5)
+  w0 = jax.tree.map(lambda a: a[0], stacked)
+  sampled = np.asarray(metrics.bytes_up) > 0
+  assert sampled.sum() == 2
+  trained = [_by_hand(model, w0, c.x_train, c.y_train, 3.0, 2, 0.2, 0.05, 2)
+             for c in clients]
+  for k in range(4):
+    personal = jax.tree.map(lambda a, k=k: a[k], state.algorithm.clients.personal)
+    # Every client's theta_i (all), or the sampled ones' (sampled: the others keep w0).
+    expected = trained[k][0] if train_clients == "all" or sampled[k] else w0
+    chex.assert_trees_all_close(personal, expected, atol=2e-6)
+    assert np.isfinite(metrics.train_loss[k]) == (train_clients == "all" or sampled[k])
+  # The server: (1 - beta) w0 + beta times the sampled clients' mean w_{i,R} (equal sizes).
+  mean = jax.tree.map(lambda *w: sum(w) / 2, *[trained[k][1] for k in np.flatnonzero(sampled)])
+  chex.assert_trees_all_close(state.algorithm.server,
+                              jax.tree.map(lambda w, m: -0.5 * w + 1.5 * m, w0, mean),
+                              atol=2e-6)
+  # Every client receives the model when all train; only the sampled send theirs.
+  assert (np.asarray(metrics.bytes_down) > 0).sum() == (4 if train_clients == "all" else 2)
+
+
+def test_bad_train_clients_is_refused():
+  with pytest.raises(ConfigError, match="pfedme: train_clients"):
+    pfedme.pfedme(pfedme.PfedmeConfig(train_clients="some"), tiny_trainer(tiny_model()))

@@ -1547,6 +1547,13 @@ REFERENCES["perfedavg_sampled"] = REFERENCES["perfedavg"]._replace(
     args={"join_ratio": 0.5}, loads=_peravg_latest_loads,
     server_model=lambda server: server.model, final_step=_peravg_score,
     final_loads=_peravg_final_loads, our_personal=_peravg_ours_adapted)
+# pFedMe with half the clients a round, one round, only the sampled trained (PFLlib's;
+# ours --pfedme_train_clients=sampled): the server's model from the sampled uploads, the
+# sampled clients' local models, the others' still the initial model in both.
+REFERENCES["pfedme_sampled"] = REFERENCES["pfedme"]._replace(
+    algorithm="pfedme", participation=0.5,
+    config={**REFERENCES["pfedme"].config, "train_clients": "sampled"},
+    args={**REFERENCES["pfedme"].args, "join_ratio": 0.5})
 REFERENCES["fedproto_sampled"] = REFERENCES["fedproto"]._replace(
     algorithm="fedproto", rounds=1, participation=0.5,
     config={**REFERENCES["fedproto"].config, "inference": "global_own"},

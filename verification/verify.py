@@ -38,6 +38,7 @@ COVERED += ("ditto_samples", "ditto_uniform", "lg_fedavg_samples", "lg_fedavg_un
             "fedbabu_samples", "fedbabu_uniform")
 COVERED += ("fedproto_sampled",)  # half the clients a round: some never sampled
 COVERED += ("perfedavg_sampled",)  # half a round, every client adapting the latest model
+COVERED += ("pfedme_sampled",)  # half the clients a round, only they trained (PFLlib's)
 COVERED += ("fedamp_sampled",)  # half the clients a round, the uploaders' attention
 COVERED += ("fedbn",)  # on a PyTorch twin of coaching_cnn_bn (verification/twins.py)
 COVERED += ("moon_bn",)  # MOON on that twin, its fixed models on running averages
@@ -194,6 +195,9 @@ def main(argv: list[str]) -> int:
                           " rounds, every client scored by its adaptation of the latest"
                           " global model (ours: --perfedavg_evaluation=latest; PFLlib's"
                           " evaluate_one_step after its last send_models, fed our batches)")
+  document["setting"] += ("; pFedMe as above with half the clients a round, one round,"
+                          " only the sampled clients trained (PFLlib's; ours"
+                          " --pfedme_train_clients=sampled)")
   document["setting"] += ("; FedAMP as above with half the clients a round, two rounds,"
                           " its attention and cloud models from the round's uploaders only"
                           " (PFLlib's; ours --fedamp_attention_from=uploaders), every"

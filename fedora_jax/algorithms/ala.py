@@ -343,4 +343,5 @@ def with_ala(host: Algorithm, config: AlaConfig, trainer: ClientTrainer,
                    # The server's state and uploads are the host's: its ConFREE and DP
                    # parts too.
                    shared_part=host.shared_part, upload_mean=host.upload_mean,
+                   trains_unsampled=host.trains_unsampled,
                    state_upload=_host_state_upload(host.state_upload))

@@ -97,6 +97,11 @@ class Algorithm(NamedTuple):
   # sampled [K] bool, in place of `broadcast` in the round (`broadcast` is this with
   # every client sampled).
   sampled_broadcast: Callable[[PyTree, PyTree, jax.Array], PyTree] | None = None
+  # Where every client trains every round and the server reads only the sampled ones'
+  # uploads (pFedMe's Algorithm 1): at participation < 1 the round trains all K clients
+  # (each keeps its new state) and aggregates the sampled ones alone (the others weigh
+  # 0 and upload zeros). Not with `uploads_unordered`.
+  trains_unsampled: bool = False
   # Where a message carries samples every client holds from the start (a public set,
   # data/public.py, of which only indices would travel): that part of the [K, ...]
   # messages, left out of the round's bytes down (communication.py).

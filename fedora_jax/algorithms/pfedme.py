@@ -20,6 +20,15 @@ model, for r = 0 .. R-1 local iterations, each on its own minibatch D of B sampl
 and it uploads w_{i,R}. Server, over the round's sampled clients S (weighted by
 training-set size, as the authors' code):
   w^{t+1} = (1 - beta) w^t + beta mean_{i in S} w_{i,R}.
+Who trains under partial participation: the paper's Algorithm 1 sends w^t to all N
+clients, all of them run the R local iterations, and only then does the server sample
+S^t, whose w_{i,R} it averages; the authors' serverpFedMe.py does the same ("do update
+for all users not only selected users"). So every client trains every round, its
+theta_i and w_{i,R} kept (`train_clients="all"`, the default: Algorithm.trains_unsampled),
+and the clients not sampled upload nothing. PFLlib's serverpFedMe.py trains only the
+selected clients (`train_clients="sampled"`; a client that sits a round out keeps its
+model). The two are the same at full participation; "all" costs every client's
+training each round.
 R is the run's local epochs times its batches per epoch (the authors' code takes
 --local_epochs = R single batches; PFLlib, like this, every batch of every epoch). The
 solver of h_i starts from w^t at the start of a round and warm-starts from the previous
@@ -34,7 +43,8 @@ The authors' code departs from the paper in two ways, both offered:
     evaluates the local model w_{i,R} (issue CharlieDinh/pFedMe#5 notes the copy "is just
     a copy of local_model"). `personal_model="local"` evaluates w_{i,R};
     "theta" (default) evaluates theta_i, the personalised model the paper defines, at the
-    end of the client's last round. A client that sits a round out keeps its model.
+    end of the client's last round. A client that sits a round out (train_clients
+    "sampled") keeps its model.
 
 Defaults: lambda = 15, K = 5, eta = 0.005, beta = 1 and personal_lr = 0.09: the authors'
 MNIST comparison with the non-convex model (README: --learning_rate 0.005
@@ -62,6 +72,7 @@ from fedora_jax.errors import FieldError, check_one_of
 Params = Any
 
 PERSONAL_MODELS = ("theta", "local")
+TRAIN_CLIENTS = ("all", "sampled")  # every client (paper, authors) or the sampled (PFLlib)
 
 
 class PfedmeConfig(NamedTuple):
@@ -72,6 +83,7 @@ class PfedmeConfig(NamedTuple):
   beta: float = 1.0           # server mixing: w <- (1 - beta) w + beta mean
   theta_l2: float = 0.0       # the authors' extra mu theta in h_i's gradient (code: 0.001)
   personal_model: str = "theta"  # evaluated: "theta" (paper) or "local" (authors' code)
+  train_clients: str = "all"  # at participation < 1 who trains: "all" or "sampled"
 
 
 FLAG_HELP = {
@@ -84,6 +96,9 @@ FLAG_HELP = {
                 " the paper's h_i: 0)",
     "personal_model": "pFedMe: evaluated model, theta (theta_i, the paper's) or local"
                       " (w_i after local training, what the authors' code evaluates)",
+    "train_clients": "pFedMe: who trains each round under --participation < 1: all (every"
+                     " client, only the sampled aggregated: the paper's Algorithm 1 and"
+                     " the authors' code) or sampled (PFLlib's)",
 }
 
 
@@ -100,6 +115,7 @@ def validate(config: PfedmeConfig) -> PfedmeConfig:
   if config.beta < 0:  # beta > 1 extrapolates (the paper runs beta = 2 and 4)
     raise FieldError("pfedme", "beta", f"must be >= 0, got {config.beta}")
   check_one_of("pfedme", config, "personal_model", PERSONAL_MODELS)
+  check_one_of("pfedme", config, "train_clients", TRAIN_CLIENTS)
   return config
 
 
@@ -193,4 +209,5 @@ def pfedme(config: PfedmeConfig, trainer: ClientTrainer) -> Algorithm:
                    personalized_params=lambda server, clients: clients.personal,
                    # theta_hat starts w_i and theta's solver; theta_i is w_{i,R}, the upload,
                    # not the personalised theta (PFLlib's clientpFedMe.py).
-                   ala_hooks=model_message(personal_is_local=False))
+                   ala_hooks=model_message(personal_is_local=False),
+                   trains_unsampled=config.train_clients == "all")
