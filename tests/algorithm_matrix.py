@@ -77,6 +77,10 @@ OPTION_ROWS += (("metafed", "rounds=2,threshold=0"),
 # FedRep and FedPAC with a fresh optimizer state when the body's phase begins (the
 # authors' optimizer per phase).
 OPTION_ROWS += (("fedrep", "phase_optimizer=separate"), ("fedpac", "phase_optimizer=separate"))
+# FedFomo's official sampling (explore or exploit per slot, last round's uploaders only)
+# and PFLlib's (at most as many models as last round's uploaders, its own a candidate).
+OPTION_ROWS += (("fedfomo", "sampling=slot,pool=uploaders"),
+                ("fedfomo", "pool=uploader_count,candidates=self"))
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
 # FedAMP's attention from the round's uploaders only (PFLlib's, issue 46): the aggregate

@@ -165,3 +165,104 @@ def test_pfllib_form_client_update_by_hand():
   chex.assert_trees_all_close(out.state.params,
                               jax.tree.map(lambda p, g: p - lr * g, mixed, grads), atol=1e-5)
   assert algorithm.personalized_params(None, out.state) is out.state.params
+
+
+def test_pick_slots_pops_the_next_unchosen_of_either_order_by_hand():
+  # Client 1 is no candidate (sorted last in both orders); 3 slots of 4 may be filled.
+  # Slot 0 exploits: 2; slot 1 explores: 0; slot 2 explores: 2 is taken, so 3; slot 3
+  # is past the count: -1.
+  ids = fedfomo.pick_slots(jnp.array([2, 0, 3, 1]), jnp.array([0, 2, 3, 1]),
+                           jnp.array([False, True, True, False]),
+                           jnp.array([True, False, True, True]), jnp.int32(3))
+  np.testing.assert_array_equal(ids, [2, 0, 3, -1])
+  # Every slot exploring takes the random order; exploiting, the greedy order.
+  for explore, expected in ((True, [0, 3, 2]), (False, [2, 0, 3])):
+    ids = fedfomo.pick_slots(jnp.array([2, 0, 3, 1]), jnp.array([0, 3, 2, 1]),
+                             jnp.full(3, explore), jnp.array([True, False, True, True]),
+                             jnp.int32(3))
+    np.testing.assert_array_equal(ids, expected)
+
+
+def test_per_slot_sampling_mixes_top_and_random_within_a_client():
+  affinity = jnp.array([[0.0, 4.0, 3.0, 2.0, 1.0],
+                        [4.0, 0.0, 3.0, 2.0, 1.0],
+                        [4.0, 3.0, 0.0, 2.0, 1.0],
+                        [4.0, 3.0, 2.0, 0.0, 1.0],
+                        [4.0, 3.0, 2.0, 1.0, 0.0]])
+  greedy = np.asarray(fedfomo.select_models(affinity, jax.random.key(0), 3, jnp.float32(0.0)))
+  mixed = {"client": 0, "slot": 0}
+  for seed in range(40):
+    key = jax.random.key(seed)
+    for sampling in mixed:
+      ids = np.asarray(fedfomo.select_models(affinity, key, 3, jnp.float32(0.5),
+                                             per_slot=sampling == "slot"))
+      for client, row in enumerate(ids):
+        assert client not in row and len(set(row)) == 3
+      # A row that keeps the greedy head but leaves the greedy tail took both kinds.
+      mixed[sampling] += int(np.sum((ids[:, 0] == greedy[:, 0])
+                                    & np.any(ids != greedy, axis=1)))
+  assert mixed["slot"] > 10, mixed
+  # One draw a client: a row is the greedy one or a random one; a random one starts
+  # with the greedy head only by chance (1 in 4), and then has 2 more to match.
+  assert mixed["client"] < mixed["slot"], mixed
+  np.testing.assert_array_equal(
+      fedfomo.select_models(affinity, jax.random.key(3), 3, jnp.float32(0.0), per_slot=True),
+      greedy)
+
+
+def test_pools_of_last_rounds_uploaders_by_hand():
+  trainer = tiny_trainer(tiny_model())
+  affinity = jnp.array([[0.0, 9.0, 1.0, 5.0],
+                        [3.0, 0.0, 2.0, 1.0],
+                        [1.0, 8.0, 0.0, 7.0],
+                        [6.0, 9.0, 2.0, 0.0]])
+  params = {"w": jnp.array([[10.0], [20.0], [30.0], [40.0]])}
+  server = fedfomo.FedFomoServer(affinity=affinity, round=jnp.int32(1),
+                                 key=fedfomo.raw_key(jax.random.key(0)),
+                                 uploaded=jnp.array([True, False, True, False]))
+  expected = {  # candidates 0 and 2 only (the official code): one each for 0 and 2
+      "uploaders": [[2, -1], [0, 2], [0, -1], [0, 2]],
+      # any client, as many as last round's uploaders (PFLlib): 2 of the top
+      "uploader_count": [[1, 3], [0, 2], [1, 3], [1, 0]],
+      "all": [[1, 3], [0, 2], [1, 3], [1, 0]]}
+  for pool, ids in expected.items():
+    config = fedfomo.FedFomoConfig(num_models=2, epsilon=0.0, pool=pool)
+    message = fedfomo.fedfomo(config, trainer).broadcast(server, params)
+    np.testing.assert_array_equal(message.ids, ids, err_msg=pool)
+  config = fedfomo.FedFomoConfig(num_models=2, epsilon=0.0, pool="uploader_count")
+  algorithm = fedfomo.fedfomo(config, trainer)
+  server = server._replace(uploaded=jnp.array([False, False, True, False]))  # one: M = 1
+  np.testing.assert_array_equal(algorithm.broadcast(server, params).ids,
+                                [[1, -1], [0, -1], [1, -1], [1, -1]])
+  nobody = algorithm.broadcast(server._replace(uploaded=jnp.zeros(4, bool)), params)
+  np.testing.assert_array_equal(nobody.ids, -np.ones((4, 2)))
+  # The server records who uploaded (weight > 0); an empty slot adds nothing to P.
+  uploads = fedfomo.FomoUpload(ids=jnp.array([[1, -1], [0, 2], [1, 3], [-1, -1]]),
+                               weights=jnp.array([[0.5, 0.0], [1.0, 2.0], [0.0, 0.0],
+                                                  [0.0, 0.0]]))
+  state = algorithm.aggregate(server, params, uploads, jnp.array([3.0, 2.0, 0.0, 1.0]))
+  np.testing.assert_array_equal(state.server.uploaded, [True, True, False, True])
+  np.testing.assert_allclose(state.server.affinity,
+                             affinity + jnp.array([[0.0, 0.5, 0.0, 0.0],
+                                                   [1.0, 0.0, 2.0, 0.0],
+                                                   [0.0, 0.0, 0.0, 0.0],
+                                                   [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_empty_slot_weighs_nothing():
+  data, _ = tiny_data([6, 6, 6])
+  model = tiny_model()
+  trainer = tiny_trainer(model, lr=0.1, batch_size=8)
+  algorithm = fedfomo.fedfomo(fedfomo.FedFomoConfig(num_models=2), trainer)
+  own = init_params(model, seed=0)
+  others = [init_params(model, seed=s) for s in (1, 2, 3)]
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  full = fedfomo.FomoMessage(models=_stack(others[:2]), ids=jnp.array([1, 2], jnp.int32))
+  weights = algorithm.client_update(own, full, splits, jax.random.key(0)).upload.weights
+  helping = int(np.argmax(weights))
+  assert weights[helping] > 0, "the case must have a model that helps"
+  ids = np.array([1, 2])
+  ids[helping] = -1
+  out = algorithm.client_update(own, full._replace(ids=jnp.asarray(ids, jnp.int32)), splits,
+                                jax.random.key(0))
+  assert float(out.upload.weights[helping]) == 0.0

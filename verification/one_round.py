@@ -30,6 +30,7 @@ from fedora_jax.algorithms import ala, fedcp, perfedavg
 from fedora_jax.data.client_data import Client, stack_clients
 from fedora_jax.data.sources import load_mnist
 from fedora_jax.algorithms import fedas
+from fedora_jax.algorithms import fedfomo
 from fedora_jax.engine.local_training import (epoch_batches, make_client_trainer,
                                               make_optimizer)
 from fedora_jax.models import build_model
@@ -685,6 +686,46 @@ def _fomo_train(client) -> None:
          for i in range(held, len(train.y), client.batch_size)]
   client.load_train_data = lambda batch_size=None: (train, val)
   client.train()
+
+
+class _TopkTiesOurs:
+  """PFLlib's torch for serverfomo's send_models, its topk's ties broken by our noise:
+  the clients by P's row (descending), then by our selection's noise (ascending), as our
+  greedy selection sorts them; checked to be a top-k of the row as torch.topk's is."""
+
+  def __init__(self, torch, noise: np.ndarray):
+    self._torch, self._noise = torch, noise
+
+  def __getattr__(self, name):
+    return getattr(self._torch, name)
+
+  def topk(self, row, k):
+    values = row.detach().cpu().numpy()
+    client = row.storage_offset() // values.shape[0]  # the row P[client.id] of K x K
+    ours = np.lexsort((self._noise[client], -values))[:k]
+    theirs = self._torch.topk(row, k).values.cpu().numpy()
+    assert np.array_equal(np.sort(values[ours]), np.sort(theirs)), (values, ours, theirs)
+    return argparse.Namespace(indices=self._torch.as_tensor(ours))
+
+
+def _fomo_ties(server, setting: Setting, clients: list[Client]) -> None:
+  """Each send_models of PFLlib's FedFomo with torch.topk's ties (P's zeros and ones
+  under partial participation) broken as ours breaks them in that round
+  (fedfomo.selection_keys from our server's key, the algorithm key)."""
+  import sys  # pylint: disable=import-outside-toplevel
+  module = sys.modules[type(server).__module__]
+  key = fedfomo.raw_key(root_keys(setting.seed)["algorithm"])
+  shape, rounds, send = (len(clients), len(clients)), iter(range(1 << 20)), server.send_models
+
+  def send_models():
+    noise_key = fedfomo.selection_keys(key, jnp.int32(next(rounds)))[1]
+    real = module.torch
+    module.torch = _TopkTiesOurs(real, np.asarray(jax.random.uniform(noise_key, shape)))
+    try:
+      send()
+    finally:
+      module.torch = real
+  server.send_models = send_models
 
 
 def _kd_load_initial(server, state) -> None:
@@ -1587,6 +1628,15 @@ for _name in ("ditto", "lg_fedavg", "fedbabu"):
   REFERENCES[f"{_name}_uniform"] = REFERENCES[_name]._replace(
       clients=_unequal_clients, algorithm=_name, rounds=2, client_weights="uniform",
       server_steps=(_uniform_mean, "aggregate_parameters"))
+# FedFomo in PFLlib's form with half the clients a round, three rounds: its M is
+# min(M, clients a round) = 2, and send_models sends min(M, last round's uploaders) of
+# the top of P over every client's stored model (ours: --fedfomo_pool=uploader_count,
+# none in the first round, stale models too); P's ties (its zeros and ones, from round 2
+# on) broken by our noise (_fomo_ties), not by torch.topk's order.
+REFERENCES["fedfomo_sampled"] = REFERENCES["fedfomo"]._replace(
+    algorithm="fedfomo", rounds=3, participation=0.5,
+    config={**REFERENCES["fedfomo"].config, "num_models": 2, "pool": "uploader_count"},
+    args={**REFERENCES["fedfomo"].args, "join_ratio": 0.5}, prepare=_fomo_ties)
 
 
 def _mlp_twin(torch):

@@ -31,6 +31,7 @@ COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg",
 # FedALA after one, two and three rounds, and with W trained longer (one_round.py); FedCP.
 COVERED += ("fedala_round1", "fedala_round2", "fedala", "fedala_converging", "fedcp")
 COVERED += ("fedfomo",)  # in PFLlib's form (one_round.py)
+COVERED += ("fedfomo_sampled",)  # half the clients a round, last round's uploaders counted
 COVERED += ("fedkd", "fedmtl", "fedpcl")  # issue 52's, in PFLlib's forms (one_round.py)
 COVERED += ("fedgen", "fedcross", "fedgc")  # issue 52's, PFLlib's forms (one_round.py)
 # Server weights on clients of unequal sizes: PFLlib's sample counts, the authors' 1/|S|.
@@ -202,6 +203,10 @@ def main(argv: list[str]) -> int:
                           " its attention and cloud models from the round's uploaders only"
                           " (PFLlib's; ours --fedamp_attention_from=uploaders), every"
                           " client's cloud model compared")
+  document["setting"] += ("; FedFomo as above with half the clients a round, three rounds,"
+                          " min(M, last round's uploaders) = 2 models of the top of P over"
+                          " every stored model (PFLlib's send_models; ours"
+                          " --fedfomo_pool=uploader_count), P's ties broken by our noise")
   document["setting"] += (f"; FedBN on coaching_cnn_bn and its PyTorch twin (its BatchNorm"
                           f" recording the biased batch variance, as ours), clients of"
                           f" {one_round.FEDBN_TRAIN} training images, one round, BatchNorm's"

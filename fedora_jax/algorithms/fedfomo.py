@@ -29,6 +29,15 @@ signed, unnormalised weights) and distance_eps=1e-5 (added to the distance). Wit
 epsilon 0 and M >= K these give PFLlib's serverfomo/clientfomo (docs/verification.md);
 its training loader is unshuffled, which ours is not.
 
+The official code (NVlabs/FedFomo, client.py get_federating_clients, server.py) draws
+explore or exploit for each download slot: sampling=slot (each slot takes the next
+client not yet chosen of a random order, or of the affinity order; ours: one draw a
+client for all M). Where the candidates come from, pool: all (any client's stored
+model, stale ones too), uploaders (the official code's: only last round's uploaders,
+none in the first round) or uploader_count (PFLlib's send_models: any stored model, but
+at most as many as last round's uploaders). A slot left without a candidate carries id
+-1 and weighs 0.
+
 Memory: the message holds M models per client, [K, M, ...], never the [K, K, ...] of all
 pairs. A distance ||theta_n - theta_i|| of zero
 (identical models, e.g. everyone in round 1) gives w_n = 0. Validation loss is the
@@ -57,16 +66,20 @@ class FedFomoConfig(NamedTuple):
   validation: str = "split"    # train_tail: the last 20 % of the training data validates
   affinity_update: str = "normalized"  # raw: P adds the signed, unnormalised weights
   distance_eps: float = 0.0    # added to ||theta_n - theta_i|| (PFLlib: 1e-5)
+  sampling: str = "client"     # slot: explore or exploit drawn per download slot
+  pool: str = "all"            # uploaders / uploader_count: last round's uploaders
 
 
 CHOICES = {"candidates": ("others", "self"), "baseline": ("current", "previous"),
-           "validation": ("split", "train_tail"), "affinity_update": ("normalized", "raw")}
+           "validation": ("split", "train_tail"), "affinity_update": ("normalized", "raw"),
+           "sampling": ("client", "slot"), "pool": ("all", "uploaders", "uploader_count")}
 
 
 class FedFomoServer(NamedTuple):
   affinity: jax.Array  # [K, K] float32: P[i, n], sum of the weights client i gave n
   round: jax.Array     # [] int32: rounds aggregated so far (epsilon schedule, sampling)
   key: jax.Array       # [2] uint32: raw PRNG key of the server's sampling
+  uploaded: jax.Array | None = None  # [K] bool: last round's uploaders (set by init)
 
 
 class FomoClient(NamedTuple):
@@ -77,7 +90,7 @@ class FomoClient(NamedTuple):
 
 class FomoMessage(NamedTuple):
   models: object   # leaves [K, M, ...]: the models sent to each client
-  ids: jax.Array   # [K, M] int32: whose models they are
+  ids: jax.Array   # [K, M] int32: whose models they are (-1: an empty slot)
 
 
 class FomoUpload(NamedTuple):
@@ -101,24 +114,66 @@ def validate(config: FedFomoConfig) -> FedFomoConfig:
   return config
 
 
-def select_models(affinity: jax.Array, key: jax.Array, num_models: int,
-                  epsilon: jax.Array, include_self: bool = False) -> jax.Array:
+def selection_keys(server_key: jax.Array, round_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(explore key, tie-break noise key) of a round's selection, from the server's raw
+  key (the verification harness breaks PFLlib's ties with the same noise)."""
+  key = jax.random.fold_in(jax.random.wrap_key_data(server_key), round_index)
+  explore_key, noise_key = jax.random.split(key)
+  return explore_key, noise_key
+
+
+def pick_slots(greedy_order: jax.Array, random_order: jax.Array, explore: jax.Array,
+               allowed: jax.Array, count: jax.Array) -> jax.Array:
+  """One client's [M] ids: slot s takes the first client not chosen yet of the random
+  order where explore[s], else of the greedy order (the official get_federating_clients'
+  pops); -1 where that client is not `allowed` ([K] bool) or s >= count."""
+  def slot(chosen, inputs):
+    index, exploring = inputs
+    order = jnp.where(exploring, random_order, greedy_order)
+    pick = order[jnp.argmax(~chosen[order])]
+    ok = allowed[pick] & (index < count)
+    return chosen.at[pick].set(True), jnp.where(ok, pick, -1)
+  num_slots = explore.shape[0]
+  _, ids = jax.lax.scan(slot, jnp.zeros(greedy_order.shape, bool),
+                        (jnp.arange(num_slots), explore))
+  return ids.astype(jnp.int32)
+
+
+def select_models(affinity: jax.Array, key: jax.Array | tuple[jax.Array, jax.Array],
+                  num_models: int,
+                  epsilon: jax.Array, include_self: bool = False, per_slot: bool = False,
+                  allowed: jax.Array | None = None,
+                  count: jax.Array | None = None) -> jax.Array:
   """[K, M] ids of other clients (and the client itself with `include_self`): top
-  affinity, or random with probability epsilon.
+  affinity, or random with probability epsilon, drawn once a client (all M slots) or
+  once a slot (`per_slot`); only `allowed` ones ([K, K] bool; -1 in the slots left over),
+  at most `count` ([] int) a client.
 
   Ties in affinity (all of them before any weight is known) are broken at random, so
-  the greedy choice does not always fall on the lowest ids.
+  the greedy choice does not always fall on the lowest ids. `key`: selection_keys'.
   """
   num_clients = affinity.shape[0]
-  explore_key, noise_key = jax.random.split(key)
+  explore_key, noise_key = key if isinstance(key, tuple) else jax.random.split(key)
   noise = jax.random.uniform(noise_key, affinity.shape)
-  not_self = ~jnp.eye(num_clients, dtype=bool) | include_self
-  # Greedy: sort by affinity (descending), then by noise; self sorts last.
+  candidate = ~jnp.eye(num_clients, dtype=bool) | include_self
+  if allowed is not None:
+    candidate = candidate & allowed
+  # Greedy: sort by affinity (descending), then by noise; non-candidates sort last.
   greedy_rank = jax.vmap(lambda a, n, ok: jnp.lexsort((n, jnp.where(ok, -a, jnp.inf))))(
-      affinity, noise, not_self)
-  random_rank = jnp.argsort(jnp.where(not_self, noise, 2.0), axis=1)
-  explore = jax.random.uniform(explore_key, (num_clients, 1)) < epsilon
-  return jnp.where(explore, random_rank, greedy_rank)[:, :num_models].astype(jnp.int32)
+      affinity, noise, candidate)
+  # The official code shuffles apart from its tie-break; one noise serves both per client.
+  shuffle = (jax.random.uniform(jax.random.fold_in(noise_key, 1), affinity.shape)
+             if per_slot else noise)
+  random_rank = jnp.argsort(jnp.where(candidate, shuffle, 2.0), axis=1)
+  if not per_slot and allowed is None and count is None:
+    explore = jax.random.uniform(explore_key, (num_clients, 1)) < epsilon
+    return jnp.where(explore, random_rank, greedy_rank)[:, :num_models].astype(jnp.int32)
+  draws = (num_clients, num_models) if per_slot else (num_clients, 1)
+  explore = jnp.broadcast_to(jax.random.uniform(explore_key, draws) < epsilon,
+                             (num_clients, num_models))
+  count = jnp.asarray(num_models if count is None else count)
+  return jax.vmap(pick_slots, in_axes=(0, 0, 0, 0, None))(
+      greedy_rank, random_rank, explore, candidate, count)
 
 
 def signed_weights(val_loss_own: jax.Array, val_loss_others: jax.Array,
@@ -183,7 +238,8 @@ def fedfomo(config: FedFomoConfig, trainer: ClientTrainer) -> Algorithm:
     affinity = (jnp.eye(num_clients, dtype=jnp.float32) if with_self
                 else jnp.zeros((num_clients, num_clients), jnp.float32))
     server = FedFomoServer(affinity=affinity, round=jnp.zeros((), jnp.int32),
-                           key=raw_key(context.key))
+                           key=raw_key(context.key),
+                           uploaded=jnp.zeros((num_clients,), bool))
     clients = (FomoClient(params=context.params, previous=context.params)
                if keeps_previous else context.params)
     return AlgorithmState(server=server, clients=clients)
@@ -191,11 +247,20 @@ def fedfomo(config: FedFomoConfig, trainer: ClientTrainer) -> Algorithm:
   def broadcast(server: FedFomoServer, client_params):
     num_clients = server.affinity.shape[0]
     epsilon = jnp.maximum(0.0, config.epsilon - config.epsilon_decay * server.round)
-    key = jax.random.fold_in(jax.random.wrap_key_data(server.key), server.round)
+    keys = selection_keys(server.key, server.round)
     candidates = num_clients if with_self else num_clients - 1
-    ids = select_models(server.affinity, key, min(config.num_models, candidates), epsilon,
-                        include_self=with_self)
-    return FomoMessage(models=tree.take(models_of(client_params), ids), ids=ids)
+    allowed, count = None, None
+    if config.pool != "all":
+      uploaded = (jnp.ones((num_clients,), bool) if server.uploaded is None
+                  else server.uploaded)
+      count = jnp.sum(uploaded)
+      if config.pool == "uploaders":  # the client's own model stays a candidate (self)
+        allowed = uploaded[None, :] | jnp.eye(num_clients, dtype=bool)
+    ids = select_models(server.affinity, keys, min(config.num_models, candidates), epsilon,
+                        include_self=with_self, per_slot=config.sampling == "slot",
+                        allowed=allowed, count=None if config.pool == "uploaders" else count)
+    return FomoMessage(models=tree.take(models_of(client_params), jnp.maximum(ids, 0)),
+                       ids=ids)
 
   def client_update(state, message: FomoMessage, data, key):
     params = models_of(state)
@@ -207,6 +272,7 @@ def fedfomo(config: FedFomoConfig, trainer: ClientTrainer) -> Algorithm:
     single = jax.tree.map(lambda leaf: leaf[None], baseline)
     distances = jnp.sqrt(tree.squared_distances(single, message.models)[0])
     raw = signed_weights(val_loss_own, val_loss_others, distances, config.distance_eps)
+    raw = jnp.where(message.ids >= 0, raw, 0.0)  # an empty slot weighs nothing
     weights = normalized_weights(raw)
     params = federated_update(params, message.models, weights)
     trained, stats = trainer.train(params, train_data, key)
@@ -217,10 +283,11 @@ def fedfomo(config: FedFomoConfig, trainer: ClientTrainer) -> Algorithm:
                             jnp.float32)})
 
   def aggregate(server: FedFomoServer, client_params, uploads: FomoUpload, weights):
-    del weights
     rows = jnp.arange(uploads.ids.shape[0])[:, None]
-    affinity = server.affinity.at[rows, uploads.ids].add(uploads.weights)
-    return AlgorithmState(server=server._replace(affinity=affinity, round=server.round + 1),
+    # Empty slots (-1) add their weight 0 to column 0.
+    affinity = server.affinity.at[rows, jnp.maximum(uploads.ids, 0)].add(uploads.weights)
+    return AlgorithmState(server=server._replace(affinity=affinity, round=server.round + 1,
+                                                 uploaded=weights > 0),
                           clients=client_params)
 
   return Algorithm(name="fedfomo", init=init, broadcast=broadcast,
