@@ -81,6 +81,9 @@ OPTION_ROWS += (("fedrep", "phase_optimizer=separate"), ("fedpac", "phase_optimi
 # and PFLlib's (at most as many models as last round's uploaders, its own a candidate).
 OPTION_ROWS += (("fedfomo", "sampling=slot,pool=uploaders"),
                 ("fedfomo", "pool=uploader_count,candidates=self"))
+# pFedLA on BatchNorm (the tiny ResNet), its running averages each client's own and the
+# public codes' sign.
+OPTION_ROWS += (("pfedla", "buffers=own,delta_sign=after_minus_before,model=resnet"),)
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
 # FedAMP's attention from the round's uploaders only (PFLlib's, issue 46): the aggregate

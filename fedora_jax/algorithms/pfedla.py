@@ -37,10 +37,25 @@ H = 100, server learning rate 5e-3, plain SGD (local training there: SGD lr 1e-2
 local epochs, batch 32: the run's flags). Each client's models start from the run's shared
 initial model (KarhouTam/pFedLA draws one per client; FL-bench shares one).
 
-delta_sign: both public implementations feed theta_i' - theta_bar_i (trained minus
-received) to the chain rule and then take a descent step, which to first order moves
-theta_bar_i away from the trained model; "after_minus_before" reproduces them;
-"before_minus_after" (default) is the descent direction, the sign of pFedHN's code.
+delta_sign, derived by hand: local SGD at rate eta takes theta_i' = theta_bar_i - eta
+sum_s g_s, so delta = theta_bar_i - theta_i' is eta times the summed gradients of client
+i's loss, to first order eta T grad L(theta_bar_i). With J = d theta_bar_i / d phi_i, the
+loss's gradient in phi_i is J^T grad L, and the step phi_i -= lr J^T delta moves
+theta_bar_i by -lr J J^T delta (J J^T positive semi-definite): towards theta_i', the loss
+falls. Both public implementations (KarhouTam/pFedLA server/pFedLA.py
+update_hypernetwork, FL-bench) feed theta_i' - theta_bar_i (their client's p1 - p0) as
+grad_outputs and then subtract lr times the result: the same step reversed, theta_bar_i
+moved away from the trained model (tests/test_pfedla.py checks both against the distance
+to theta_i'). "before_minus_after" (the default) is the descent, the sign of pFedHN's
+code; "after_minus_before" gives the public codes' (the verification row runs it). The
+paper's text is not on disk to say which it writes.
+
+buffers: both public codes mix only the trainable tensors; every buffer (BatchNorm's
+running mean and variance) of theta_bar_i is client i's own stored one (their
+generate_client_model_parameters: a one-hot weight for a tensor without requires_grad),
+and none enters the chain rule: "own". "mix" (the default) mixes the running averages
+with their layer's weights, as the rest of the layer (engine/batch_stats.py folds them
+into it); the deltas of the mixed averages then enter the chain rule too.
 Not implemented: HeurpFedLA (the paper's variant that keeps the top-k layers local).
 """
 
@@ -53,6 +68,7 @@ from fedora_jax import tree
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
 from fedora_jax.algorithms.layers import layer_names
 from fedora_jax.algorithms.pfedhn import torch_linear
+from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError, check_one_of
 
@@ -60,6 +76,7 @@ Params = Any
 
 DELTA_SIGNS = ("before_minus_after", "after_minus_before")
 EVALUATIONS = ("aggregate", "local")
+BUFFERS = ("mix", "own")
 
 
 class PfedlaConfig(NamedTuple):
@@ -68,6 +85,7 @@ class PfedlaConfig(NamedTuple):
   server_lr: float = 5e-3    # SGD step of the hypernetworks and embeddings
   delta_sign: str = "before_minus_after"  # or "after_minus_before" (public code)
   evaluate: str = "aggregate"  # score theta_bar_i (public code) or "local": theta_i'
+  buffers: str = "mix"       # own: BatchNorm's running averages stay the client's (codes)
 
 
 FLAG_HELP = {
@@ -78,6 +96,8 @@ FLAG_HELP = {
                   " pFedHN) or after_minus_before (the public pFedLA code)",
     "evaluate": "pFedLA: score each client's aggregate theta_bar_i (aggregate, the public"
                 " code) or the model it last trained (local)",
+    "buffers": "pFedLA: BatchNorm's running averages mixed with their layer (mix) or each"
+               " client's own (own, the public codes: only trainable tensors mixed)",
 }
 
 
@@ -102,6 +122,7 @@ def validate(config: PfedlaConfig) -> PfedlaConfig:
     raise FieldError("pfedla", "server_lr", f"must be > 0, got {config.server_lr}")
   check_one_of("pfedla", config, "delta_sign", DELTA_SIGNS)
   check_one_of("pfedla", config, "evaluate", EVALUATIONS)
+  check_one_of("pfedla", config, "buffers", BUFFERS)
   return config
 
 
@@ -144,20 +165,28 @@ def aggregate_layers(weights: jax.Array, models: Params) -> Params:
                      for l, name in enumerate(names)}}
 
 
-def personalized_models(hypernetworks: LayerHypernetworks, models: Params) -> Params:
-  """theta_bar_i for every client i from its hypernetwork and all clients' models."""
+def personalized_models(hypernetworks: LayerHypernetworks, models: Params,
+                        own_buffers: bool = False) -> Params:
+  """theta_bar_i for every client i from its hypernetwork and all clients' models; with
+  `own_buffers`, its BatchNorm running averages client i's own."""
   num_clients = tree.leading_size(models)
   alpha = jax.vmap(raw_layer_weights)(hypernetworks)                       # [N, L, N]
   weights = jax.vmap(normalized_weights)(alpha, jnp.arange(num_clients))
-  return aggregate_layers(weights, models)
+  mixed = aggregate_layers(weights, models)
+  if not own_buffers:
+    return mixed
+  return jax.tree_util.tree_map_with_path(
+      lambda path, mix, own: own if batch_stats.is_statistic(path) else mix, mixed, models)
 
 
 def server_step(server: PfedlaServer, uploads: Params, weights: jax.Array,
                 config: PfedlaConfig) -> PfedlaServer:
   """The chain-rule update of the sampled clients' hypernetworks, then their new models."""
   active = weights > 0
-  received, pullback = jax.vjp(lambda nets: personalized_models(nets, server.models),
-                               server.hypernetworks)
+  own_buffers = config.buffers == "own"
+  received, pullback = jax.vjp(
+      lambda nets: personalized_models(nets, server.models, own_buffers),
+      server.hypernetworks)
 
   def masked(a, b):
     return jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a - b, 0.0)
@@ -187,7 +216,7 @@ def pfedla(config: PfedlaConfig, trainer: ClientTrainer) -> Algorithm:
 
   def broadcast(server: PfedlaServer, clients):
     del clients
-    return personalized_models(server.hypernetworks, server.models)
+    return personalized_models(server.hypernetworks, server.models, config.buffers == "own")
 
   def client_update(client_state, params, data, key):
     trained, stats = trainer.train(params, data.train, key)
