@@ -102,6 +102,9 @@ OPTION_ROWS += (("adcol", "model=fedavg"),)
 OPTION_ROWS += (("perfedavg", "evaluation=latest"), ("perfedavg", "evaluation=test"))
 # pFedMe training only the sampled clients (PFLlib's; its default trains every client).
 OPTION_ROWS += (("pfedme", "train_clients=sampled"),)
+# FedPHP in PFLlib a41f7ba's form: the global model teaches, each client starts from a
+# mix with its last model, mu ramped over the two rounds.
+OPTION_ROWS += (("fedphp", "teacher=global,mu_max=0.5,mu_participations=2"),)
 # FedAP on BatchNorm (the tiny ResNet), its warm-up's end after round 1 (rounds=2): its
 # similarities from the BatchNorm inputs, then the mixtures; and FL-bench's form.
 OPTION_ROWS += (("fedap", "rounds=2,model=resnet"),

@@ -9,7 +9,7 @@ import pytest
 
 from fedora_jax.algorithms import fedphp
 from fedora_jax.errors import ConfigError
-from tiny import init_params, tiny_data, tiny_model, tiny_trainer
+from tiny import init_params, mean_ce, tiny_data, tiny_model, tiny_trainer
 
 
 def fedrepo_mmd(source, target):
@@ -124,3 +124,54 @@ def test_bad_settings_are_refused():
     fedphp.fedphp(fedphp.FedPhpConfig(reg="l2"), tiny_trainer(tiny_model()))
   with pytest.raises(ConfigError, match="fedphp: mu_max"):
     fedphp.fedphp(fedphp.FedPhpConfig(mu_max=1.0), tiny_trainer(tiny_model()))
+
+
+def test_a41f7ba_form_starts_from_the_mix_and_is_taught_by_the_global_model():
+  data, _ = tiny_data([4, 4])
+  model = tiny_model()
+  trainer = tiny_trainer(model, lr=0.3, batch_size=4, epochs=1)  # one step on all 4
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  x, y = splits.train.x, splits.train.y
+  g, own = init_params(model), init_params(model, seed=3)
+  ce = lambda p: mean_ce(model, p, x, y)
+  step = lambda p, scale: jax.tree.map(lambda a, b: a - 0.3 * scale * b, p, jax.grad(ce)(p))
+  # lambda 0: one CE step from (1 - mu) g + mu w_k.
+  algorithm = fedphp.fedphp(fedphp.FedPhpConfig(lam=0.0, teacher="global"), trainer)
+  client = fedphp.FedPhpClient(hpm=own, local=(), participations=jnp.zeros((), jnp.int32))
+  message = fedphp.GlobalTeacherMessage(model=g, mu=jnp.asarray(0.25))
+  out = jax.jit(algorithm.client_update)(client, message, splits, jax.random.key(0))
+  start = jax.tree.map(lambda a, b: 0.75 * a + 0.25 * b, g, own)
+  chex.assert_trees_all_close(out.upload, step(start, 1.0), atol=1e-6)
+  chex.assert_trees_all_close(out.state.hpm, out.upload)
+  # mu 0: the student starts as its teacher, where the MMD's gradient is 0, so the step is
+  # (1 - lambda) times CE's; at lambda 1 nothing moves (a41f7ba's defaults).
+  for lam in (0.4, 1.0):
+    algorithm = fedphp.fedphp(fedphp.FedPhpConfig(lam=lam, teacher="global",
+                                                  mmd_kernel="pfllib"), trainer)
+    out = jax.jit(algorithm.client_update)(
+        client, message._replace(mu=jnp.asarray(0.0)), splits, jax.random.key(0))
+    chex.assert_trees_all_close(out.upload, step(g, 1.0 - lam), atol=1e-6)
+
+
+def test_a41f7ba_form_ramps_mu_with_the_round_and_scores_the_next_start():
+  model = tiny_model()
+  algorithm = fedphp.fedphp(fedphp.FedPhpConfig(teacher="global", mu_max=0.6,
+                                                mu_participations=4),
+                            tiny_trainer(model))
+  g, own = init_params(model), init_params(model, seed=3)
+  stacked = jax.tree.map(lambda a: jnp.stack([a, a]), own)
+  clients = fedphp.FedPhpClient(hpm=stacked, local=(),
+                                participations=jnp.ones((2,), jnp.int32))
+  uploads = jax.tree.map(lambda a, b: jnp.stack([a, b]), g, own)
+  state = algorithm.aggregate(fedphp.GlobalTeacherServer(model=g, round=jnp.asarray(1)),
+                              clients, uploads, jnp.array([1.0, 3.0]))
+  mean = jax.tree.map(lambda a, b: 0.25 * a + 0.75 * b, g, own)
+  chex.assert_trees_all_close(state.server.model, mean)
+  assert int(state.server.round) == 2
+  message = algorithm.broadcast(state.server, state.clients)
+  np.testing.assert_allclose(message.mu, [0.3, 0.3])   # 0.6 * 2 / 4
+  scored = algorithm.personalized_params(state.server, state.clients)
+  chex.assert_trees_all_close(jax.tree.map(lambda a: a[0], scored), jax.tree.map(
+      lambda m, w: 0.7 * m + 0.3 * w, mean, own), atol=1e-6)
+  with pytest.raises(ConfigError, match="fedphp: teacher"):
+    fedphp.fedphp(fedphp.FedPhpConfig(teacher="local"), tiny_trainer(model))

@@ -38,6 +38,20 @@ optimizer is used as is.
 
 Defaults: mmd with lambda = 0.05, mu_max = 0.9, Q = 100: FedRepo's runs (train_lab.py
 tries KD at 0.05 and MMD at 0.1 and 0.05; PFLlib implements MMD only).
+
+PFLlib's FedPHP at commit a41f7ba (the code behind FedALA's table) is another algorithm,
+`teacher="global"`: the teacher is the global model the client receives, not an HPM.
+Client k, sampled in round t (0-based), starts from the mix
+  w <- (1 - mu_t) w^t + mu_t w_k,    mu_t = min(mu_max t / Q, mu_max)
+of the received model and its own last trained model w_k (its clientphp.set_parameters:
+mu_t = mu R / global_rounds, Q the run's rounds there), trains it on
+(1 - lambda) CE + lambda R(w, w^t) (its MMD on the representations, PFLlib's kernel as
+`mmd_kernel="pfllib"`), keeps it as w_k and uploads it. Scored: the model each client
+would start the next round from, (1 - mu_{t+1}) w^{t+1} + mu_{t+1} w_k (PFLlib's next
+evaluate() after send_models, at full participation; a client its selection leaves out
+it scores on w_k). Its main.py defaults mu 0 (every client starts from, and is scored
+on, the global model) and lambda 1, which leaves the CE term out: from w = w^t the MMD
+and its gradient are 0, so nothing trains. No ALA host (its teacher is the message).
 """
 
 from typing import Any, NamedTuple
@@ -57,6 +71,7 @@ Params = Any
 REGULARIZERS = ("mmd", "kd")
 PERSONAL_MODELS = ("hpm", "local")
 MMD_KERNELS = ("fedrepo", "pfllib")
+TEACHERS = ("hpm", "global")  # FedRepo's and PFLlib's head; PFLlib a41f7ba's
 # PFLlib's MMD(x, y, 'rbf'): fixed bandwidths a, kernels exp(-d / (2 a)).
 PFLLIB_BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)
 # FedRepo's guassian_kernel: kernel_mul 2, kernel_num 5.
@@ -71,6 +86,7 @@ class FedPhpConfig(NamedTuple):
   temperature: float = 4.0      # kd: the HPM's logits are divided by T
   personal_model: str = "hpm"   # evaluated: "hpm" (FedRepo) or "local" (PFLlib)
   mmd_kernel: str = "fedrepo"   # mmd's kernels: "fedrepo" (data-driven) or "pfllib" (fixed)
+  teacher: str = "hpm"          # "hpm", or "global": PFLlib a41f7ba's FedPHP
 
 
 FLAG_HELP = {
@@ -85,6 +101,9 @@ FLAG_HELP = {
     "mmd_kernel": "FedPHP: mmd's Gaussian kernels, fedrepo (5 bandwidths scaled by the"
                   " batch's mean squared distance, the authors') or pfllib (fixed"
                   " bandwidths 10, 15, 20, 50)",
+    "teacher": "FedPHP: hpm (the HPM teaches, the authors' and PFLlib's) or global"
+               " (PFLlib a41f7ba's: the received global model teaches, the client starts"
+               " from (1 - mu) global + mu its last model, mu ramped over the rounds)",
 }
 
 
@@ -107,6 +126,7 @@ def validate(config: FedPhpConfig) -> FedPhpConfig:
     raise FieldError("fedphp", "temperature", f"must be > 0, got {config.temperature}")
   check_one_of("fedphp", config, "personal_model", PERSONAL_MODELS)
   check_one_of("fedphp", config, "mmd_kernel", MMD_KERNELS)
+  check_one_of("fedphp", config, "teacher", TEACHERS)
   return config
 
 
@@ -196,6 +216,8 @@ def fedphp(config: FedPhpConfig, trainer: ClientTrainer) -> Algorithm:
     raise ConfigError("fedphp needs the model's forward pass (ClientTrainer.apply)")
   if config.reg == "kd" and trainer.task != "classification":
     raise FieldError("fedphp", "reg", "kd distils class probabilities; use mmd for regression")
+  if config.teacher == "global":
+    return _global_teacher(config, trainer)
   keep_local = config.personal_model == "local"
 
   def init(context: InitContext) -> AlgorithmState:
@@ -232,3 +254,67 @@ def fedphp(config: FedPhpConfig, trainer: ClientTrainer) -> Algorithm:
                    # theta_hat is where the local model's training starts; theta_i is the
                    # trained w_k (the upload); ALA leaves the HPM alone (clientphp.py).
                    ala_hooks=model_message(personal_is_local=False))
+
+
+class GlobalTeacherServer(NamedTuple):
+  model: Params       # w^t
+  round: jax.Array    # [] int32, rounds aggregated so far
+
+
+class GlobalTeacherMessage(NamedTuple):
+  model: Params       # [K, ...] w^t, the teacher
+  mu: jax.Array       # [K] the round's mu_t
+
+
+def round_weight(rounds: jax.Array, config: FedPhpConfig) -> jax.Array:
+  """mu_t = min(mu_max t / Q, mu_max), t the rounds aggregated so far."""
+  return jnp.minimum(config.mu_max * rounds / config.mu_participations, config.mu_max)
+
+
+def mix(global_params: Params, own: Params, mu: jax.Array) -> Params:
+  """(1 - mu) w^t + mu w_k."""
+  return jax.tree.map(lambda g, w: (1.0 - mu) * g + mu * w, global_params, own)
+
+
+def _global_teacher(config: FedPhpConfig, trainer: ClientTrainer) -> Algorithm:
+  """PFLlib a41f7ba's FedPHP (the module docstring). A client's state keeps w_k in its
+  `hpm` field."""
+
+  def init(context: InitContext) -> AlgorithmState:
+    num_clients = tree.leading_size(context.params)
+    split_body_head(tree.first(context.params), 1, "fedphp's head")  # a model with a head
+    return AlgorithmState(
+        server=GlobalTeacherServer(model=tree.first(context.params),
+                                   round=jnp.zeros((), jnp.int32)),
+        clients=FedPhpClient(hpm=context.params, local=(),
+                             participations=jnp.zeros((num_clients,), jnp.int32)))
+
+  def broadcast(server: GlobalTeacherServer, clients: FedPhpClient):
+    num_clients = clients.participations.shape[0]
+    return GlobalTeacherMessage(
+        model=tree.broadcast_to_clients(server.model, num_clients),
+        mu=jnp.full((num_clients,), round_weight(server.round, config)))
+
+  def client_update(client: FedPhpClient, message: GlobalTeacherMessage, data, key):
+    head = split_body_head(message.model, 1, "fedphp's head")[1][0]
+    loss_fn = php_loss(trainer, head_inputs(trainer.apply, head), config, message.model)
+    start = mix(message.model, client.hpm, message.mu)
+    trained, stats = trainer.train(start, data.train, key, loss_fn=loss_fn)
+    state = FedPhpClient(hpm=trained, local=(), participations=client.participations + 1)
+    return ClientOutput(state=state, upload=trained, train=stats,
+                        metrics={"start_mu": message.mu})
+
+  def aggregate(server: GlobalTeacherServer, clients, uploads, weights):
+    return AlgorithmState(
+        server=GlobalTeacherServer(model=tree.weighted_mean(uploads, weights),
+                                   round=server.round + 1),
+        clients=clients)
+
+  def personalized_params(server: GlobalTeacherServer, clients: FedPhpClient):
+    # The model each client starts the next round from: PFLlib's next evaluation.
+    message = broadcast(server, clients)
+    return jax.vmap(mix)(message.model, clients.hpm, message.mu)
+
+  return Algorithm(name="fedphp", init=init, broadcast=broadcast,
+                   client_update=client_update, aggregate=aggregate,
+                   personalized_params=personalized_params)
