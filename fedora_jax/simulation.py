@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedora_jax import availability, tree
+from fedora_jax.algorithms import dp
 from fedora_jax.algorithms.base import Algorithm, InitContext
 from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
@@ -147,9 +148,11 @@ def check_finite(metrics: RoundMetrics, round_number: int,
   if bad.any():
     clients = np.flatnonzero(bad).tolist()
     shown = ", ".join(map(str, clients[:10])) + (" ..." if len(clients) > 10 else "")
+    # DP's noise, when it dominates the model trained from, not the learning rate.
+    hint = dp.divergence_hint(metrics.extra, round_number) or "lower --lr or check the data"
     raise TrainingDivergedError(
         f"NaN or Inf loss in round {round_number} at client(s) {shown}"
-        f" ({len(clients)} of {len(bad)}); lower --lr or check the data")
+        f" ({len(clients)} of {len(bad)}); {hint}")
 
 
 class PreparedRun(NamedTuple):

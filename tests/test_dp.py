@@ -15,7 +15,7 @@ from fedora_jax import algorithms, tree
 from fedora_jax.algorithms import dp
 from fedora_jax.algorithms.base import InitContext
 from fedora_jax.algorithms.extended_server import Extended
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, TrainingDivergedError
 from fedora_jax.simulation import TrainConfig, run_algorithm
 
 KEY = jax.random.key(0)
@@ -233,3 +233,51 @@ def test_resolve_finds_the_noise_for_a_target_epsilon_and_the_cohort():
   with pytest.raises(ConfigError, match="Poisson sampling only"):
     dp.resolve(dp.DpConfig(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5, accountant="pld"),
                rounds=5, num_clients=30, participation=0.2, sampled=6)
+
+
+def test_each_client_reports_the_model_it_received_and_the_noise_on_the_mean():
+  """dp_received_norm is ||theta||; dp_noise_norm is z C sqrt(P) / m, the norm the
+  server's noise on the mean then has (400,000 coordinates: within 1 %)."""
+  data, _ = tiny.tiny_data([6, 6, 6, 6])
+  model = tiny.tiny_model()
+  config = dp.DpConfig(clip_norm=0.5, noise_multiplier=3.0, delta=1e-5, expected_clients=4.0)
+  algorithm = fedavg_with_dp(config, tiny.tiny_trainer(model))
+  state = initial_state(algorithm, data, model, 4)
+  messages = algorithm.broadcast(state.server, state.clients)
+  out = jax.vmap(algorithm.client_update)(state.clients, messages, data.buckets[0],
+                                          jax.random.split(KEY, 4))
+  theta = state.server.host
+  size = sum(leaf.size for leaf in jax.tree.leaves(theta))
+  np.testing.assert_allclose(out.metrics["dp_received_norm"], dp.global_norm(theta), rtol=1e-6)
+  np.testing.assert_allclose(out.metrics["dp_noise_norm"], 3.0 * 0.5 * math.sqrt(size) / 4.0,
+                             rtol=1e-6)
+  wide = big_server()
+  released = aggregate_zero_updates(config, 4, jnp.ones(4), clip_norm=0.5).host
+  want = float(dp.noise_norm(jnp.float32(3.0 * 0.5), wide, 4.0))
+  assert abs(float(dp.global_norm(released)) / want - 1) < 1e-2
+  assert math.isnan(float(dp.noise_norm(jnp.float32(1.0), wide, 0.0)))  # m not known
+
+
+def test_a_divergence_says_dp_noise_only_when_it_dominates_the_model_trained_from():
+  noisy = {"dp_noise_norm": np.full(3, 281.1), "dp_received_norm": np.array([281.3] * 3)}
+  line = dp.divergence_hint(noisy, 2)
+  assert "norm 281" in line and "mostly DP noise" in line and "\n" not in line
+  assert dp.divergence_hint(noisy, 1) is None  # round 1 trains from the initial model
+  small = {"dp_noise_norm": np.full(3, 1.0), "dp_received_norm": np.full(3, 14.0)}
+  assert dp.divergence_hint(small, 5) is None
+  assert dp.divergence_hint({}, 5) is None  # no DP
+
+
+def test_a_run_that_diverges_under_dp_noise_stops_with_the_noise_against_the_model():
+  """Noise of norm 2.4e5 on a 3-hidden-layer MLP: round 2's SGD from the release is not
+  finite, and the line names the noise, not the learning rate."""
+  data, _ = tiny.tiny_data([5, 6, 9, 5, 8, 7])
+  train = TrainConfig(rounds=3, local_epochs=1, batch_size=4, lr=0.1, log_every=0,
+                      client_weights="uniform")
+  config = dp.DpConfig(clip_norm=1.0, noise_multiplier=1e5, delta=1e-5, expected_clients=6.0)
+  with pytest.raises(TrainingDivergedError) as error:
+    run_algorithm(algorithms.make("fedavg", algorithms.Plugged(
+        algorithms.default_config("fedavg"), dp=config)),
+        tiny.tiny_model(hidden=(8, 8, 8)), data, train, progress=None)
+  line = str(error.value)
+  assert "in round 2" in line and "mostly DP noise" in line and "--lr" not in line

@@ -219,6 +219,32 @@ def clip(update: PyTree, clip_norm: jax.Array) -> tuple[PyTree, jax.Array]:
   return jax.tree.map(lambda leaf: leaf * scale, update), norm
 
 
+def noise_norm(std: jax.Array, like: PyTree, expected_clients: float) -> jax.Array:
+  """The expected L2 norm of the noise the server adds to the mean of updates shaped as
+  `like` (std z C on the sum, divided by m): z C sqrt(P) / m, P the coordinates; NaN when
+  m is the round's count (expected_clients 0), which a client does not know."""
+  coordinates = sum(leaf.size for leaf in jax.tree.leaves(like))
+  if not expected_clients:
+    return jnp.asarray(jnp.nan, jnp.float32)
+  return std * math.sqrt(coordinates) / expected_clients
+
+
+def divergence_hint(extra: dict, round_number: int) -> str | None:
+  """For a round whose training diverged, what DP did, from the clients' metrics (`extra`,
+  each [K]): when the model they started from carried a release's noise (round 2 on) whose
+  norm is at least half that model's, a line saying so; else None (not DP's doing)."""
+  if round_number < 2 or "dp_noise_norm" not in extra:
+    return None
+  noise = float(np.nanmean(extra["dp_noise_norm"]))
+  model = float(np.nanmean(extra["dp_received_norm"]))
+  if not (math.isfinite(noise) and math.isfinite(model) and noise >= model / 2):
+    return None
+  return (f"the model the clients trained from (the last release) has norm {model:.3g}"
+          f" and the Gaussian noise DP adds to each release has norm {noise:.3g}: training"
+          " from a model that is mostly DP noise diverged; at this epsilon the mean needs"
+          " a larger cohort or a smaller clip norm")
+
+
 def gaussian_like(total: PyTree, key: jax.Array, std: jax.Array) -> PyTree:
   """N(0, std^2) noise shaped as `total`, each leaf from its own key."""
   leaves, treedef = jax.tree.flatten(total)
@@ -298,7 +324,12 @@ def with_dp(host: Algorithm, config: DpConfig, name: str | None = None) -> Algor
     update = jax.tree.map(jnp.subtract, out.upload, mean.sent(message.host))
     clipped, norm = clip(update, message.clip_norm)
     unclipped = (norm <= message.clip_norm).astype(jnp.float32)
-    metrics = {**out.metrics, "dp_update_norm": norm, "dp_clipped": 1.0 - unclipped}
+    theta = mean.sent(message.host)
+    metrics = {**out.metrics, "dp_update_norm": norm, "dp_clipped": 1.0 - unclipped,
+               # What a diverged run's line compares (divergence_hint).
+               "dp_received_norm": global_norm(theta),
+               "dp_noise_norm": noise_norm(update_noise * message.clip_norm, theta,
+                                           config.expected_clients)}
     included = message.included
     upload = DpUpload(update=clipped, unclipped=unclipped,
                       included=included.astype(jnp.float32))
