@@ -165,6 +165,9 @@ BAD_INPUT = [
      "--attack needs an algorithm whose server averages a shared part"),
     (["--algorithm=fedavg", "--num_clients=10", "--aggregation=krum", "--attack=alie",
       "--attackers=0.4"], "--aggregation=krum needs n > 2f + 2 uploads a round"),
+    (["--algorithm=fedavg", "--num_clients=4", "--aggregation=norm_bound",
+      "--attack=gaussian", "--attackers=0.5"],
+     "--aggregation=norm_bound cannot tolerate half or more of the uploads Byzantine"),
     ("corrupt", "truncated or corrupt"),
 ]
 

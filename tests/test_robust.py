@@ -160,6 +160,10 @@ def test_tolerance_bad_input_is_one_line():
   with pytest.raises(ConfigError, match="trims 1 of 10 values at each end"):
     robust.check_tolerance(robust.RobustConfig(rule="trimmed_mean", beta=0.1), 0.2, 10)
   robust.check_tolerance(robust.RobustConfig(rule="trimmed_mean", beta=0.2), 0.2, 10)
+  for rule in ("centered_clip", "norm_bound"):
+    robust.check_tolerance(robust.RobustConfig(rule=rule), 0.45, 10)
+    with pytest.raises(ConfigError, match=f"{rule} cannot tolerate half or more"):
+      robust.check_tolerance(robust.RobustConfig(rule=rule), 0.5, 10)
   for bad in ({"rule": "mode"}, {"beta": 0.5}, {"tau": 0.0}, {"iterations": 0},
               {"start": "middle"}, {"bound": -1.0}, {"byzantine": 0.7}):
     with pytest.raises(ConfigError):

@@ -140,6 +140,12 @@ def check_tolerance(config: RobustConfig, attackers: float, num_uploads: int) ->
     raise ConfigError(f"--aggregation=trimmed_mean trims {_trimmed(config.beta, num_uploads)} of"
                       f" {num_uploads} values at each end (--robust_beta {config.beta:g}),"
                       f" fewer than the {expected} attackers of --attackers {attackers:g}")
+  elif rule in ("centered_clip", "norm_bound") and attackers >= 0.5:
+    # No bound of their own, but half or more Byzantine uploads can pass for the honest
+    # ones: no aggregation rule tolerates them (the median's bound is every rule's).
+    raise ConfigError(f"--aggregation={rule} cannot tolerate half or more of the uploads"
+                      f" Byzantine (they can pass for the honest ones, whatever the rule);"
+                      f" --attackers is {attackers:g}")
 
 
 def _trimmed(beta: float, num_uploads):
