@@ -112,6 +112,10 @@ OPTION_ROWS += (("fedphp", "teacher=global,mu_max=0.5,mu_participations=2"),)
 # similarities from the BatchNorm inputs, then the mixtures; and FL-bench's form.
 OPTION_ROWS += (("fedap", "rounds=2,model=resnet"),
                 ("fedap", "rounds=2,batch_norm=statistics,score=trained,model=resnet"))
+# APPLE in PFLlib's form (issue 46): p from 1/N, its mean-of-means gradient after the core's
+# step, the mixture before the last step uploaded, lambda a round late.
+OPTION_ROWS += (("apple", "p_start=uniform,p_gradient=pfllib,upload=mixture,"
+                          "lambda_round=previous"),)
 # Clients as they really are (issue 51; fedora_jax/availability.py): 30 % dropout and
 # half the clients straggling (partial work), or a deadline that drops the slow ones, as
 # rows of their own on both paths above and at full participation (FULL: the masks on

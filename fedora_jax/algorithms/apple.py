@@ -51,6 +51,22 @@ keeps it.
     parameter tensor's entries shuffled, a fresh draw of the same initialiser).
 Partial participation: only the sampled clients train and download; the authors' and
 PFLlib's clients all train every round (cross-silo).
+
+PFLlib's form (TsingZ0/PFLlib clientapple.py, its check (a) row in docs/verification.md),
+four options, each off by default:
+  * `p_start="uniform"`: p starts at 1/N while p_0 stays the size shares (its ps, p0).
+  * `p_gradient="pfllib"`: p_ij's gradient is the mean over the parameter tensors t of
+    mean(grad_t * w_c^j_t), read after the own core's step (it steps the core first);
+    the own core's term is the gradient at the step's start plus the step's share, which
+    reads the step the core took: (p_lr_scale / core_lr_scale) mean_t mean(dw_t^2) / p_ii
+    under plain SGD (its hand-written step). Its proximal gradient lambda mu (p - p_0) is
+    ours at half its mu.
+  * `upload="mixture"`: the client's w_p from the start of its last local step (its
+    self.model, built before the step) is uploaded as its core model and scored; its
+    trained core is dropped ("recover self.model_cs[self.id]", then model_c = a copy of
+    self.model).
+  * `lambda_round="previous"`: lambda of the round before (its client sets lambda after
+    training; 1 in the first two rounds). Its L is int(args.L * rounds).
 """
 
 from typing import Any, NamedTuple
@@ -72,6 +88,10 @@ SCHEDULES = ("cosine", "exponential")
 P0S = ("sizes", "uniform")
 DOWNLOADS = ("weighted", "random")
 CORE_INITS = ("shared", "independent")
+P_STARTS = ("p0", "uniform")
+P_GRADIENTS = ("exact", "pfllib")
+UPLOADS = ("core", "mixture")
+LAMBDA_ROUNDS = ("current", "previous")
 # The authors' limited-bandwidth constants: --thresh 1.5 and --lamb 1.
 DOWNLOAD_THRESHOLD, DOWNLOAD_LAMB = 1.5, 1.0
 
@@ -86,6 +106,10 @@ class AppleConfig(NamedTuple):
   num_models: int = 0           # M core models refreshed per round; 0: all
   download: str = "weighted"    # M > 0: "weighted" (the authors' rule) or "random"
   core_init: str = "shared"     # "shared" initial model or "independent" (authors)
+  p_start: str = "p0"           # p's start: p_0 (the paper's) or "uniform" (PFLlib's 1/N)
+  p_gradient: str = "exact"     # "exact" or "pfllib" (its mean over tensors, core stepped)
+  upload: str = "core"          # "core" (trained) or "mixture" (PFLlib: w_p before last step)
+  lambda_round: str = "current" # lambda(r), or "previous": lambda(r - 1) (PFLlib's lag)
 
 
 FLAG_HELP = {
@@ -104,6 +128,12 @@ FLAG_HELP = {
                 " random choice of the M",
     "core_init": "APPLE: core models start from the shared initial model (shared) or"
                  " independently initialised ones (independent, the authors')",
+    "p_start": "APPLE: the DR vectors start at p0 (the paper's) or uniform (1/N, PFLlib's)",
+    "p_gradient": "APPLE: p's gradient, exact or pfllib (a mean over tensors of means, the"
+                  " own core already stepped: PFLlib's, under plain SGD)",
+    "upload": "APPLE: the core model uploaded and the model scored: core (the trained"
+              " core, its w_p from it) or mixture (w_p from before the last step, PFLlib's)",
+    "lambda_round": "APPLE: lambda of the current round or the previous one (PFLlib's lag)",
 }
 
 
@@ -150,7 +180,9 @@ def validate(config: AppleConfig) -> AppleConfig:
   if config.num_models < 0:
     raise FieldError("apple", "num_models", f"must be >= 0, got {config.num_models}")
   for field, allowed in (("schedule", SCHEDULES), ("p0", P0S), ("download", DOWNLOADS),
-                         ("core_init", CORE_INITS)):
+                         ("core_init", CORE_INITS), ("p_start", P_STARTS),
+                         ("p_gradient", P_GRADIENTS), ("upload", UPLOADS),
+                         ("lambda_round", LAMBDA_ROUNDS)):
     check_one_of("apple", config, field, allowed)
   return config
 
@@ -182,21 +214,65 @@ def scale_gradient(params: Params, factor: float) -> Params:
                       params)
 
 
-def apple_loss(trainer: ClientTrainer, cores: Params, index: jax.Array, p_start: jax.Array,
-               p_scale: float, core_scale: float):
-  """loss_fn(AppleTrained, x, y, weights) = CE(sum_j p_j w_c^j), the other cores fixed.
+def tensor_weights(model: Params) -> Params:
+  """1 / (T size_t) for each of a model's T tensors: sum_t w_t <a_t, b_t> is the mean over
+  the tensors of mean(a_t * b_t) (PFLlib's p gradient)."""
+  count = len(jax.tree.leaves(model))
+  return jax.tree.map(lambda a: 1.0 / (count * a.size), model)
+
+
+def apple_mixture(cores: Params, index: jax.Array, p_start: jax.Array, p_scale: float,
+                  core_scale: float, p_gradient: str = "exact"):
+  """mixture(AppleTrained) = sum_j p_j w_c^j, the other cores fixed.
 
   The mixture is sum_j p_j cores_j + p_i (w_c^i - cores_i): the held cores mixed once,
-  plus the own core's change, so no [N, ...] copy is written per step."""
+  plus the own core's change, so no [N, ...] copy is written per step. With p_gradient
+  "pfllib" its value is the same, and p's gradient sum_t w_t <grad_t, w_c^j_t>
+  (tensor_weights), through a zero term b - stop_gradient(b) that only p reaches."""
   own_start = tree.take(cores, index)
+  weights = tensor_weights(own_start)
 
-  def loss(trained: AppleTrained, x, y, weights):
+  def mix(p, core):
+    return jax.tree.map(lambda m, c, c0: m + p[index] * (c - c0),
+                        personalized_model(p, cores), core, own_start)
+
+  def mixture(trained: AppleTrained) -> Params:
     p = p_start + p_scale * trained.q
     core = scale_gradient(trained.core, core_scale)
-    mixed = jax.tree.map(lambda m, c, c0: m + p[index] * (c - c0),
-                         personalized_model(p, cores), core, own_start)
-    return trainer.loss(mixed, x, y, weights)
-  return loss
+    if p_gradient == "exact":
+      return mix(p, core)
+    held = mix(jax.lax.stop_gradient(p), core)
+    probe = mix(p, jax.lax.stop_gradient(core))
+    return jax.tree.map(lambda m, b, w: m + w * (b - jax.lax.stop_gradient(b)),
+                        held, probe, weights)
+  return mixture
+
+
+def apple_loss(trainer: ClientTrainer, cores: Params, index: jax.Array, p_start: jax.Array,
+               p_scale: float, core_scale: float, p_gradient: str = "exact"):
+  """loss_fn(AppleTrained, x, y, weights) = CE(sum_j p_j w_c^j) (apple_mixture)."""
+  mixture = apple_mixture(cores, index, p_start, p_scale, core_scale, p_gradient)
+  return lambda trained, x, y, weights: trainer.loss(mixture(trained), x, y, weights)
+
+
+def stepped_core_term(p_start: jax.Array, index: jax.Array, p_scale: float,
+                      core_scale: float):
+  """post_step for p_gradient "pfllib": p_ii's gradient read after the own core's step.
+
+  PFLlib steps the core by dw = -eta p_ii g, then p_ii by its gradient with the stepped
+  core, mean_t mean(g_t (w_t + dw_t)): beyond the gradient at the step's start, a step of
+  -rho mean_t mean(g_t dw_t) = (rho / (eta p_ii)) mean_t mean(dw_t^2), rho / eta =
+  p_lr_scale / core_lr_scale (lr cancels); on q (p = p_start + p_scale q) that is
+  p_scale / core_lr_scale times it. Exact under plain SGD (dw proportional to g)."""
+  def post_step(new: AppleTrained, old: AppleTrained) -> AppleTrained:
+    if p_scale == 0.0 or core_scale == 0.0:
+      return new
+    p_own = p_start[index] + p_scale * old.q[index]
+    moved = jax.tree.map(lambda a, b: a - b, new.core, old.core)
+    squares = jnp.mean(jnp.stack([jnp.mean(jnp.square(d)) for d in jax.tree.leaves(moved)]))
+    term = jnp.where(p_own != 0, squares / jnp.where(p_own != 0, p_own, 1.0), 0.0)
+    return new._replace(q=new.q.at[index].add(p_scale / core_scale * term))
+  return post_step
 
 
 def download_choice(relations: jax.Array, downloaded: jax.Array, key: jax.Array,
@@ -247,10 +323,12 @@ def apple(config: AppleConfig, trainer: ClientTrainer) -> Algorithm:
       p0 = sizes / jnp.sum(sizes)
     else:
       p0 = jnp.full((num_clients,), 1.0 / num_clients, jnp.float32)
-    p = jnp.broadcast_to(p0, (num_clients, num_clients))
+    start = p0 if config.p_start == "p0" else jnp.full((num_clients,), 1.0 / num_clients,
+                                                         jnp.float32)
+    p = jnp.broadcast_to(start, (num_clients, num_clients))
     copies = tree.broadcast_to_clients(cores, num_clients) if limited(num_clients) else ()
     clients = AppleClient(index=jnp.arange(num_clients, dtype=jnp.int32), p=p,
-                          personal=tree.broadcast_to_clients(personalized_model(p0, cores),
+                          personal=tree.broadcast_to_clients(personalized_model(start, cores),
                                                              num_clients),
                           copies=copies)
     server = AppleServer(cores=cores, relations=p, p0=p0,
@@ -284,23 +362,43 @@ def apple(config: AppleConfig, trainer: ClientTrainer) -> Algorithm:
           message.cores, client.copies)
       copies = cores
     own = tree.take(cores, client.index)
-    coef = config.mu * reg_schedule(message.round, config)
+    round_index = message.round
+    if config.lambda_round == "previous":  # PFLlib sets lambda after training
+      round_index = jnp.maximum(round_index - 1, 0)
+    coef = config.mu * reg_schedule(round_index, config)
 
     def proximal(trained: AppleTrained):
       p = client.p + scale * trained.q
       return coef * jnp.sum(jnp.square(p - message.p0))
 
     start = AppleTrained(core=own, q=jnp.zeros_like(client.p))
-    trained, stats = trainer.train(
-        start, data.train, key, regularizer=proximal,
-        loss_fn=apple_loss(trainer, cores, client.index, client.p, scale,
-                           config.core_lr_scale))
+    mixture = apple_mixture(cores, client.index, client.p, scale, config.core_lr_scale,
+                            config.p_gradient)
+    post_step = (stepped_core_term(client.p, client.index, scale, config.core_lr_scale)
+                 if config.p_gradient == "pfllib" else None)
+    if config.upload == "mixture":
+      # The carry: the mixture each step starts from; the last one is w_p before the
+      # last step.
+      def carried(trained, _, x, y, weights):
+        mixed = mixture(trained)
+        return trainer.loss(mixed, x, y, weights), jax.lax.stop_gradient(mixed)
+      trained, stats, before_last = trainer.train(
+          start, data.train, key, regularizer=proximal, post_step=post_step,
+          loss_fn=carried, carry=mixture(start))
+      uploaded = before_last
+    else:
+      trained, stats = trainer.train(
+          start, data.train, key, regularizer=proximal, post_step=post_step,
+          loss_fn=lambda trained, x, y, weights: trainer.loss(mixture(trained), x, y,
+                                                               weights))
+      uploaded = trained.core
     p = client.p + scale * trained.q
     cores = with_own_core(cores, client.index, trained.core)
-    state = AppleClient(index=client.index, p=p,
-                        personal=personalized_model(p, cores),
-                        copies=copies if isinstance(copies, tuple) else cores)
-    return ClientOutput(state=state, upload=(trained.core, message.fresh), train=stats,
+    personal = personalized_model(p, cores) if config.upload == "core" else uploaded
+    copies = copies if isinstance(copies, tuple) else with_own_core(cores, client.index,
+                                                                   uploaded)
+    state = AppleClient(index=client.index, p=p, personal=personal, copies=copies)
+    return ClientOutput(state=state, upload=(uploaded, message.fresh), train=stats,
                         metrics={"p_self": p[client.index], "lambda_mu": coef})
 
   def aggregate(server: AppleServer, clients: AppleClient, uploads, weights):
