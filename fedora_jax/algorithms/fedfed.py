@@ -370,8 +370,10 @@ def fedfed(config: FedFedConfig, trainer: ClientTrainer) -> Algorithm:
       classifier, variables = jax.tree.map(lambda s: s / total, sums)
       return (classifier, variables, tuple(new_states)), None
 
-    (classifier, variables, _), _ = jax.lax.scan(
-        stage_round, (initial, variables, opt_states), jnp.arange(config.distill_rounds))
+    classifier = initial
+    if config.distill_rounds:  # a scan of none would still compile the stage
+      (classifier, variables, _), _ = jax.lax.scan(
+          stage_round, (initial, variables, opt_states), jnp.arange(config.distill_rounds))
     parts = []
     for b, train in enumerate(trains):
       keys = jax.random.split(jax.random.fold_in(share_key, b), train.n.shape[0])
