@@ -77,6 +77,9 @@ OPTION_ROWS += (("metafed", "rounds=2,threshold=0"),
 # FedRep and FedPAC with a fresh optimizer state when the body's phase begins (the
 # authors' optimizer per phase).
 OPTION_ROWS += (("fedrep", "phase_optimizer=separate"), ("fedpac", "phase_optimizer=separate"))
+# FedPAC in PFLlib's form (issue 46): its plain prototype mean, no pull without a global
+# prototype, the head weights left as zeroed.
+OPTION_ROWS += (("fedpac", "proto_mean=clients,missing_proto=own,renormalize=false"),)
 # FedFomo's official sampling (explore or exploit per slot, last round's uploaders only)
 # and PFLlib's (at most as many models as last round's uploaders, its own a candidate).
 OPTION_ROWS += (("fedfomo", "sampling=slot,pool=uploaders"),

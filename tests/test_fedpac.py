@@ -72,6 +72,40 @@ def test_combination_weights_with_an_active_bound():
   tiny = weights_of(jnp.array([1.0, 1.0]), jnp.array([0.0, 30.0]).reshape(2, 1, 1),
                     jnp.ones(2, bool), 500, 1e-2)
   np.testing.assert_allclose(tiny[0], [1.0, 0.0])     # unclipped: (901, 1) / 902
+  # PFLlib's add_heads uses them as zeroed, summing below 1 (renormalize=False).
+  kept = jax.jit(fedpac.combination_weights, static_argnums=(3, 4, 5))(
+      jnp.array([1.0, 1.0]), jnp.array([0.0, 30.0]).reshape(2, 1, 1), jnp.ones(2, bool),
+      2000, 1e-2, False)
+  np.testing.assert_allclose(kept[0], [901 / 902, 0.0], rtol=1e-5)
+
+
+def test_global_prototypes_by_class_counts_or_by_clients():
+  # Client 0 holds one sample of class 0 (feature 2); client 1 two of class 0 (features
+  # summing to 6, mean 3) and three of class 1 (sum 9, mean 3); client 2 sat out.
+  counts = jnp.array([[1.0, 0.0], [2.0, 3.0], [5.0, 5.0]])
+  sums = jnp.array([[[2.0], [0.0]], [[6.0], [9.0]], [[50.0], [50.0]]])
+  members = jnp.array([True, True, False])
+  protos, has = fedpac.global_prototypes(counts, sums, members, "counts")
+  np.testing.assert_allclose(protos, [[8 / 3], [3.0]], rtol=1e-6)   # (2 + 6) / (1 + 2)
+  np.testing.assert_array_equal(has, [True, True])
+  protos, has = fedpac.global_prototypes(counts, sums, members, "clients")
+  np.testing.assert_allclose(protos, [[2.5], [3.0]], rtol=1e-6)     # (2 + 3) / 2; 3 / 1
+  # A class no member holds: no prototype, zeros.
+  protos, has = fedpac.global_prototypes(counts, sums, jnp.array([True, False, False]),
+                                         "clients")
+  np.testing.assert_allclose(protos, [[2.0], [0.0]])
+  np.testing.assert_array_equal(has, [True, False])
+
+
+def test_alignment_loss_leaves_unknown_classes_unpulled_but_counted():
+  # PFLlib's clientpac: a sample whose class has no global prototype is its own target.
+  z = jnp.array([[1.0, 2.0], [0.0, 1.0]])
+  y = jnp.array([1, 0])
+  targets = jnp.array([[0.0, 0.0], [1.0, 0.0]])
+  known = jnp.array([False, True])
+  loss_of = lambda f: fedpac.alignment_loss(f, y, jnp.ones(2), targets, known)
+  np.testing.assert_allclose(loss_of(z), 4.0 / (2 * 2))   # sample 0 only, over 2 x 2
+  np.testing.assert_allclose(jax.grad(loss_of)(z), [[0.0, 4.0 / 4], [0.0, 0.0]])
 
 
 def _features(params, x):
@@ -85,12 +119,15 @@ def _ce(params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def test_client_step_trains_the_head_then_the_body_towards_the_prototypes():
+# missing_proto="own" (PFLlib's): class 1, which has no global prototype, is not pulled.
+@pytest.mark.parametrize("missing_proto", ["local_mean", "own"])
+def test_client_step_trains_the_head_then_the_body_towards_the_prototypes(missing_proto):
   data, clients = tiny_data([6], num_classes=3)
   model = tiny_model()                               # body Dense_0 (5 ReLU), head Dense_1
   trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=2)   # one full batch an epoch
   lam = 0.7
-  algorithm = fedpac.fedpac(fedpac.FedPacConfig(lam=lam, head_epochs=1), trainer)
+  algorithm = fedpac.fedpac(fedpac.FedPacConfig(lam=lam, head_epochs=1,
+                                                missing_proto=missing_proto), trainer)
   params = init_params(model)
   x, y = jnp.asarray(clients[0].x_train), jnp.asarray(clients[0].y_train)
   protos = jnp.arange(15.0).reshape(3, 5) / 10.0
@@ -110,8 +147,10 @@ def test_client_step_trains_the_head_then_the_body_towards_the_prototypes():
   g = jax.grad(_ce)(params, x, y)
   p1 = {"params": {"Dense_0": params["params"]["Dense_0"], "Dense_1": jax.tree.map(
       lambda a, b: a - LR * b, params["params"]["Dense_1"], g["params"]["Dense_1"])}}
-  body_loss = lambda p: _ce(p, x, y) + lam * jnp.mean(
-      jnp.square(_features(p, x) - targets[y]))
+  pulled = (has_proto[y] if missing_proto == "own" else jnp.ones_like(y, bool))[:, None]
+  assert missing_proto != "own" or 0 < int(pulled.sum()) < len(y)  # both kinds of sample
+  body_loss = lambda p: _ce(p, x, y) + lam * jnp.mean(  # the mean over every sample
+      jnp.where(pulled, jnp.square(_features(p, x) - targets[y]), 0.0))
   g = jax.grad(body_loss)(p1)
   p2 = {"params": {"Dense_0": jax.tree.map(lambda a, b: a - LR * b, p1["params"]["Dense_0"],
                                            g["params"]["Dense_0"]),
@@ -161,6 +200,8 @@ def test_server_step_averages_sampled_clients_and_mixes_their_heads():
     (fedpac.FedPacConfig(lam=-1.0), "fedpac: lam"),
     (fedpac.FedPacConfig(min_weight=1.0), "fedpac: min_weight"),
     (fedpac.FedPacConfig(phase_optimizer="each"), "fedpac: phase_optimizer"),
+    (fedpac.FedPacConfig(proto_mean="uniform"), "fedpac: proto_mean"),
+    (fedpac.FedPacConfig(missing_proto="none"), "fedpac: missing_proto"),
 ])
 def test_bad_config_is_one_line_error(config, message):
   with pytest.raises(ConfigError, match=message):

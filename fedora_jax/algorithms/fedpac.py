@@ -53,6 +53,11 @@ phase_optimizer=separate restarts the state when the body's phase begins, the au
 form (PFLlib's FedPAC: one plain SGD, no state to tell them apart). Their epochs are 1 (head) + E (body); here the head's `head_epochs`
 come out of the run's --local_epochs, as for FedRep. Equation numbers are not given: the
 paper's full text is not on disk; the equations above are the authors' code's.
+PFLlib's FedPAC (serverpac.py, clientpac.py) in three places, each behind an option (the
+authors' stays the default; verification row fedpac): its c_k the plain mean of the
+clients' mu_ik (proto_mean=clients, FedProto's proto_aggregation), a sample of a class
+without c_y not pulled (missing_proto=own: its target is its own feature), and the heads
+combined with the weights left as zeroed, not summing to 1 (renormalize=false).
 Defaults: lambda = 1 (authors' --lam), head_epochs = 1 (their epoch_classifier).
 """
 
@@ -81,6 +86,9 @@ class FedPacConfig(NamedTuple):
   qp_steps: int = 500       # FISTA iterations of the classifier-combination QP
   min_weight: float = 1e-3  # combination weights below this are zeroed (authors' eps)
   phase_optimizer: str = "shared"  # separate: a fresh optimizer state for the body's phase
+  proto_mean: str = "counts"  # clients: c_k the plain mean of the clients' mu_ik (PFLlib's)
+  missing_proto: str = "local_mean"  # own: no pull where class y has no c_y (PFLlib's)
+  renormalize: bool = True  # false: the zeroed weights left summing below 1 (PFLlib's)
 
 
 FLAG_HELP = {
@@ -93,7 +101,18 @@ FLAG_HELP = {
                   " renormalised",
     "phase_optimizer": "FedPAC: shared (one optimizer state over both phases) or separate"
                        " (a fresh state when the body's phase begins, the authors')",
+    "proto_mean": "FedPAC: global prototype c_k as the class-count weighted mean of the"
+                  " sampled clients' class means (counts, the authors') or their plain"
+                  " mean over the clients holding class k (clients, PFLlib's)",
+    "missing_proto": "FedPAC: a sample of a class no sampled client held last round is"
+                     " pulled to its client's class mean before training (local_mean, the"
+                     " authors') or not at all (own: its own feature, PFLlib's)",
+    "renormalize": "FedPAC: after zeroing the combination weights below min_weight, scale"
+                   " the rest to sum 1 (the authors'); false leaves them (PFLlib's)",
 }
+
+PROTO_MEANS = ("counts", "clients")
+MISSING_PROTOS = ("local_mean", "own")
 
 
 class FedPacServer(NamedTuple):
@@ -134,6 +153,12 @@ def validate(config: FedPacConfig, trainer: ClientTrainer) -> FedPacConfig:
   if trainer.task != "classification":
     raise ConfigError("fedpac needs a classification task (class prototypes)")
   check_phase_optimizer("fedpac", config.phase_optimizer)
+  if config.proto_mean not in PROTO_MEANS:
+    raise FieldError("fedpac", "proto_mean",
+                     f"must be one of {', '.join(PROTO_MEANS)}, got {config.proto_mean!r}")
+  if config.missing_proto not in MISSING_PROTOS:
+    raise FieldError("fedpac", "missing_proto", f"must be one of {', '.join(MISSING_PROTOS)},"
+                     f" got {config.missing_proto!r}")
   return config
 
 
@@ -157,11 +182,31 @@ def class_means(sums: FeatureSums) -> jax.Array:
   return sums.sums / jnp.maximum(sums.counts, 1.0)[:, None]
 
 
+def global_prototypes(counts: jax.Array, sums: jax.Array, members: jax.Array,
+                      proto_mean: str) -> tuple[jax.Array, jax.Array]:
+  """([C, d] c_k, [C] has_proto) from the members' [K, C] class counts and [K, C, d]
+  class feature sums: "counts" weighs client i's mean mu_ik by n_ik (the authors'
+  protos_aggregation), "clients" weighs each client holding class k alike (PFLlib's
+  proto_aggregation, FedProto's)."""
+  holds = (counts > 0) & members[:, None]                              # [K, C]
+  by_counts = proto_mean == "counts"
+  # sums_ik = n_ik mu_ik: weight 1 gives the n_ik-weighted mean, 1 / n_ik the plain one.
+  weight = jnp.where(holds, 1.0 if by_counts else 1.0 / jnp.maximum(counts, 1.0), 0.0)
+  total = jnp.sum(jnp.where(holds, counts if by_counts else 1.0, 0.0), axis=0)
+  has_proto = total > 0
+  protos = jnp.einsum("kc,kcd->cd", weight, sums) / jnp.maximum(total, 1e-12)[:, None]
+  return jnp.where(has_proto[:, None], protos, 0.0), has_proto
+
+
 def alignment_loss(features: jax.Array, y: jax.Array, weights: jax.Array,
-                   targets: jax.Array) -> jax.Array:
+                   targets: jax.Array, known: jax.Array | None = None) -> jax.Array:
   """MSE(f(x), c_y) over the real samples of the batch: mean over samples and feature dims
-  (PyTorch's nn.MSELoss on [B, d])."""
-  sq = jnp.sum(jnp.square(features - targets[y]), axis=-1)
+  (PyTorch's nn.MSELoss on [B, d]). With `known` [C], a sample whose class is not known
+  is its own target (PFLlib's: no pull, still counted in the mean)."""
+  target = targets[y]
+  if known is not None:
+    target = jnp.where(known[y][:, None], target, jax.lax.stop_gradient(features))
+  sq = jnp.sum(jnp.square(features - target), axis=-1)
   return jnp.sum(sq * weights) / (jnp.maximum(jnp.sum(weights), 1.0) * features.shape[-1])
 
 
@@ -192,7 +237,8 @@ def largest_eigenvalue(matrix: jax.Array, iterations: int = 100) -> jax.Array:
 
 
 def combination_weights(variance: jax.Array, bias: jax.Array, members: jax.Array,
-                        steps: int, min_weight: float = 0.0) -> jax.Array:
+                        steps: int, min_weight: float = 0.0,
+                        renormalize: bool = True) -> jax.Array:
   """[K, K]: row i = argmin_{alpha in simplex over members} sum_j alpha_j^2 V_j +
   ||h_i - sum_j alpha_j h_j||^2, for every client i at once (FISTA).
 
@@ -218,6 +264,8 @@ def combination_weights(variance: jax.Array, bias: jax.Array, members: jax.Array
   start = project(jnp.zeros((num, num)), members)    # uniform over the members
   (alpha, _, _), _ = jax.lax.scan(step, (start, start, jnp.ones(())), None, length=steps)
   alpha = jnp.where(alpha < min_weight, 0.0, alpha)
+  if not renormalize:
+    return alpha
   return alpha / jnp.maximum(jnp.sum(alpha, axis=1, keepdims=True), 1e-12)
 
 
@@ -261,11 +309,12 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
     variance, bias = statistics(before)
     targets = jnp.where(server.has_proto[:, None], server.protos, class_means(before))
     align = config.lam * jnp.any(server.has_proto)  # no global prototypes yet: no alignment
+    known = server.has_proto if config.missing_proto == "own" else None
 
     def loss(p, x, y, weights):
       logits, features = apply_with_representation(apply, p, x, head)
       return (masked_cross_entropy(logits, y, weights)
-              + align * alignment_loss(features, y, weights, targets))
+              + align * alignment_loss(features, y, weights, targets, known))
 
     steps_per_epoch = (data.train.n + batch_size - 1) // batch_size
     head_steps = (config.head_epochs * steps_per_epoch).astype(jnp.float32)
@@ -279,13 +328,10 @@ def fedpac(config: FedPacConfig, trainer: ClientTrainer) -> Algorithm:
 
   def aggregate(server: FedPacServer, heads, uploads: FedPacUpload, weights):
     members = weights > 0
-    member = members.astype(jnp.float32)
-    counts = jnp.einsum("k,kc->c", member, uploads.counts)
-    sums = jnp.einsum("k,kcd->cd", member, uploads.proto_sums)
-    has_proto = counts > 0
-    protos = jnp.where(has_proto[:, None], sums / jnp.maximum(counts, 1.0)[:, None], 0.0)
+    protos, has_proto = global_prototypes(uploads.counts, uploads.proto_sums, members,
+                                          config.proto_mean)
     alpha = combination_weights(uploads.variance, uploads.bias, members, config.qp_steps,
-                                config.min_weight)
+                                config.min_weight, config.renormalize)
     mixed = tree.mix(alpha, uploads.head)
     new_heads = jax.tree.map(
         lambda m, old: jnp.where(members.reshape((-1,) + (1,) * (old.ndim - 1)), m, old),
