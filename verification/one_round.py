@@ -37,7 +37,7 @@ from fedora_jax.models import build_model
 from fedora_jax.rounds import client_keys, num_sampled_clients, sampled_clients
 from fedora_jax.simulation import (TrainConfig, initial_model, jitted_init, root_keys,
                                    run_algorithm)
-from verification import bridges, twins
+from verification import bridges, pfedla_driver, twins
 
 HIDDEN = 100
 
@@ -117,6 +117,12 @@ def _torch_accuracy(torch_model, client: Client) -> float:
   with torch.no_grad():
     logits = torch_model(torch.from_numpy(bridges.model_inputs(client.x_test)))
   return float(np.mean(logits.argmax(1).numpy() == client.y_test))
+
+
+# pFedLA's row runs KarhouTam/pFedLA's server and client (verification/pfedla_driver.py),
+# not a PFLlib server: its Reference.server.
+PFEDLA = "pFedLA"
+PFEDLA_COMMIT = "c8b505c"
 
 
 class Reference(NamedTuple):
@@ -1633,6 +1639,17 @@ for _name in ("ditto", "lg_fedavg", "fedbabu"):
 # the top of P over every client's stored model (ours: --fedfomo_pool=uploader_count,
 # none in the first round, stale models too); P's ties (its zeros and ones, from round 2
 # on) broken by our noise (_fomo_ties), not by torch.topk's order.
+# pFedLA beside KarhouTam/pFedLA (the public code; pfedla_driver.py), on coaching_cnn_bn's
+# twin grouped into its layers' blocks (clients of FEDBN_TRAIN images), one client a round
+# (its server trains a round's clients one after another), three rounds: the codes'
+# trainable-only mixture (our --pfedla_buffers=own) and sign (after_minus_before), its
+# defaults e = H = 100 and hn_lr 5e-3; each client's mixture from the final
+# hypernetworks compared.
+REFERENCES["pfedla"] = Reference(
+    PFEDLA, "src/client/pFedLA.py", (), _own_key, aggregates=True, personal="model",
+    config={"buffers": "own", "delta_sign": "after_minus_before", "server_lr": 5e-3},
+    args={}, compare_server=False, rounds=3, participation=0.25,
+    twin=pfedla_driver.GROUPED_TWIN, clients=_fedbn_clients)
 REFERENCES["fedfomo_sampled"] = REFERENCES["fedfomo"]._replace(
     algorithm="fedfomo", rounds=3, participation=0.5,
     config={**REFERENCES["fedfomo"].config, "num_models": 2, "pool": "uploader_count"},
@@ -1734,6 +1751,32 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
             [reference.accuracy(c, d) for c, d in zip(server.clients, clients)])
   return (server_layers, scored_layers,
           [_torch_accuracy(m, d) for m, d in zip(scored, clients)])
+
+
+def _pfedla_round(reference: Reference, setting: Setting, clients: list[Client], initial,
+                  batches, built=None, loaded=None, final=None
+                  ) -> tuple[list | None, list, list[float]]:
+  """_pfllib_round's answer from KarhouTam/pFedLA's code: no server model (it has
+  none); each client's generated mixture and its test accuracy. Our initial
+  hypernetworks loaded into its pickles; the clients our run samples, one a round."""
+  del built, loaded, final
+  state = _our_initial_state("pfedla", setting, clients, reference)
+  active = pfedla_driver.sampled(root_keys(setting.seed)["train"], len(clients),
+                                 num_sampled_clients(reference.participation, len(clients)))
+  layers, accuracy = pfedla_driver.run(
+      clients, initial, batches, state.server.hypernetworks, active,
+      reference.config["server_lr"], setting.batch_size, setting.lr,
+      reference.our_epochs or setting.local_epochs, _torch_accuracy)
+  return None, layers, accuracy
+
+
+def _reference_label(reference: Reference) -> str:
+  if reference.server == PFEDLA:
+    return (f"KarhouTam/pFedLA@{PFEDLA_COMMIT} src/server/pFedLA.py,"
+            f" {reference.client_file}")
+  server_file = reference.server.split(".")[0] + ".py"
+  return (f"PFLlib@{PFLLIB_COMMIT} flcore/servers/{server_file},"
+          f" flcore/clients/{reference.client_file}")
 
 
 def _our_initial_state(name: str, setting: Setting, clients: list[Client],
@@ -1871,7 +1914,8 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
   state = result.final_state.algorithm
   final = (None if reference.final_loads is None
            else reference.final_loads(state, setting, clients))
-  server, scored, accuracy = _pfllib_round(reference, setting, clients,
+  run_reference = _pfedla_round if reference.server == PFEDLA else _pfllib_round
+  server, scored, accuracy = run_reference(reference, setting, clients,
                                            twin.to_torch(initial), batches, built, loaded,
                                            final)
   errors = []
@@ -1882,10 +1926,8 @@ def compare(name: str, setting: Setting = Setting(), control: bool = False) -> C
     assert len(compared) == len(scored), (len(compared), len(scored))
     errors += [relative_error(_flat(o), _flat(r)) for o, r in zip(compared, scored)]
   ours_accuracy = [float(a) for a in result.history.test_score[-1]]
-  server_file = reference.server.split(".")[0] + ".py"
   return Comparison(
-      algorithm=name, reference=(f"PFLlib@{PFLLIB_COMMIT} flcore/servers/{server_file},"
-                                 f" flcore/clients/{reference.client_file}"),
+      algorithm=name, reference=_reference_label(reference),
       rounds=reference.rounds,
       max_relative_error=max(errors),
       accuracy_gap=float(np.max(np.abs(np.asarray(ours_accuracy) - np.asarray(accuracy)))),

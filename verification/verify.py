@@ -42,6 +42,7 @@ COVERED += ("perfedavg_sampled",)  # half a round, every client adapting the lat
 COVERED += ("pfedme_sampled",)  # half the clients a round, only they trained (PFLlib's)
 COVERED += ("fedamp_sampled",)  # half the clients a round, the uploaders' attention
 COVERED += ("fedbn",)  # on a PyTorch twin of coaching_cnn_bn (verification/twins.py)
+COVERED += ("pfedla",)  # beside KarhouTam/pFedLA, on that twin (pfedla_driver.py)
 COVERED += ("moon_bn",)  # MOON on that twin, its fixed models on running averages
 
 
@@ -211,6 +212,12 @@ def main(argv: list[str]) -> int:
                           f" recording the biased batch variance, as ours), clients of"
                           f" {one_round.FEDBN_TRAIN} training images, one round, BatchNorm's"
                           " running averages compared too")
+  document["setting"] += ("; pFedLA beside KarhouTam/pFedLA on the same twin grouped into"
+                          f" our layers' blocks, clients of {one_round.FEDBN_TRAIN} training"
+                          " images, one client a round, three rounds, e = H = 100, hn_lr"
+                          " 5e-3, its trainable-only mixture and sign (ours"
+                          " --pfedla_buffers=own --pfedla_delta_sign=after_minus_before),"
+                          " our initial hypernetworks, each client's mixture compared")
   document["setting"] += (f"; MOON (mu 1, tau 0.5) on the same twin, clients of"
                           f" {one_round.MOON_BN_TRAIN} training images, two rounds,"
                           " PFLlib's global and previous models in eval() (the authors'"
