@@ -3,11 +3,13 @@ reference implementations or PyTorch are missing. The side-by-side runs themselv
 `make verify`'s, which also exercises the PyTorch side of the weight bridge (PyTorch is
 the verify extra's, not the test extra's)."""
 
+import importlib.util
 import json
 import os
 
 import jax
 import numpy as np
+import pytest
 
 from fedora_jax.engine.local_training import epoch_batches
 from fedora_jax.models import build_model
@@ -21,6 +23,28 @@ def test_without_the_references_it_says_so_in_one_line_and_passes(monkeypatch, c
   out = capsys.readouterr().out.strip().splitlines()
   assert out == ["verify: skipped, no reference implementations at /nonexistent/references:"
                  " the project's shared/ folder, laid beside this checkout, holds them"]
+
+
+def test_a_row_whose_package_is_missing_is_skipped_in_one_line(monkeypatch, capsys):
+  # FedPAC's reference imports cvxpy, which the other rows do not need.
+  if verify.missing() is not None:
+    pytest.skip(verify.missing())
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *rest: None if name == "cvxpy" else real(name, *rest))
+  ran = []
+
+  def compare(name, setting, control=False):  # no training: only what runs is recorded
+    ran.append(name)
+    return one_round.Comparison(name, "reference", 1, 1.0 if control else 0.0, 0.0, [], [])
+  monkeypatch.setattr(one_round, "compare", compare)
+  assert verify.main(["--algorithms=fedavg,fedpac"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert [line for line in out if line.startswith("verify: fedpac")] == [
+      "verify: fedpac skipped, cvxpy (PFLlib's FedPAC server solves its heads' QP with it)"
+      " is not installed: make verify installs it"]
+  assert ran == ["fedavg", "fedavg"]  # the row and the control, no fedpac
 
 
 def test_the_batches_are_the_engines_own_each_sample_once_an_epoch():

@@ -1656,6 +1656,141 @@ REFERENCES["fedfomo_sampled"] = REFERENCES["fedfomo"]._replace(
     args={**REFERENCES["fedfomo"].args, "join_ratio": 0.5}, prepare=_fomo_ties)
 
 
+def _pac_stats_loads(n: int, batch_size: int) -> list[np.ndarray]:
+  """statistics_extraction's loader, read three times (a batch for the shape, the class
+  features, the class counts): any batches, the statistics are sums over the split."""
+  return [np.arange(n).reshape(-1, batch_size)] * 3
+
+
+def _pac_loads(key: jax.Array, n: int, epochs: int, batch_size: int
+               ) -> list[list[np.ndarray]]:
+  """FedPAC's loaders in a round: train's (its head epoch, then its body epochs: ours),
+  collect_protos' (class means: any batches), and the next send_models' statistics."""
+  return [bridges.shuffled_epochs(key, n, epochs, batch_size),
+          [np.arange(n).reshape(-1, batch_size)], _pac_stats_loads(n, batch_size)]
+
+
+def _pac_prepare(server, setting: Setting, clients: list[Client]) -> None:
+  """Each PFLlib client's loader for the first send_models' statistics (each round's
+  loads end with the next one's)."""
+  for client, data in zip(server.clients, clients):
+    loader = bridges.EpochLoader(bridges.model_inputs(data.x_train),
+                                 data.y_train.astype(np.int64),
+                                 _pac_stats_loads(len(data.y_train), setting.batch_size))
+    client.load_train_data = lambda batch_size=None, loader=loader: loader
+
+
+def _pac_server_step(server) -> None:
+  """FedPAC's server after receive_models (serverpac.py's train()): the prototypes
+  received, averaged and sent, the bases averaged, the heads combined. Two of its slips
+  set right (docs/verification_departures.md): its V_i and h_i are paired with the
+  uploads by client (train() lists them in the selection's order, the heads in
+  receive_models' random.sample order), and the heads combined are copies of the
+  uploads (its uploaded_heads are the clients' own modules, which set_head overwrites
+  while later clients' combinations still read them)."""
+  import flcore.servers.serverpac as serverpac  # pylint: disable=import-outside-toplevel
+  uploaded = server.uploaded_ids
+  server.receive_protos()           # sets uploaded_ids to the selection's order
+  server.global_protos = serverpac.proto_aggregation(server.uploaded_protos)
+  server.send_protos()
+  server.uploaded_ids = uploaded
+  server.aggregate_parameters()
+  by_id = {client.id: client for client in server.clients}
+  server.Vars = [by_id[i].V for i in uploaded]
+  server.Hs = [by_id[i].h for i in uploaded]
+  server.uploaded_heads = [copy.deepcopy(head) for head in server.uploaded_heads]
+  with contextlib.redirect_stdout(io.StringIO()):  # it prints every client's weights
+    server.aggregate_and_send_heads()
+
+
+def _pac_ours_protos(algorithm, state):
+  """Our global prototypes c_k [C, d] as a Dense kernel [d, C] (zero bias), every
+  client's copy."""
+  del algorithm
+  protos = np.asarray(state.server.protos)
+  clients = jax.tree.leaves(state.clients)[0].shape[0]
+  return {"params": {"Dense_0": {
+      "kernel": np.broadcast_to(protos.T, (clients,) + protos.T.shape),
+      "bias": np.zeros((clients, protos.shape[0]))}}}
+
+
+def _pac_protos(client):
+  """The global prototypes the client received, class by class, as a Linear's weight."""
+  import torch  # pylint: disable=import-outside-toplevel
+  protos = torch.stack([client.global_protos[c] for c in range(10)])
+  layer = torch.nn.Linear(protos.shape[1], protos.shape[0])
+  with torch.no_grad():
+    layer.weight.copy_(protos)
+    layer.bias.zero_()
+  return layer
+
+
+# FedPAC beside PFLlib's (its server solves the heads' QP with cvxpy): one head epoch,
+# then one body epoch (ours --local_epochs=2 --fedpac_head_epochs=1, PFLlib's
+# --local_epochs=1), lambda 1, the global prototypes PFLlib's plain mean over clients
+# (--fedpac_proto_mean=clients). Two rounds: the alignment acts once global prototypes
+# exist. Compared: each client's model (the latest body under its combined head) and the
+# global prototypes it received.
+REFERENCES["fedpac"] = Reference(
+    "serverpac.FedPAC", "clientpac.py", ("train",), _own_key, aggregates=True,
+    personal="model", config={"lam": 1.0, "head_epochs": 1, "proto_mean": "clients"},
+    args={"lamda": 1.0, "local_epochs": 1}, split=True, compare_server=False, rounds=2,
+    our_epochs=2, loads=_pac_loads, prepare=_pac_prepare,
+    server_steps=(_pac_server_step,), also=(_pac_ours_protos, _pac_protos))
+
+
+def _apple_prepare(server, setting: Setting, clients: list[Client]) -> None:
+  """PFLlib's APPLE as its code means it: each client a copy of the cores it is sent (its
+  send_models hands every client the clients' own model_c modules, so a client would
+  step, in place, the core that later clients mix, and its "recover self.model_cs[
+  self.id] for other clients" copies model_c onto itself; the authors' code downloads
+  copies), and its train(R) given the round (every client trains every round)."""
+  del setting, clients
+  for client in server.clients:
+    client.set_models = lambda cores, client=client: type(client).set_models(
+        client, copy.deepcopy(cores))
+    client.train = lambda train=client.train, rounds=itertools.count(): train(next(rounds))
+
+
+def _apple_ours_p(algorithm, state):
+  """Each client's DR vector's move p_i - 1/N (it starts at 1/N) as a Dense kernel [N, 1]
+  with a zero bias: the move itself compared, not p's value around 1/N."""
+  del algorithm
+  p = np.asarray(state.clients.p)
+  moved = p - 1.0 / p.shape[1]
+  return {"params": {"Dense_0": {"kernel": moved[:, :, None],
+                                 "bias": np.zeros((p.shape[0], 1), np.float32)}}}
+
+
+def _apple_p(client):
+  """The client's ps - 1/N as a Linear's weight [1, N]."""
+  import torch  # pylint: disable=import-outside-toplevel
+  layer = torch.nn.Linear(len(client.ps), 1)
+  with torch.no_grad():
+    layer.weight.copy_(torch.tensor([client.ps], dtype=torch.float32) - 1.0 / len(client.ps))
+    layer.bias.zero_()
+  return layer
+
+
+# APPLE beside PFLlib's (its p starts at 1/N, p_0 the size shares, so on clients of
+# UNEQUAL_SIZES), two rounds (the second mixes the uploaded cores, lambda a round late):
+# mu 0.1 (ours half: its proximal gradient is lambda mu (p - p_0)), L 1 (of its two
+# global rounds: ours reg_rounds 2), its p lr APPLE_DRLR (ours p_lr_scale its ratio to the
+# lr), its core step N lr (ours core_lr_scale N); ours in its form (apple.py): p from 1/N,
+# its mean-of-means gradient after the core's step, the mixture before the last step
+# uploaded and scored, lambda's lag. Each client's copies of the cores (_apple_prepare).
+# Compared: each client's scored model (its self.model) and p's move.
+APPLE_DRLR = 0.05
+REFERENCES["apple"] = Reference(
+    "serverapple.APPLE", "clientapple.py", ("train",), _own_key, aggregates=True,
+    personal="model",
+    config={"mu": 0.05, "reg_rounds": 2, "p_lr_scale": APPLE_DRLR / Setting().lr,
+            "core_lr_scale": float(Setting().clients), "p_start": "uniform",
+            "p_gradient": "pfllib", "upload": "mixture", "lambda_round": "previous"},
+    args={"mu": 0.1, "dr_learning_rate": APPLE_DRLR, "L": 1.0, "global_rounds": 2},
+    compare_server=False, rounds=2, server_steps=(), prepare=_apple_prepare,
+    also=(_apple_ours_p, _apple_p), clients=_unequal_clients)
+
 def _mlp_twin(torch):
   """Our MLP 784-100-10 in PyTorch with PFLlib's layer names (fc1, fc): its DNN ends in
   log_softmax, which BaseHeadSplit would put under the head."""

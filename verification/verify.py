@@ -44,6 +44,9 @@ COVERED += ("fedamp_sampled",)  # half the clients a round, the uploaders' atten
 COVERED += ("fedbn",)  # on a PyTorch twin of coaching_cnn_bn (verification/twins.py)
 COVERED += ("pfedla",)  # beside KarhouTam/pFedLA, on that twin (pfedla_driver.py)
 COVERED += ("moon_bn",)  # MOON on that twin, its fixed models on running averages
+COVERED += ("fedpac",)  # PFLlib's form; its server needs cvxpy (OPTIONAL)
+# Rows whose reference imports a package the others do not: (module, what it is).
+OPTIONAL = {"fedpac": ("cvxpy", "cvxpy (PFLlib's FedPAC server solves its heads' QP with it)")}
 
 
 def missing() -> str | None:
@@ -142,7 +145,12 @@ def main(argv: list[str]) -> int:
   from verification import one_round  # pylint: disable=import-outside-toplevel
   setting = one_round.Setting()
   rows = []
-  for name in args.algorithms.split(","):
+  names = args.algorithms.split(",")
+  for name, (module, what) in OPTIONAL.items():
+    if name in names and importlib.util.find_spec(module) is None:
+      print(f"verify: {name} skipped, {what} is not installed: make verify installs it")
+      names.remove(name)
+  for name in names:
     rows.append({**one_round.compare(name, setting)._asdict(), "control": False})
   rows.append({**one_round.compare("fedavg", setting, control=True)._asdict(), "control": True})
   document = {
@@ -223,6 +231,10 @@ def main(argv: list[str]) -> int:
                           " PFLlib's global and previous models in eval() (the authors'"
                           " form; PFLlib's own: train mode), its server averaging and"
                           " sending BatchNorm's running averages as ours")
+  document["setting"] += ("; FedPAC in PFLlib's form (lambda 1, one head epoch then one body"
+                          " epoch, the clients' plain prototype mean: ours"
+                          " --fedpac_proto_mean=clients; its QP by cvxpy, ours by FISTA),"
+                          " two rounds, the global prototypes compared too")
   print(render(write(args.out, document) if args.record else document))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
   print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")
