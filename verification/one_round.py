@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import functools
 import io
+import itertools
 import os
 import tempfile
 import warnings
@@ -1738,6 +1739,58 @@ REFERENCES["fedpac"] = Reference(
     our_epochs=2, loads=_pac_loads, prepare=_pac_prepare,
     server_steps=(_pac_server_step,), also=(_pac_ours_protos, _pac_protos))
 
+
+def _apple_prepare(server, setting: Setting, clients: list[Client]) -> None:
+  """PFLlib's APPLE as its code means it: each client a copy of the cores it is sent (its
+  send_models hands every client the clients' own model_c modules, so a client would
+  step, in place, the core that later clients mix, and its "recover self.model_cs[
+  self.id] for other clients" copies model_c onto itself; the authors' code downloads
+  copies), and its train(R) given the round (every client trains every round)."""
+  del setting, clients
+  for client in server.clients:
+    client.set_models = lambda cores, client=client: type(client).set_models(
+        client, copy.deepcopy(cores))
+    client.train = lambda train=client.train, rounds=itertools.count(): train(next(rounds))
+
+
+def _apple_ours_p(algorithm, state):
+  """Each client's DR vector's move p_i - 1/N (it starts at 1/N) as a Dense kernel [N, 1]
+  with a zero bias: the move itself compared, not p's value around 1/N."""
+  del algorithm
+  p = np.asarray(state.clients.p)
+  moved = p - 1.0 / p.shape[1]
+  return {"params": {"Dense_0": {"kernel": moved[:, :, None],
+                                 "bias": np.zeros((p.shape[0], 1), np.float32)}}}
+
+
+def _apple_p(client):
+  """The client's ps - 1/N as a Linear's weight [1, N]."""
+  import torch  # pylint: disable=import-outside-toplevel
+  layer = torch.nn.Linear(len(client.ps), 1)
+  with torch.no_grad():
+    layer.weight.copy_(torch.tensor([client.ps], dtype=torch.float32) - 1.0 / len(client.ps))
+    layer.bias.zero_()
+  return layer
+
+
+# APPLE beside PFLlib's (its p starts at 1/N, p_0 the size shares, so on clients of
+# UNEQUAL_SIZES), two rounds (the second mixes the uploaded cores, lambda a round late):
+# mu 0.1 (ours half: its proximal gradient is lambda mu (p - p_0)), L 1 (of its two
+# global rounds: ours reg_rounds 2), its p lr APPLE_DRLR (ours p_lr_scale its ratio to the
+# lr), its core step N lr (ours core_lr_scale N); ours in its form (apple.py): p from 1/N,
+# its mean-of-means gradient after the core's step, the mixture before the last step
+# uploaded and scored, lambda's lag. Each client's copies of the cores (_apple_prepare).
+# Compared: each client's scored model (its self.model) and p's move.
+APPLE_DRLR = 0.05
+REFERENCES["apple"] = Reference(
+    "serverapple.APPLE", "clientapple.py", ("train",), _own_key, aggregates=True,
+    personal="model",
+    config={"mu": 0.05, "reg_rounds": 2, "p_lr_scale": APPLE_DRLR / Setting().lr,
+            "core_lr_scale": float(Setting().clients), "p_start": "uniform",
+            "p_gradient": "pfllib", "upload": "mixture", "lambda_round": "previous"},
+    args={"mu": 0.1, "dr_learning_rate": APPLE_DRLR, "L": 1.0, "global_rounds": 2},
+    compare_server=False, rounds=2, server_steps=(), prepare=_apple_prepare,
+    also=(_apple_ours_p, _apple_p), clients=_unequal_clients)
 
 def _mlp_twin(torch):
   """Our MLP 784-100-10 in PyTorch with PFLlib's layer names (fc1, fc): its DNN ends in

@@ -45,6 +45,7 @@ COVERED += ("fedbn",)  # on a PyTorch twin of coaching_cnn_bn (verification/twin
 COVERED += ("pfedla",)  # beside KarhouTam/pFedLA, on that twin (pfedla_driver.py)
 COVERED += ("moon_bn",)  # MOON on that twin, its fixed models on running averages
 COVERED += ("fedpac",)  # PFLlib's form; its server needs cvxpy (OPTIONAL)
+COVERED += ("apple",)  # in PFLlib's form, each client its copies of the cores (one_round.py)
 # Rows whose reference imports a package the others do not: (module, what it is).
 OPTIONAL = {"fedpac": ("cvxpy", "cvxpy (PFLlib's FedPAC server solves its heads' QP with it)")}
 
@@ -235,6 +236,12 @@ def main(argv: list[str]) -> int:
                           " epoch, the clients' plain prototype mean: ours"
                           " --fedpac_proto_mean=clients; its QP by cvxpy, ours by FISTA),"
                           " two rounds, the global prototypes compared too")
+  document["setting"] += ("; APPLE in PFLlib's form (mu 0.1, L 1, its p lr"
+                          f" {one_round.APPLE_DRLR}, the core's step N lr, p from 1/N, its"
+                          " mean-of-means p gradient after the core's step, the mixture"
+                          " before the last step uploaded and scored, lambda a round late)"
+                          " on clients of 80, 120, 240 and 360 training images, each client"
+                          " its own copies of the cores, two rounds, p's move compared too")
   print(render(write(args.out, document) if args.record else document))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
   print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")
