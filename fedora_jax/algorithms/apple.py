@@ -37,7 +37,7 @@ keeps it.
     the round. The own core model's gradient is p_ii grad CE, so with N clients it moves
     about 1/N as fast as a FedAvg model; PFLlib multiplies its step by N,
     `core_lr_scale` (default 1, the authors') scales that gradient. PFLlib also takes
-    p's gradient as a mean over parameter tensors instead of the sum.
+    p's gradient as a mean over parameter tensors instead of the sum (`p_gradient`).
   * Downloads: `num_models` = M > 0 lets each client refresh only M other core models a
     round, keeping stale copies of the rest (memory: N copies per client); 0 (default,
     the authors' --limit_downloaded_models 10000, and what a small N calls for) refreshes
