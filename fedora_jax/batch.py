@@ -338,7 +338,7 @@ def _train_batch(prepared: PreparedBatch, train: TrainConfig, seeds, checkpointe
         continue
       own = run_at(metrics, s)
       try:
-        check_finite(own, r + 1)
+        check_finite(own, r + 1, divergence_hint=prepared.algorithm.divergence_hint)
       except TrainingDivergedError as e:
         failed[s] = TrainingDivergedError(f"run {s} (seed {seeds[s]}): {e}")
         logger.warning("%s", failed[s])

@@ -147,7 +147,8 @@ def _train(algorithm, trainer, model, source: host_lib.HostClients, train: Train
       scored = (ready.scored.ids, to_host(evaluate(state, ready.scored.data)))
     metrics = _round_metrics(num_clients, ready.train.ids, to_host(out), *scored)
     durations.append(time.perf_counter() - tic)
-    check_finite(metrics, r + 1, scored=np.isin(np.arange(num_clients), scored[0]))
+    check_finite(metrics, r + 1, scored=np.isin(np.arange(num_clients), scored[0]),
+                 divergence_hint=algorithm.divergence_hint)
     history.append(metrics)
     if on_round is not None:
       on_round(r + 1, metrics)

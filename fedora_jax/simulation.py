@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedora_jax import availability, tree
-from fedora_jax.algorithms import dp
 from fedora_jax.algorithms.base import Algorithm, InitContext
 from fedora_jax.checkpoint import Checkpointer, unstack_history
 from fedora_jax.data.client_data import FederatedData
@@ -138,9 +137,11 @@ def to_host(metrics: _Tree) -> _Tree:
 
 
 def check_finite(metrics: RoundMetrics, round_number: int,
-                 scored: np.ndarray | None = None) -> None:
+                 scored: np.ndarray | None = None,
+                 divergence_hint: Callable[[dict, int], str | None] | None = None) -> None:
   """Raises TrainingDivergedError naming the round and the clients with NaN/Inf losses;
-  `scored` [K] bool: the clients the round evaluated (None: all)."""
+  `scored` [K] bool: the clients the round evaluated (None: all); `divergence_hint`: the
+  algorithm's own reading of the round's metrics (Algorithm.divergence_hint)."""
   # Clients that sat the round out (--participation) report no train loss.
   trained = metrics.local_steps > 0
   scored = np.ones_like(trained) if scored is None else scored
@@ -148,8 +149,8 @@ def check_finite(metrics: RoundMetrics, round_number: int,
   if bad.any():
     clients = np.flatnonzero(bad).tolist()
     shown = ", ".join(map(str, clients[:10])) + (" ..." if len(clients) > 10 else "")
-    # DP's noise, when it dominates the model trained from, not the learning rate.
-    hint = dp.divergence_hint(metrics.extra, round_number) or "lower --lr or check the data"
+    hint = ((divergence_hint and divergence_hint(metrics.extra, round_number))
+            or "lower --lr or check the data")
     raise TrainingDivergedError(
         f"NaN or Inf loss in round {round_number} at client(s) {shown}"
         f" ({len(clients)} of {len(bad)}); {hint}")
@@ -387,7 +388,7 @@ def _train(algorithm: Algorithm, trainer: ClientTrainer, model, data, train, on_
       test = to_host(prepared.test_evaluation(state, buckets))
       metrics = metrics._replace(test_loss=test.loss, test_score=test.score)
     durations.append(time.perf_counter() - tic)
-    check_finite(metrics, r + 1)
+    check_finite(metrics, r + 1, divergence_hint=prepared.algorithm.divergence_hint)
     best_mean_val = _best_mean([metrics], lower_is_better, best_mean_val)
     history.append(metrics)
     if on_round is not None:

@@ -102,6 +102,10 @@ class Algorithm(NamedTuple):
   # (each keeps its new state) and aggregates the sampled ones alone (the others weigh
   # 0 and upload zeros). Not with `uploads_unordered`.
   trains_unsampled: bool = False
+  # divergence_hint(extra, round) -> a line saying why a round whose loss went NaN/Inf
+  # diverged, read from the round's [K] `extra` metrics (DP: its noise swamped the
+  # model), or None: the run's error then says to lower --lr.
+  divergence_hint: Callable[[dict, int], str | None] | None = None
   # Where a message carries samples every client holds from the start (a public set,
   # data/public.py, of which only indices would travel): that part of the [K, ...]
   # messages, left out of the round's bytes down (communication.py).

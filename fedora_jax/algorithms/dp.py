@@ -376,4 +376,5 @@ def with_dp(host: Algorithm, config: DpConfig, name: str | None = None) -> Algor
   # Outermost: no later plug-in wraps it, so it declares nothing further.
   return extended._replace(broadcast=broadcast, client_update=client_update,
                            aggregate=aggregate, artifacts=artifacts, ala_hooks=None,
-                           shared_part=None, upload_mean=None)
+                           shared_part=None, upload_mean=None,
+                           divergence_hint=divergence_hint)
