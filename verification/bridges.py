@@ -5,8 +5,10 @@ indices), and the same split (our clients as PFLlib's dataset files).
 Nothing here copies a reference's code: the references run from ../shared/references.
 """
 
+import importlib.util
 import os
 import sys
+import types
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -25,11 +27,58 @@ def reference_path(*parts: str) -> str:
   return os.path.normpath(os.path.join(REFERENCES, *parts))
 
 
-def import_pfllib() -> str:
-  """Puts PFLlib's system/ folder (its library) on sys.path; returns it."""
-  system = reference_path("PFLlib", "system")
-  if system not in sys.path:
-    sys.path.insert(0, system)
+# The PFLlib snapshots (../shared/references/README.md): its head, and the commit behind
+# FedALA's table.
+PFLLIB_SNAPSHOTS = ("PFLlib", "PFLlib-a41f7ba")
+PFLLIB_PACKAGES = ("flcore", "utils")  # the top-level packages of their system/
+
+
+# What a41f7ba imports and the rows never call: ujson (its text datasets), opacus (its DP).
+A41F7BA_IMPORTS = ("ujson", "opacus", "opacus.dp_model_inspector")
+
+
+class _Absent(types.ModuleType):
+  """A module imported but not installed: each attribute a function that raises."""
+
+  def __getattr__(self, attribute: str):
+    if attribute.startswith("__"):
+      raise AttributeError(attribute)
+
+    def absent(*args, **kwargs):
+      raise RuntimeError(f"{self.__name__}.{attribute}: not installed")
+    return absent
+
+
+def _under(module, folder: str) -> bool:
+  """Whether `module` was imported from `folder` (a namespace package, without an
+  __init__: by its __path__)."""
+  places = [getattr(module, "__file__", None) or ""] + list(
+      getattr(module, "__path__", None) or [])
+  return any(os.path.abspath(place).startswith(folder + os.sep) for place in places)
+
+
+def import_pfllib(snapshot: str = "PFLlib") -> str:
+  """Puts the system/ folder (its library) of PFLlib's `snapshot` first on sys.path;
+  returns it. Another snapshot's modules (flcore, utils: the same names) are dropped
+  first, so rows of both run in one process, one after the other."""
+  system = reference_path(snapshot, "system")
+  for other in PFLLIB_SNAPSHOTS:
+    other_system = reference_path(other, "system")
+    if other == snapshot or other_system not in sys.path:
+      continue
+    sys.path.remove(other_system)
+    stale = [name for name, module in list(sys.modules.items())
+             if name.split(".")[0] in PFLLIB_PACKAGES and _under(module, other_system)]
+    for name in stale:
+      del sys.modules[name]
+  if system in sys.path:
+    sys.path.remove(system)
+  sys.path.insert(0, system)
+  for name in A41F7BA_IMPORTS:
+    package = name.split(".")[0]
+    if name not in sys.modules and (package in sys.modules and isinstance(
+        sys.modules[package], _Absent) or importlib.util.find_spec(package) is None):
+      sys.modules[name] = _Absent(name)
   return system
 
 

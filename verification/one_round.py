@@ -97,7 +97,9 @@ def _pfllib_args(setting: Setting, algorithm: str, torch_model, **extra) -> argp
       batch_num_per_client=2, num_new_clients=0, fine_tuning_epoch_new=0,
       feature_dim=512, vocab_size=80, max_len=200, few_shot=0, client_drop_rate=0.0,
       train_slow_rate=0.0, send_slow_rate=0.0, time_select=False, time_threthold=10000,
-      mu=0.0)
+      mu=0.0,
+      # PFLlib a41f7ba's names: its local_steps are epochs; its DP switch.
+      local_steps=setting.local_epochs, privacy=False, dp_sigma=0.0)
   values.update(extra)
   return argparse.Namespace(**values)
 
@@ -212,6 +214,12 @@ class Reference(NamedTuple):
   # clients) -> [client][load][epoch] the batches it reads (ours). None: no such step.
   final_step: Callable[[Any], None] | None = None
   final_loads: Callable[[Any, Setting, list[Client]], list] | None = None
+  # The split final_loads index and final_step reads (its client's load_<split>_data):
+  # "train", or "test" (PFLlib a41f7ba's Per-FedAvg adapts on test batches).
+  final_split: str = "train"
+  # The PFLlib snapshot the row runs (bridges.PFLLIB_SNAPSHOTS): its head, or the commit
+  # behind FedALA's table.
+  snapshot: str = "PFLlib"
 
 
 _MLP = twins.Twin("mlp", None, bridges.dense_stack_to_torch, bridges.load_linear_layers,
@@ -290,6 +298,30 @@ def _peravg_ours_adapted(personal: perfedavg.Adaptable):
   alpha = REFERENCES["perfedavg_sampled"].config["alpha"]
   adapt = jax.vmap(lambda model_k, train_k, key_k: perfedavg.adapt(
       trainer.loss, alpha, model_k, train_k, key_k, setting.batch_size))
+  return adapt(personal.model, bucket, personal.key)
+
+
+def _peravg_final_test_loads(state, setting: Setting, clients: list[Client]) -> list:
+  """PFLlib a41f7ba's scoring batches: each client's two test batches of our final state
+  (perfedavg.adapt_on_test's draw), the one test loader its train_one_step reads."""
+  keys = perfedavg.adaptation_keys(state.server, jnp.arange(len(clients)))
+  return [[[np.asarray(epoch_batches(keys[k], np.ones(len(c.x_test), bool), len(c.x_test),
+                                     setting.batch_size, 2)[0])]]
+          for k, c in enumerate(clients)]
+
+
+def _peravg_ours_tested(personal: perfedavg.Adaptable):
+  """Our scored models under evaluation test: each client's two steps from the latest
+  global model on its test batches (as _peravg_ours_adapted, on the row's clients)."""
+  setting = Setting()
+  data = stack_clients(real_clients(setting), num_classes=10)
+  model = build_model("mlp", 10, (HIDDEN,))
+  trainer = make_client_trainer(model.apply, make_optimizer(setting.lr, 0.0, 0.0), 1,
+                                setting.batch_size)
+  bucket = jax.tree.map(jnp.asarray, data.buckets[0].test)
+  config = perfedavg.PerFedAvgConfig(**REFERENCES["perfedavg_a41f7ba"].config)
+  adapt = jax.vmap(lambda model_k, test_k, key_k: perfedavg.adapt_on_test(
+      trainer.loss, config, model_k, test_k, key_k, setting.batch_size))
   return adapt(personal.model, bucket, personal.key)
 
 
@@ -1602,6 +1634,23 @@ REFERENCES["pfedme_sampled"] = REFERENCES["pfedme"]._replace(
     algorithm="pfedme", participation=0.5,
     config={**REFERENCES["pfedme"].config, "train_clients": "sampled"},
     args={**REFERENCES["pfedme"].args, "join_ratio": 0.5})
+# Per-FedAvg beside PFLlib at a41f7ba, the code behind FedALA's table, two rounds, every
+# client: its train_one_step adapts the latest global model by two steps on two test
+# batches (ours: --perfedavg_evaluation=test), fed ours.
+REFERENCES["perfedavg_a41f7ba"] = REFERENCES["perfedavg_sampled"]._replace(
+    participation=1.0, args={},
+    config={**REFERENCES["perfedavg_sampled"].config, "evaluation": "test"},
+    final_loads=_peravg_final_test_loads, final_split="test",
+    our_personal=_peravg_ours_tested, snapshot="PFLlib-a41f7ba")
+# FedPHP beside PFLlib at a41f7ba, another algorithm there (ours: --fedphp_teacher=global):
+# the received global model teaches, each client starts from (1 - mu) global + mu its
+# own, mu 0.45 in the second round (0.9 R / 2), lambda 0.5; two rounds, every client
+# scored after the closing send_models (mu 0.9), as its next evaluate() reads them.
+REFERENCES["fedphp_a41f7ba"] = REFERENCES["fedphp"]._replace(
+    algorithm="fedphp", config={"lam": 0.5, "mu_max": 0.9, "mu_participations": 2,
+                                "mmd_kernel": "pfllib", "teacher": "global"},
+    scored_after_send=True, also=None, snapshot="PFLlib-a41f7ba",
+    server_model=lambda server: server.model)
 REFERENCES["fedproto_sampled"] = REFERENCES["fedproto"]._replace(
     algorithm="fedproto", rounds=1, participation=0.5,
     config={**REFERENCES["fedproto"].config, "inference": "global_own"},
@@ -1804,6 +1853,7 @@ def _mlp_twin(torch):
       return self.fc(torch.relu(self.fc1(torch.flatten(x, 1))))
   return MlpTwin()
 PFLLIB_COMMIT = "d832e76f6a23"
+SNAPSHOT_COMMITS = {"PFLlib": PFLLIB_COMMIT, "PFLlib-a41f7ba": "a41f7bac0e25"}
 
 
 def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client], initial,
@@ -1811,7 +1861,7 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
                   ) -> tuple[list | None, list, list[float]]:
   """One PFLlib round: (the server's layers, None where it averages nothing; each client's
   layers of the model it is scored with; each client's test accuracy of that model)."""
-  bridges.import_pfllib()
+  bridges.import_pfllib(reference.snapshot)
   import importlib  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   from flcore.trainmodel import models  # pylint: disable=import-outside-toplevel
@@ -1829,7 +1879,8 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     head = copy.deepcopy(model.fc)
     model.fc = torch.nn.Identity()
 
-    model = models.BaseHeadSplit(model, head)
+    # a41f7ba's split is its LocalModel(base, predictor).
+    model = (getattr(models, "BaseHeadSplit", None) or models.LocalModel)(model, head)
   args = _pfllib_args(setting, class_name, model, **reference.args)
   with tempfile.TemporaryDirectory() as folder:
     system = bridges.write_pfllib_split(clients, folder, "verify")
@@ -1869,10 +1920,11 @@ def _pfllib_round(reference: Reference, setting: Setting, clients: list[Client],
     _send_models(server, reference, len(batches))
   if final is not None:  # every client scored through its own step (final_step)
     for client, data, loads in zip(server.clients, clients, final):
-      loaders = iter([bridges.EpochLoader(bridges.model_inputs(data.x_train),
-                                          data.y_train.astype(np.int64), epochs)
+      x, y = getattr(data, f"x_{reference.final_split}"), getattr(data, f"y_{reference.final_split}")
+      loaders = iter([bridges.EpochLoader(bridges.model_inputs(x), y.astype(np.int64), epochs)
                       for epochs in loads])
-      client.load_train_data = lambda batch_size=None, loaders=loaders: next(loaders)
+      setattr(client, f"load_{reference.final_split}_data",
+              lambda batch_size=None, loaders=loaders: next(loaders))
       reference.final_step(client)
   server_layers = None
   if reference.aggregates and reference.compare_server:
@@ -1911,7 +1963,7 @@ def _reference_label(reference: Reference) -> str:
     return (f"KarhouTam/pFedLA@{PFEDLA_COMMIT} src/server/pFedLA.py,"
             f" {reference.client_file}")
   server_file = reference.server.split(".")[0] + ".py"
-  return (f"PFLlib@{PFLLIB_COMMIT} flcore/servers/{server_file},"
+  return (f"PFLlib@{SNAPSHOT_COMMITS[reference.snapshot]} flcore/servers/{server_file},"
           f" flcore/clients/{reference.client_file}")
 
 

@@ -40,6 +40,8 @@ COVERED += ("ditto_samples", "ditto_uniform", "lg_fedavg_samples", "lg_fedavg_un
 COVERED += ("fedproto_sampled",)  # half the clients a round: some never sampled
 COVERED += ("perfedavg_sampled",)  # half a round, every client adapting the latest model
 COVERED += ("pfedme_sampled",)  # half the clients a round, only they trained (PFLlib's)
+# Beside PFLlib at a41f7ba, the code behind FedALA's table, where it differs from the head.
+COVERED += ("perfedavg_a41f7ba", "fedphp_a41f7ba")
 COVERED += ("fedamp_sampled",)  # half the clients a round, the uploaders' attention
 COVERED += ("fedbn",)  # on a PyTorch twin of coaching_cnn_bn (verification/twins.py)
 COVERED += ("pfedla",)  # beside KarhouTam/pFedLA, on that twin (pfedla_driver.py)
@@ -52,9 +54,10 @@ OPTIONAL = {"fedpac": ("cvxpy", "cvxpy (PFLlib's FedPAC server solves its heads'
 
 def missing() -> str | None:
   """What this machine lacks for the checks, or None."""
-  if not os.path.isdir(bridges.reference_path("PFLlib", "system")):
-    return (f"no reference implementations at {bridges.reference_path()}: the project's"
-            " shared/ folder, laid beside this checkout, holds them")
+  for snapshot in bridges.PFLLIB_SNAPSHOTS:
+    if not os.path.isdir(bridges.reference_path(snapshot, "system")):
+      return (f"no {snapshot} at {bridges.reference_path()}: the project's shared/"
+              " folder, laid beside this checkout, holds the reference implementations")
   for module, extra in (("torch", "PyTorch"), ("sklearn", "scikit-learn"), ("h5py", "h5py")):
     if importlib.util.find_spec(module) is None:
       return f"{extra} is not installed: make verify installs the verify extra"
@@ -209,6 +212,12 @@ def main(argv: list[str]) -> int:
   document["setting"] += ("; pFedMe as above with half the clients a round, one round,"
                           " only the sampled clients trained (PFLlib's; ours"
                           " --pfedme_train_clients=sampled)")
+  document["setting"] += ("; beside PFLlib at a41f7ba (the code behind FedALA's table):"
+                          " Per-FedAvg as above, every client scored after two steps on"
+                          " two test batches (ours: --perfedavg_evaluation=test), and FedPHP"
+                          " taught by the received global model from a start mixed with"
+                          " the client's own (ours: --fedphp_teacher=global; lambda 0.5, mu"
+                          " 0.9 ramped over the two rounds, PFLlib's MMD kernel), two rounds")
   document["setting"] += ("; FedAMP as above with half the clients a round, two rounds,"
                           " its attention and cloud models from the round's uploaders only"
                           " (PFLlib's; ours --fedamp_attention_from=uploaders), every"
