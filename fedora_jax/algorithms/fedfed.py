@@ -59,8 +59,9 @@ and the mosaic images their step 2 trains on; FL-bench has none); the authors' c
 every round: --fedfed_re=50 sets it) and their "adaptive" loss weights by a client's skew
 are not taken; every client distils in every stage round (the authors' default samples all
 10 of 10; FL-bench samples --join_ratio); a classifier with BatchNorm runs on its running
-averages in step 3 and on the pool's rows (its batch statistics over each third of the
-batch in the rounds); the draws are made once a round, not once a local epoch.
+averages in step 3, and in the rounds normalises each third of a mixed batch by that
+third's statistics (three passes); the draws are made once a round, not once a local
+epoch.
 """
 
 from typing import Any, NamedTuple
