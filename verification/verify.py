@@ -54,10 +54,13 @@ OPTIONAL = {"fedpac": ("cvxpy", "cvxpy (PFLlib's FedPAC server solves its heads'
 
 def missing() -> str | None:
   """What this machine lacks for the checks, or None."""
+  if not os.path.isdir(bridges.reference_path("PFLlib", "system")):
+    return (f"no reference implementations at {bridges.reference_path()}: the project's"
+            " shared/ folder, laid beside this checkout, holds them")
   for snapshot in bridges.PFLLIB_SNAPSHOTS:
     if not os.path.isdir(bridges.reference_path(snapshot, "system")):
-      return (f"no {snapshot} at {bridges.reference_path()}: the project's shared/"
-              " folder, laid beside this checkout, holds the reference implementations")
+      return (f"no {snapshot} in {bridges.reference_path()}: the project's shared/"
+              " folder holds it (the PFLlib behind FedALA's table)")
   for module, extra in (("torch", "PyTorch"), ("sklearn", "scikit-learn"), ("h5py", "h5py")):
     if importlib.util.find_spec(module) is None:
       return f"{extra} is not installed: make verify installs the verify extra"
