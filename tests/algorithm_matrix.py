@@ -99,8 +99,8 @@ OPTION_ROWS += (("fedu", "update=sampled,step=code,graph=random"),)
 # 46), from the random start so that its E/M steps run in both rounds.
 OPTION_ROWS += (("fesem", "m_step=uploaders,init=random"),)
 # FedFed in FL-bench's forms: own data and uniform pool rows as one set, its distilled
-# classifier as the global model.
-OPTION_ROWS += (("fedfed", "mix=union,classifier=model"),)
+# classifier as the global model; on BatchNorm (its stage's gradient loop is its own).
+OPTION_ROWS += (("fedfed", "mix=union,classifier=model"), ("fedfed", "model=resnet"))
 # ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.
 OPTION_ROWS += (("adcol", "model=fedavg"),)
 # Per-FedAvg scored as the references score it (issue 46): every client adapts the
