@@ -454,7 +454,8 @@ def run_benchmark(config: BenchmarkConfig, model, data: FederatedData,
   apply = batch_stats.model_apply(model.apply)  # folded BatchNorm statistics, if any
   forward = model_forward_flops(apply, one_client, first.x[0, :1])
   num_params = parameter_count(one_client, stacked=False)
-  trained = num_sampled_clients(train.participation, data.num_clients)
+  trained = (data.num_clients if prepared.algorithm.trains_unsampled  # pFedMe: every client
+             else num_sampled_clients(train.participation, data.num_clients))
   # With --eval_every > 1 the compiled round scores validation only (test on demand).
   scores_test = prepared.test_evaluation is None
   n_test = data.split_sizes("test") if scores_test else np.zeros(data.num_clients, int)
