@@ -114,3 +114,17 @@ def test_the_table_does_not_flip_on_digits_it_does_not_show():
   after = _document([_row("fedavg", 2.03e-7), _row("fedkd", 7.2e-6)], "d")
   assert verify.render(before) == verify.render(after)
   assert "| fedavg | ref | 1 | 2e-07 | 1e-08 | equal |" in verify.render(before)
+
+
+def test_the_two_pfllib_snapshots_swap_in_one_process():
+  # The a41f7ba rows run PFLlib at the commit behind FedALA's table, the others its head:
+  # the same package names (flcore, utils), each imported from the snapshot asked for.
+  if verify.missing() is not None:
+    pytest.skip(verify.missing())
+  try:
+    for snapshot in ("PFLlib-a41f7ba", "PFLlib", "PFLlib-a41f7ba"):
+      system = bridges.import_pfllib(snapshot)
+      module = importlib.import_module("flcore.servers.serverperavg")
+      assert module.__file__.startswith(system + os.sep), (snapshot, module.__file__)
+  finally:
+    bridges.import_pfllib("PFLlib")
