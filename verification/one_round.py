@@ -285,16 +285,21 @@ def _peravg_final_loads(state, setting: Setting, clients: list[Client]) -> list:
           for k, c in enumerate(clients)]
 
 
-def _peravg_ours_adapted(personal: perfedavg.Adaptable):
-  """Our scored models under evaluation latest: each client's step from the latest
-  global model on its adaptation batch (what its evaluate_splits scores), on the row's
-  clients (real_clients of the default Setting) and the MLP."""
+def _peravg_row_data(split: str):
+  """(setting, trainer, the [K] stacked `split`) of the Per-FedAvg rows: the row's clients
+  (real_clients of the default Setting) and the MLP, as our runs of the rows train them."""
   setting = Setting()
   data = stack_clients(real_clients(setting), num_classes=10)
   model = build_model("mlp", 10, (HIDDEN,))
   trainer = make_client_trainer(model.apply, make_optimizer(setting.lr, 0.0, 0.0), 1,
                                 setting.batch_size)
-  bucket = jax.tree.map(jnp.asarray, data.buckets[0].train)
+  return setting, trainer, jax.tree.map(jnp.asarray, getattr(data.buckets[0], split))
+
+
+def _peravg_ours_adapted(personal: perfedavg.Adaptable):
+  """Our scored models under evaluation latest: each client's step from the latest
+  global model on its adaptation batch (what its evaluate_splits scores)."""
+  setting, trainer, bucket = _peravg_row_data("train")
   alpha = REFERENCES["perfedavg_sampled"].config["alpha"]
   adapt = jax.vmap(lambda model_k, train_k, key_k: perfedavg.adapt(
       trainer.loss, alpha, model_k, train_k, key_k, setting.batch_size))
@@ -312,13 +317,8 @@ def _peravg_final_test_loads(state, setting: Setting, clients: list[Client]) -> 
 
 def _peravg_ours_tested(personal: perfedavg.Adaptable):
   """Our scored models under evaluation test: each client's two steps from the latest
-  global model on its test batches (as _peravg_ours_adapted, on the row's clients)."""
-  setting = Setting()
-  data = stack_clients(real_clients(setting), num_classes=10)
-  model = build_model("mlp", 10, (HIDDEN,))
-  trainer = make_client_trainer(model.apply, make_optimizer(setting.lr, 0.0, 0.0), 1,
-                                setting.batch_size)
-  bucket = jax.tree.map(jnp.asarray, data.buckets[0].test)
+  global model on its test batches (as _peravg_ours_adapted)."""
+  setting, trainer, bucket = _peravg_row_data("test")
   config = perfedavg.PerFedAvgConfig(**REFERENCES["perfedavg_a41f7ba"].config)
   adapt = jax.vmap(lambda model_k, test_k, key_k: perfedavg.adapt_on_test(
       trainer.loss, config, model_k, test_k, key_k, setting.batch_size))
