@@ -46,7 +46,7 @@ Where the sources differ, behind config fields:
   * noise: "gaussian" (default) or "laplace" (scale noise_std), both codes'; noise_draw
     "sample" (default: independent noise per sample, the paper's DP mechanism and
     FL-bench's) or "batch" (the authors': one draw of a sample's shape added to the whole
-    batch);
+    batch; when sharing, to each pass of 256 samples, theirs of 64);
   * architecture: the codes' residual conv VAE for images ("conv"), an MLP VAE for
     feature vectors ("mlp", neither code's), "auto" picking by the input's shape.
 Defaults: distill_rounds 15 (both codes' VAE rounds), vae_epochs 1, vae_depth 32,
