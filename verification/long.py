@@ -78,8 +78,11 @@ from fedora_jax import algorithms
 from fedora_jax.data.client_data import Client, FederatedData, stack_clients
 from fedora_jax.data.partitions import PartitionConfig, make_partition
 from fedora_jax.data.sources import load_mnist
+from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from fedora_jax.models import build_model, default_client_chunk, default_eval_batch_size
-from fedora_jax.simulation import TrainConfig, initial_model, root_keys, run_algorithm
+from fedora_jax.rounds import client_keys
+from fedora_jax.simulation import (TrainConfig, initial_model, jitted_init, root_keys,
+                                   run_algorithm)
 from verification import bridges
 
 MODEL = "fedavg_cnn"
@@ -115,6 +118,39 @@ LONG_CONFIG: dict[str, tuple[dict, dict]] = {
     "lg_fedavg": ({"local_layers": 3}, {}),
     "pfedme": ({"eta": Setting().lr, "personal_lr": 0.01}, {"p_learning_rate": 0.01}),
 }
+
+
+def _pflda_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
+                 ) -> list[list[np.ndarray]]:
+  """PFL-DA's one loader (check (a)'s _da_loads) on a padded client: the head phase's
+  epochs, then the extractor phase's, each over its n real samples of `padded`."""
+  head_key, body_key = jax.random.split(key)
+  return [bridges.leading_epochs(head_key, padded, n, epochs, batch_size)
+          + bridges.leading_epochs(body_key, padded, n, epochs, batch_size)]
+
+
+def _fedgh_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
+                 ) -> list[list[np.ndarray]]:
+  """FedGH's loaders (check (a)'s _gh_loads) on a padded client: train's epochs over its
+  n real samples of `padded`, then collect_protos' (any batches: class means)."""
+  return [bridges.leading_epochs(key, padded, n, epochs, batch_size),
+          [np.arange(n).reshape(-1, batch_size)]]
+
+
+def _fedpcl_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
+                  ) -> list[list[np.ndarray]]:
+  """FedPCL's loaders (check (a)'s _pcl_loads) on a padded client: train's epochs over
+  its n real samples of `padded`, then collect_protos' (class means)."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  return [bridges.leading_epochs(key, padded, n, epochs, batch_size),
+          one_round._pcl_collect_loads(n, batch_size)]  # pylint: disable=protected-access
+
+
+# Check (a)'s loaders (Reference.loads) are cut for clients of one size; here clients of
+# 240 to 270 share a bucket padded to the largest: the same loaders, drawn as the engine
+# draws over the padded size, (client key, padded size, size, epochs, batch size) ->
+# [load][epoch]. An algorithm with Reference.loads and none here is refused.
+LONG_LOADS = {"pflda": _pflda_loads, "fedgh": _fedgh_loads, "fedpcl": _fedpcl_loads}
 
 
 class Split(NamedTuple):
@@ -169,6 +205,22 @@ def long_reference(name: str, rounds: int):
     config = {**config, "mu_participations": rounds}
   return reference._replace(config={**reference.config, **config},
                             args={**reference.args, **args})
+
+
+def initial_state(name: str, split: Split, setting: Setting, rounds: int):
+  """Our algorithm's state after init on the CNN, as run_algorithm starts it (same
+  keys): what check (a)'s load_initial hands the reference beside the model (its
+  server's keys, the objects its steps reach)."""
+  reference = long_reference(name, rounds)
+  train = train_config(setting, rounds, reference.our_epochs or setting.local_epochs)
+  model = build_model(MODEL, split.data.num_classes)
+  trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
+                                train.local_epochs, train.batch_size)
+  config = algorithms.default_config(name, train, **reference.config)
+  keys = root_keys(setting.seed)
+  init = jitted_init(algorithms.build(name, config, trainer), trainer, split.data)
+  return init(initial_model(model, split.data, keys["init"]), split.data.buckets,
+              keys["algorithm"])
 
 
 def train_config(setting: Setting, rounds: int, epochs: int) -> TrainConfig:
@@ -238,6 +290,22 @@ def torch_model(split: bool, device: str, layers, float64: bool = False):
   return (model.double() if float64 else model).to(device)
 
 
+def round_batches(name: str, reference, train_key: jax.Array, round_index: int,
+                  data: FederatedData, epochs: int, batch_size: int) -> list:
+  """[client][load][epoch] -> the batch indices PFLlib's client k reads in the round,
+  as our client k draws them (LONG_LOADS where check (a) cuts its own loaders)."""
+  if reference.loads is None:
+    return bridges.padded_client_batches(train_key, round_index, data, epochs, batch_size,
+                                         reference.trainings)
+  if name not in LONG_LOADS:
+    raise ValueError(f"{name}: check (a)'s loaders are for clients of one size and"
+                     " LONG_LOADS has none for padded clients")
+  keys = client_keys(jax.random.fold_in(train_key, round_index), data.num_clients)
+  sizes, padded = data.split_sizes("train"), bridges.padded_sizes(data)
+  return [LONG_LOADS[name](keys[k], int(padded[k]), int(sizes[k]), epochs, batch_size)
+          for k in range(data.num_clients)]
+
+
 def correct(model, x, y) -> int:
   import torch  # pylint: disable=import-outside-toplevel
   with torch.no_grad():
@@ -281,8 +349,11 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
     with (one_round._working_directory(system),  # pylint: disable=protected-access
           contextlib.redirect_stdout(open(os.devnull, "w"))):
       server = server_class(args, 0)
-  if reference.prepare is not None:
-    reference.prepare(server, check_a, split.clients)
+  if reference.prepare is not None:  # the clients as PFLlib reads them (FedPCL's loaders)
+    reference.prepare(server, check_a, [c._replace(x_train=inputs(c.x_train))
+                                        for c in split.clients])
+  if reference.load_initial is not None:
+    reference.load_initial(server, initial_state(name, split, setting, rounds))
   server.selected_clients = list(server.clients)
   tests = [(torch.from_numpy(inputs(c.x_test)).to(device),
             torch.from_numpy(c.y_test.astype(np.int64)).to(device)) for c in split.clients]
@@ -298,14 +369,17 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
   def score() -> list[int]:
     if compares_server(reference):
       server_models.append(flat_layers(bridges.torch_layers(server.global_model)))
+    if reference.accuracy is not None:  # its own scoring (FedProto's prototypes)
+      return [round(reference.accuracy(c, d._replace(x_test=inputs(d.x_test)))
+                    * len(d.y_test)) for c, d in zip(server.clients, split.clients)]
     return [correct(one_round._scored_model(reference, c, server), x, y)  # pylint: disable=protected-access
             for c, (x, y) in zip(server.clients, tests)]
 
   scored, round_seconds = [], []
   with contextlib.redirect_stdout(open(os.devnull, "w")):
     for r in range(rounds):
-      batches = bridges.padded_client_batches(keys["train"], r, split.data, epochs,
-                                              setting.batch_size, reference.trainings)
+      batches = round_batches(name, reference, keys["train"], r, split.data, epochs,
+                              setting.batch_size)
       began = time.perf_counter()
       if reference.aggregates and reference.sends:
         one_round._send_models(server, reference, r)  # pylint: disable=protected-access
@@ -447,8 +521,14 @@ def render(rows: list[dict], out: str) -> str:
            if max(row["rounds"] for row in rows) < 20 else "")
   times = "; ".join(f"{row['algorithm']} {row['ours']['round_seconds']:.2f} /"
                     f" {row['reference_run']['round_seconds']:.2f}" for row in rows)
-  lines.append(f"\n{first['setting']}. {first['date']}, {first['machine']};"
-               f" `{first['command']}`.{smoke} Seconds a round, ours / PFLlib's"
+  # Rows run by different commands (added to a folder later) each name theirs.
+  runs: dict[tuple[str, str, str], list[str]] = {}
+  for row in rows:
+    runs.setdefault((row["date"], row["machine"], row["command"]), []).append(
+        row["algorithm"])
+  ran = " ".join(f"{', '.join(names) + ': ' if len(runs) > 1 else ''}{date}, {machine};"
+                 f" `{command}`." for (date, machine, command), names in runs.items())
+  lines.append(f"\n{first['setting']}. {ran}{smoke} Seconds a round, ours / PFLlib's"
                f" (after compiling): {times}.")
   compared = [row for row in rows if row.get("server_model_error")]
   if compared:
