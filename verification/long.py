@@ -93,7 +93,7 @@ CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "f
 # Not FedDistill: in PFLlib's form (raw logits as the target's class weights) both sides
 # diverge on the CNN in round 2 (ours NaN, PFLlib's accuracy 11 %, 2026-12-04).
 MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
-        "fedphp")
+        "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl")
 DEFAULT = CORE + MORE
 
 
@@ -232,10 +232,14 @@ def train_config(setting: Setting, rounds: int, epochs: int) -> TrainConfig:
                      eval_batch_size=default_eval_batch_size(MODEL, platform))
 
 
-def compares_server(reference) -> bool:
+# Where check (a)'s compared server model is a part, not the CNN (PFL-DA's global head).
+PART_SERVERS = frozenset({"pflda"})
+
+
+def compares_server(name: str, reference) -> bool:
   """Whether the server's model is compared round by round: where the server averages
   a whole model (check (a)'s rule)."""
-  return reference.aggregates and reference.compare_server
+  return reference.aggregates and reference.compare_server and name not in PART_SERVERS
 
 
 def flat_layers(layers) -> list[np.ndarray]:
@@ -260,14 +264,14 @@ def run_ours(name: str, split: Split, setting: Setting, rounds: int) -> dict:
                                                                        server))))
   result = run_algorithm(algorithms.make(name, config), model, split.data, train,
                          progress=None,
-                         on_state=keep_server_model if compares_server(reference) else None)
+                         on_state=keep_server_model if compares_server(name, reference) else None)
   scores = np.asarray(result.history.test_score, np.float64)  # [R, K]
   tests = split.data.split_sizes("test").astype(np.float64)
   return {"accuracy": [float(a) for a in scores @ tests / tests.sum()],
           "client_accuracy": [float(a) for a in scores[-1]],
           "initial_logits": np.asarray(model.apply(initial, split.clients[0].x_test)
                                        ).tolist(),
-          "server_models": server_models if compares_server(reference) else None,
+          "server_models": server_models if compares_server(name, reference) else None,
           "compile_seconds": result.compile_seconds, "round_seconds": result.round_seconds,
           "seconds": time.perf_counter() - start,
           "machine": f"JAX on {jax.devices()[0].device_kind}"}
@@ -367,7 +371,7 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
   server_models: list[list[np.ndarray]] = []
 
   def score() -> list[int]:
-    if compares_server(reference):
+    if compares_server(name, reference):
       server_models.append(flat_layers(bridges.torch_layers(server.global_model)))
     if reference.accuracy is not None:  # its own scoring (FedProto's prototypes)
       return [round(reference.accuracy(c, d._replace(x_test=inputs(d.x_test)))
@@ -410,7 +414,7 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
   return {"accuracy": [float(a) for a in counts.sum(1) / sizes.sum()],
           "client_accuracy": [float(a) for a in counts[-1] / sizes],
           "initial_logits": initial_logits.tolist(),
-          "server_models": server_models if compares_server(reference) else None,
+          "server_models": server_models if compares_server(name, reference) else None,
           "round_seconds": float(np.median(round_seconds)),
           "seconds": time.perf_counter() - start, "machine": machine,
           "train_sizes": [int(n) for n in split.data.split_sizes("train")]}
