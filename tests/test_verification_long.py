@@ -89,6 +89,24 @@ def test_padded_batches_are_the_ones_the_engine_trains_on():
       np.testing.assert_array_equal(a, b)
 
 
+def test_padded_loads_are_check_as_where_no_client_is_padded():
+  """LONG_LOADS: check (a)'s loaders drawn over a padded size, each epoch a permutation
+  of the client's real samples; equal to check (a)'s where the client is not padded."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  key = jax.random.key(7)
+  check_a = {"pflda": one_round._da_loads, "fedgh": one_round._gh_loads,
+             "fedpcl": one_round._pcl_loads}
+  assert set(long.LONG_LOADS) == set(check_a)
+  for name, loads in long.LONG_LOADS.items():
+    for ours, theirs in zip(loads(key, 40, 40, 2, 10), check_a[name](key, 40, 2, 10)):
+      assert len(ours) == len(theirs)
+      for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(a, b)
+    for load in loads(key, 50, 30, 2, 10):
+      for epoch in load:
+        assert epoch.shape == (3, 10) and sorted(epoch.ravel().tolist()) == list(range(30))
+
+
 def test_without_the_references_it_says_so_in_one_line_and_passes(capsys, tmp_path):
   assert long.main([f"--references={tmp_path}", f"--out={tmp_path / 'out'}"]) == 0
   out = capsys.readouterr().out.strip().splitlines()
