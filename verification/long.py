@@ -93,7 +93,8 @@ CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "f
 # Not FedDistill: in PFLlib's form (raw logits as the target's class weights) both sides
 # diverge on the CNN in round 2 (ours NaN, PFLlib's accuracy 11 %, 2026-12-04).
 MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
-        "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl")
+        "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl", "fedgc", "gpfl",
+        "fedcp")
 DEFAULT = CORE + MORE
 
 
