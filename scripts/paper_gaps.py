@@ -101,6 +101,40 @@ def coaching2() -> str:
                 read("results/coaching2/coaching2_sampled.json"))
 
 
+def _fedora_cell(mean: float | None, std: float | None, signed: bool = False) -> str:
+  if mean is None:
+    return "—"
+  text = f"{mean + 0.0:+.4f}" if signed else f"{mean:.4f}"
+  return text + (f" ± {std:.4f}" if std else "")
+
+
+def _seeds_why(why: list[str]) -> str:
+  """"seed 0: not started; seed 1: not started" -> "not started": one reason said once."""
+  reasons = {text.split(": ", 1)[-1] for text in why}
+  return reasons.pop() if len(reasons) == 1 and len(why) > 1 else "; ".join(why)
+
+
+def fedora(document: dict) -> str:
+  """A FEDORA table `reproduce` wrote (its table.json): each row's mean ± std over the
+  seeds it finished beside the paper's Acc / R-Acc / PTR, and the rows not finished."""
+  lines = ["| row | seeds | Acc | R-Acc | PTR | paper Acc / R-Acc / PTR |",
+           "|---|---|---|---|---|---|"]
+  for row in document["rows"]:
+    local = row["algorithm"] == "local"
+    paper = " / ".join(_fedora_cell(row.get(f"paper_{m}"), None, m == "r_acc")
+                       for m in ("acc", "r_acc", "ptr"))
+    lines.append(
+        f"| {row['algorithm']} | {row['seeds']} | {_fedora_cell(row['acc'], row['acc_std'])} |"
+        f" {'—' if local else _fedora_cell(row['r_acc'], row['r_acc_std'], True)} |"
+        f" {'—' if local else _fedora_cell(row['ptr'], row['ptr_std'])} | {paper} |")
+  unfinished = [f"{row} ({_seeds_why(why)})" for row, why in document["unfinished"].items()]
+  lines.append(f"\n{document['dataset']}, {document['setting']}, {document['rounds']} rounds,"
+               f" seeds {', '.join(map(str, document['seeds']))}; Acc at the final round."
+               f" From `{document['command']}`."
+               + (f" Not finished: {', '.join(unfinished)}." if unfinished else ""))
+  return "\n".join(lines)
+
+
 if __name__ == "__main__":
   print(coaching1(), coaching2(), sep="\n\n")
   sys.exit(0)

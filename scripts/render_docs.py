@@ -80,6 +80,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "results/dp/table.md": lambda: dp_table.table(_at("results/dp")),
     "results/coaching1/coaching1.json": paper_gaps.coaching1,
     "results/coaching2/coaching2.json": paper_gaps.coaching2,
+    "results/fedora1/rmnist/table.json":
+        lambda: paper_gaps.fedora(_json("results/fedora1/rmnist/table.json")),
     "results/coaching_eta_r": lambda: coaching_eta_r.table(_at("results/coaching_eta_r")),
     "results/coaching1_variants/fmnist_0.1/seed0": coaching_variants.table,
     "results/confree_solver/errors.json": lambda: confree_solver.render(
