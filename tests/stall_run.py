@@ -33,13 +33,13 @@ def build_algorithm(*args, **kwargs):
   return algorithm
 
 
-def check_finite(metrics, round_number):
+def check_finite(metrics, round_number, **kwargs):
   if (_running.get("algorithm") == os.environ["STALL_ALGORITHM"]
       and round_number == int(os.environ["STALL_ROUND"])):
     if os.environ.get("STALL_WITH") == "sigint":
       signal.raise_signal(signal.SIGINT)
     threading.Event().wait()  # forever
-  _check_finite(metrics, round_number)
+  _check_finite(metrics, round_number, **kwargs)
 
 
 if __name__ == "__main__":

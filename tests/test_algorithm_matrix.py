@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 
 import algorithm_matrix
+import tiny
+from fedora_jax import algorithms, simulation
+from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
 from algorithm_matrix import FAST_COMPILE, SIZES
 
 NUM_SHARDS = 8  # the rows run in this many processes (xdist spreads them; 4 ran 180-620 s)
@@ -62,8 +65,28 @@ def test_partial_participation_on_one_and_two_devices(shard, matrix_script):
     if algorithm_matrix.conditions_of(label.split("+", 1)[1]):
       check_conditions(runs, sampled, label)
       continue
-    steps = np.asarray(runs[0]["local_steps"])
-    assert ((steps > 0).sum(axis=1) == sampled).all(), (label, steps)
+    check_sampled(runs[0], sampled, label)
+
+
+def trains_unsampled(name: str, plugin: str) -> bool:
+  """The row's Algorithm.trains_unsampled (a static field: any model's trainer builds it)."""
+  model = tiny.tiny_model()
+  trainer = make_client_trainer(model.apply, make_optimizer(0.1), 1, 4)
+  return simulation.build_algorithm(
+      algorithms.make(name, algorithm_matrix.config_of(name, plugin)), trainer).trains_unsampled
+
+
+def check_sampled(run: dict, sampled: int, label: str) -> None:
+  """Partial participation: the sampled clients trained, or every client where the
+  algorithm trains them all (Algorithm.trains_unsampled, pFedMe's Algorithm 1); either
+  way only the sampled ones uploaded."""
+  name, plugin = label.split("+", 1)
+  steps, up = np.asarray(run["local_steps"]), np.asarray(run["bytes_up"])
+  trains_all = trains_unsampled(name, plugin)
+  trained = len(SIZES) if trains_all else sampled
+  assert ((steps > 0).sum(axis=1) == trained).all(), (label, steps)
+  if trains_all:
+    assert ((up > 0).sum(axis=1) <= sampled).all(), (label, up)
 
 
 def check_conditions(runs: list[dict], sampled: int, label: str) -> None:
