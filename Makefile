@@ -42,12 +42,14 @@ test-slow: install
 
 # One round of each covered algorithm beside its reference implementation (PyTorch,
 # from ../shared/references); says what is missing and passes where they are absent.
+# Then the harness's tests that need PyTorch (make test, without it, skips them).
 $(VERIFY_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,verify]'
 	touch $(VERIFY_STAMP)
 
 verify: $(VERIFY_STAMP)
 	$(PY) -m verification.verify
+	$(PY) -m pytest -q tests/test_verification.py tests/test_verification_long.py
 
 # Check (b), by hand: twenty rounds of each covered algorithm beside PFLlib's on MNIST
 # pathological with FedAvgCNN, curves and table in results/verification/long/ (then
