@@ -96,6 +96,11 @@ def _key(row: dict) -> tuple[str, bool]:
   return row["algorithm"], row["control"]
 
 
+def _seed(row: dict, document: dict) -> int:
+  """The seed a row ran at (rows written before rows recorded it: the document's)."""
+  return row.get("seed", document.get("settings", {}).get("seed", 0))
+
+
 def merge(old: dict | None, new: dict) -> dict:
   """`new` (a run of some algorithms) laid over the written document `old`: rows not run
   are kept, and so is a row run again whose line renders as before (only digits not shown
@@ -107,7 +112,8 @@ def merge(old: dict | None, new: dict) -> dict:
   changed = False
   for row in new["rows"]:
     kept = rows.get(_key(row))
-    if kept is None or row_line(kept) != row_line(row):
+    if (kept is None or row_line(kept) != row_line(row)
+        or _seed(kept, old) != _seed(row, new)):
       rows[_key(row)] = row
       changed = True
   order = {name: i for i, name in enumerate(COVERED)}
@@ -203,7 +209,8 @@ def main(argv: list[str]) -> int:
   document["setting"] += ("; Ditto, LG-FedAvg and FedBABU on clients of 80, 120, 240 and"
                           " 360 training images, two rounds, the server weighing by sample"
                           " counts (PFLlib's, our default) and uniformly (the authors' codes,"
-                          " our --client_weights=uniform; PFLlib's weights set to 1/|S|)")
+                          " our --client_weights=uniform; PFLlib's weights set to 1/|S|;"
+                          " FedBABU's uniform row at seed 1, seed 0's meeting a tie)")
   document["setting"] += ("; FedProto as above with half the clients a round (PFLlib's"
                           " selection set to ours), one round, scored by the client's own"
                           " classes' global prototypes (ours: global_own), every global"
