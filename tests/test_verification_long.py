@@ -95,13 +95,31 @@ def test_padded_loads_are_check_as_where_no_client_is_padded():
   from verification import one_round  # pylint: disable=import-outside-toplevel
   key = jax.random.key(7)
   check_a = {"pflda": one_round._da_loads, "fedgh": one_round._gh_loads,
-             "fedpcl": one_round._pcl_loads}
+             "fedpcl": one_round._pcl_loads, "fedas": one_round._as_loads}
   assert set(long.LONG_LOADS) == set(check_a)
   for name, loads in long.LONG_LOADS.items():
     for ours, theirs in zip(loads(key, 40, 40, 2, 10), check_a[name](key, 40, 2, 10)):
       assert len(ours) == len(theirs)
-      for a, b in zip(ours, theirs):
-        np.testing.assert_array_equal(a, b)
+      for a, b in zip(ours, theirs):  # an epoch: [batches, B], or batches of other sizes
+        assert len(a) == len(b)
+        for batch_a, batch_b in zip(a, b):
+          np.testing.assert_array_equal(batch_a, batch_b)
+    for load in loads(key, 50, 30, 2, 10):
+      for epoch in load:
+        samples = np.concatenate([np.ravel(batch) for batch in epoch])
+        assert sorted(samples.tolist()) == list(range(30)), name
+        if isinstance(epoch, np.ndarray):
+          assert epoch.shape == (3, 10), name
+
+
+def test_padded_loads_while_built_are_check_as_where_no_client_is_padded():
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  key = jax.random.key(8)
+  check_a = {"feddbe": one_round._dbe_built_loads}
+  assert set(long.LONG_BUILT_LOADS) == set(check_a)
+  for name, loads in long.LONG_BUILT_LOADS.items():
+    for ours, theirs in zip(loads(key, 40, 40, 2, 10), check_a[name](key, 40, 2, 10)):
+      np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     for load in loads(key, 50, 30, 2, 10):
       for epoch in load:
         assert epoch.shape == (3, 10) and sorted(epoch.ravel().tolist()) == list(range(30))

@@ -75,10 +75,12 @@ import numpy as np
 # are not installed (stand_ins.STOOD_IN).
 from verification import stand_ins  # pylint: disable=unused-import
 from fedora_jax import algorithms
+from fedora_jax.algorithms import fedas
 from fedora_jax.data.client_data import Client, FederatedData, stack_clients
 from fedora_jax.data.partitions import PartitionConfig, make_partition
 from fedora_jax.data.sources import load_mnist
-from fedora_jax.engine.local_training import make_client_trainer, make_optimizer
+from fedora_jax.engine.local_training import (epoch_batches, make_client_trainer,
+                                             make_optimizer)
 from fedora_jax.models import build_model, default_client_chunk, default_eval_batch_size
 from fedora_jax.rounds import client_keys
 from fedora_jax.simulation import (TrainConfig, initial_model, jitted_init, root_keys,
@@ -94,7 +96,7 @@ CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "f
 # diverge on the CNN in round 2 (ours NaN, PFLlib's accuracy 11 %, 2026-12-04).
 MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
         "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl", "fedgc", "gpfl",
-        "fedcp")
+        "fedcp", "fedkd", "fedas", "feddbe")
 DEFAULT = CORE + MORE
 
 
@@ -118,6 +120,9 @@ class Setting(NamedTuple):
 LONG_CONFIG: dict[str, tuple[dict, dict]] = {
     "lg_fedavg": ({"local_layers": 3}, {}),
     "pfedme": ({"eta": Setting().lr, "personal_lr": 0.01}, {"p_learning_rate": 0.01}),
+    # FedKD: PFLlib decomposes a conv kernel per spatial position (check (a)'s MLP has
+    # none); its mentee at this check's lr (check (a)'s is its own).
+    "fedkd": ({"conv_svd": "spatial"}, {"mentee_learning_rate": Setting().lr}),
 }
 
 
@@ -147,11 +152,40 @@ def _fedpcl_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: 
           one_round._pcl_collect_loads(n, batch_size)]  # pylint: disable=protected-access
 
 
+def _fedas_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
+                 ) -> list[list[np.ndarray]]:
+  """FedAS's loaders (check (a)'s _as_loads) on a padded client: its prototypes' batch of
+  every sample, the alignment's epoch of 16s over the n real ones (the last partial, as
+  ours), train's epochs, the Fisher trace's epoch (fedas.client_update's keys)."""
+  align_key, train_key, fisher_key = jax.random.split(key, 3)
+  align_batch = fedas.FedAsConfig().align_batch_size
+  mask = np.arange(padded) < n
+  indices, weights = epoch_batches(jax.random.split(align_key, 1)[0], mask, n, align_batch,
+                                   -(-padded // align_batch))
+  align = [i[w > 0] for i, w in zip(np.asarray(indices), np.asarray(weights)) if w.any()]
+  fisher = np.asarray(epoch_batches(fisher_key, mask, n, batch_size,
+                                    -(-padded // batch_size))[0])[:n // batch_size]
+  return [[[np.arange(n)], align],
+          bridges.leading_epochs(train_key, padded, n, epochs, batch_size), [fisher]]
+
+
+def _feddbe_built_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
+                        ) -> list[list[np.ndarray]]:
+  """FedDBE's client while built (check (a)'s _dbe_built_loads) on a padded client: a
+  loader it reads one batch of, then its initialization period's epochs."""
+  training = bridges.leading_epochs(key, padded, n, epochs, batch_size)
+  return [training, training]
+
+
 # Check (a)'s loaders (Reference.loads) are cut for clients of one size; here clients of
 # 240 to 270 share a bucket padded to the largest: the same loaders, drawn as the engine
 # draws over the padded size, (client key, padded size, size, epochs, batch size) ->
 # [load][epoch]. An algorithm with Reference.loads and none here is refused.
-LONG_LOADS = {"pflda": _pflda_loads, "fedgh": _fedgh_loads, "fedpcl": _fedpcl_loads}
+LONG_LOADS = {"pflda": _pflda_loads, "fedgh": _fedgh_loads, "fedpcl": _fedpcl_loads,
+              "fedas": _fedas_loads}
+# And those its clients read while its server is built (Reference.built_loads), drawn
+# from the keys our init hands client k.
+LONG_BUILT_LOADS = {"feddbe": _feddbe_built_loads}
 
 
 class Split(NamedTuple):
@@ -204,6 +238,8 @@ def long_reference(name: str, rounds: int):
   config, args = LONG_CONFIG.get(name, ({}, {}))
   if name == "fedphp":
     config = {**config, "mu_participations": rounds}
+  if name == "fedkd":  # its energy ramps from T_start to T_end over the run's rounds
+    args = {**args, "global_rounds": rounds}
   return reference._replace(config={**reference.config, **config},
                             args={**reference.args, **args})
 
@@ -311,6 +347,21 @@ def round_batches(name: str, reference, train_key: jax.Array, round_index: int,
           for k in range(data.num_clients)]
 
 
+def built_batches(name: str, reference, algorithm_key: jax.Array, data: FederatedData,
+                  epochs: int, batch_size: int) -> list | None:
+  """[client][load][epoch] -> the batch indices PFLlib's client k reads while its server
+  is built, as our init draws them for client k; None where it trains nobody then."""
+  if reference.built_loads is None:
+    return None
+  if name not in LONG_BUILT_LOADS:
+    raise ValueError(f"{name}: check (a)'s loaders while built are for clients of one size"
+                     " and LONG_BUILT_LOADS has none for padded clients")
+  keys = client_keys(algorithm_key, data.num_clients)
+  sizes, padded = data.split_sizes("train"), bridges.padded_sizes(data)
+  return [LONG_BUILT_LOADS[name](keys[k], int(padded[k]), int(sizes[k]), epochs, batch_size)
+          for k in range(data.num_clients)]
+
+
 def correct(model, x, y) -> int:
   import torch  # pylint: disable=import-outside-toplevel
   with torch.no_grad():
@@ -348,11 +399,16 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
   args = one_round._pfllib_args(  # pylint: disable=protected-access
       check_a, class_name, torch_model(reference.split, device, initial, float64),
       **{**reference.args, "device": device, "global_rounds": rounds})
+  epochs = reference.our_epochs or setting.local_epochs
   with tempfile.TemporaryDirectory() as folder:
     system = bridges.write_pfllib_split(split.clients, folder, args.dataset,
                                         inputs=inputs)
     with (one_round._working_directory(system),  # pylint: disable=protected-access
-          contextlib.redirect_stdout(open(os.devnull, "w"))):
+          contextlib.redirect_stdout(open(os.devnull, "w")),
+          one_round._loaders_while_built(  # pylint: disable=protected-access
+              built_batches(name, reference, keys["algorithm"], split.data, epochs,
+                            setting.batch_size),
+              [c._replace(x_train=inputs(c.x_train)) for c in split.clients])):
       server = server_class(args, 0)
   if reference.prepare is not None:  # the clients as PFLlib reads them (FedPCL's loaders)
     reference.prepare(server, check_a, [c._replace(x_train=inputs(c.x_train))
@@ -364,7 +420,6 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
             torch.from_numpy(c.y_test.astype(np.int64)).to(device)) for c in split.clients]
   train_x = [inputs(c.x_train) for c in split.clients]
   train_y = [c.y_train.astype(np.int64) for c in split.clients]
-  epochs = reference.our_epochs or setting.local_epochs
   # Where PFLlib's evaluate() reads a round: after the next send_models (its next
   # round's start), or right after training where check (a) reads it there.
   after_send = reference.aggregates and reference.sends and reference.scored_after_send
