@@ -146,3 +146,15 @@ def test_a_reference_round_is_the_same_every_run():
   assert first.max_relative_error == second.max_relative_error
   assert first.reference_accuracy == second.reference_accuracy
   assert first.max_relative_error < 1e-5
+
+
+def test_the_summary_adds_each_algorithms_recorded_twenty_rounds(tmp_path):
+  folder = tmp_path / "results" / "verification" / "long_cpu"
+  folder.mkdir(parents=True)
+  row = {"algorithm": "fedavg", "ours": {"accuracy": [0.5, 0.742]},
+         "reference_run": {"accuracy": [0.5, 0.743]}, "final_gap_points": 0.1,
+         "date": "2026-12-04"}
+  (folder / "fedavg.json").write_text(json.dumps(row))
+  text = verify.long_summary(["fedavg", "ditto_uniform"], root=str(tmp_path))
+  assert "| fedavg | 74.20 | 74.30 | 0.10 | within 0.5 point | 2-core CPU, 2026-12-04 |" in text
+  assert text.endswith("No 20-round record (docs/verification.md says why): ditto")

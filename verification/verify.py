@@ -92,6 +92,43 @@ def render(document: dict) -> str:
   return "\n".join(lines)
 
 
+# Check (b)'s records (`make verify-long`: too slow for CI, run by hand), by where they ran.
+LONG_RECORDS = (("H200", os.path.join("results", "verification", "long")),
+                ("2-core CPU", os.path.join("results", "verification", "long_cpu")))
+
+
+def long_summary(names: list[str], root: str = bridges.ROOT) -> str:
+  """The recorded 20-round comparisons of the algorithms `names` run (a row variant such
+  as fedbabu_uniform reads its algorithm's), read from LONG_RECORDS, not rerun; and the
+  covered algorithms that have none."""
+  from verification import long  # pylint: disable=import-outside-toplevel
+  recorded: dict[str, list[tuple[str, dict]]] = {}
+  for machine, folder in LONG_RECORDS:
+    for row in long.read_rows(os.path.join(root, folder)):
+      recorded.setdefault(row["algorithm"], []).append((machine, row))
+  lines = ["Twenty rounds beside PFLlib (check (b): MNIST pathological, FedAvgCNN; recorded"
+           " by `make verify-long`, read here, not rerun; docs/verification.md):", "",
+           "| algorithm | ours | PFLlib | final gap (points) | verdict | where, when |",
+           "|---|---|---|---|---|---|"]
+  algorithms = list(dict.fromkeys(one_round_algorithm(name) for name in names))
+  for name in algorithms:
+    for machine, row in recorded.get(name, []):
+      lines.append(f"| {name} | {100 * row['ours']['accuracy'][-1]:.2f} |"
+                   f" {100 * row['reference_run']['accuracy'][-1]:.2f} |"
+                   f" {row['final_gap_points']:.2f} | {long.verdict(row)} |"
+                   f" {machine}, {row['date']} |")
+  lacking = [name for name in algorithms if name not in recorded]
+  if lacking:
+    lines.append(f"\nNo 20-round record (docs/verification.md says why): {', '.join(lacking)}")
+  return "\n".join(lines)
+
+
+def one_round_algorithm(name: str) -> str:
+  """The algorithm a check (a) row runs: its Reference's, else the row's own name."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  return one_round.REFERENCES[name].algorithm or name
+
+
 def _key(row: dict) -> tuple[str, bool]:
   return row["algorithm"], row["control"]
 
@@ -262,6 +299,7 @@ def main(argv: list[str]) -> int:
                           " on clients of 80, 120, 240 and 360 training images, each client"
                           " its own copies of the cores, two rounds, p's move compared too")
   print(render(write(args.out, document) if args.record else document))
+  print("\n" + long_summary(names))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]
   print(f"verify: {len(rows) - len(failed)} passed, {len(failed)} failed")
   if failed:
