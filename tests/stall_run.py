@@ -44,6 +44,11 @@ def check_finite(metrics, round_number, **kwargs):
 
 
 if __name__ == "__main__":
+  # Ctrl-C reaches a run in the foreground. A command started in the background (bash
+  # without job control: `make test-slow &`, nohup) ignores SIGINT, its children too,
+  # and Python then installs no KeyboardInterrupt handler: the raised SIGINT would do
+  # nothing and the stall would last until the test's timeout.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   simulation.build_algorithm, simulation.check_finite = build_algorithm, check_finite
   command = sys.argv.pop(1)
   app.run({"main": main_lib.main, "reproduce": reproduce.main}[command])
