@@ -96,7 +96,7 @@ CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "f
 # diverge on the CNN in round 2 (ours NaN, PFLlib's accuracy 11 %, 2026-12-04).
 MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
         "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl", "fedgc", "gpfl",
-        "fedcp", "fedkd", "fedas", "feddbe")
+        "fedcp", "fedkd", "fedas", "feddbe", "perfedavg")
 DEFAULT = CORE + MORE
 
 
@@ -123,7 +123,13 @@ LONG_CONFIG: dict[str, tuple[dict, dict]] = {
     # FedKD: PFLlib decomposes a conv kernel per spatial position (check (a)'s MLP has
     # none); its mentee at this check's lr (check (a)'s is its own).
     "fedkd": ({"conv_svd": "spatial"}, {"mentee_learning_rate": Setting().lr}),
+    # Per-FedAvg: alpha = beta = the run's lr, as PFLlib's client sets them.
+    "perfedavg": ({"alpha": Setting().lr, "beta": Setting().lr}, {}),
 }
+# Training sets cut to a multiple of this many batches where an algorithm reads batches of
+# several B: PFLlib's Per-FedAvg reads 2B at a time and drops a last partial one, where
+# ours deals it to D and D' and trains on it.
+BATCHES_A_CUT = {"perfedavg": 2}
 
 
 def _pflda_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
@@ -169,6 +175,20 @@ def _fedas_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: i
           bridges.leading_epochs(train_key, padded, n, epochs, batch_size), [fisher]]
 
 
+def _perfedavg_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
+                     ) -> list[list[np.ndarray]]:
+  """Per-FedAvg's loaders (check (a)'s _peravg_loads) on a padded client: the scoring's
+  batch of B, then one loader an epoch of 2B, each its D followed by its D' (n a multiple
+  of 2B: BATCHES_A_CUT)."""
+  train_key, adapt_key = jax.random.split(key)
+  mask = np.arange(padded) < n
+  adapt = np.asarray(epoch_batches(adapt_key, mask, n, batch_size,
+                                   -(-padded // batch_size))[0])[:n // batch_size]
+  meta = bridges.leading_epochs(train_key, padded, n, epochs, 2 * batch_size)
+  return [[adapt]] + [[np.concatenate([chunks[:, 0::2], chunks[:, 1::2]], axis=1)]
+                      for chunks in meta]
+
+
 def _feddbe_built_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
                         ) -> list[list[np.ndarray]]:
   """FedDBE's client while built (check (a)'s _dbe_built_loads) on a padded client: a
@@ -182,7 +202,7 @@ def _feddbe_built_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_
 # draws over the padded size, (client key, padded size, size, epochs, batch size) ->
 # [load][epoch]. An algorithm with Reference.loads and none here is refused.
 LONG_LOADS = {"pflda": _pflda_loads, "fedgh": _fedgh_loads, "fedpcl": _fedpcl_loads,
-              "fedas": _fedas_loads}
+              "fedas": _fedas_loads, "perfedavg": _perfedavg_loads}
 # And those its clients read while its server is built (Reference.built_loads), drawn
 # from the keys our init hands client k.
 LONG_BUILT_LOADS = {"feddbe": _feddbe_built_loads}
@@ -205,16 +225,17 @@ def missing(references: str) -> str | None:
 
 # ---------------------------------------------------------------- the split
 
-def build_split(setting: Setting, data_dir: str | None) -> Split:
-  """MNIST pathological at 10 %, each client's training set cut to a multiple of the
-  batch size, the pixels PFLlib's floats (module docstring)."""
+def build_split(setting: Setting, data_dir: str | None, batches: int = 1) -> Split:
+  """MNIST pathological at 10 %, each client's training set cut to a multiple of
+  `batches` batches, the pixels PFLlib's floats (module docstring)."""
   source = load_mnist(data_dir)
   partition = make_partition(source, setting.clients, PartitionConfig(
       kind="pathological", classes_per_client=setting.classes_per_client,
       val_fraction=setting.val_fraction, data_fraction=setting.data_fraction), setting.seed)
   clients = []
   for client in partition.clients:
-    kept = len(client.x_train) // setting.batch_size * setting.batch_size
+    cut = batches * setting.batch_size
+    kept = len(client.x_train) // cut * cut
     clients.append(Client(
         bridges.pfllib_pixels(client.x_train[:kept]), client.y_train[:kept],
         bridges.pfllib_pixels(client.x_val), client.y_val,
@@ -852,7 +873,7 @@ def run_side(args: argparse.Namespace) -> int:
   setting, name = Setting(), args.algorithms
   prepare_jax(args)
   device = prepare_torch(args) if args.side != "ours" else None
-  split = build_split(setting, args.data_dir)
+  split = build_split(setting, args.data_dir, BATCHES_A_CUT.get(name, 1))
   part = (run_ours(name, split, setting, args.rounds) if args.side == "ours"
           else run_reference(name, split, setting, args.rounds, device,
                              float64=args.side == EXACT))
@@ -890,7 +911,9 @@ def run_here(args: argparse.Namespace, names: list[str], extra: dict) -> list[st
   device = prepare_torch(args)
   overlap = (args.overlap or ("on" if device == "cuda" else "off")) == "on"
   setting = Setting()
-  split = build_split(setting, args.data_dir)
+  splits = {batches: build_split(setting, args.data_dir, batches)
+            for batches in {BATCHES_A_CUT.get(name, 1) for name in names}}
+  split = splits.get(1) or next(iter(splits.values()))
   sizes = split.data.split_sizes("train")
   log(f"{setting.clients} clients of {sizes.min()} to {sizes.max()} training images"
       f" ({sizes.sum()} in all), {split.data.split_sizes('test').sum()} test images;"
@@ -903,6 +926,7 @@ def run_here(args: argparse.Namespace, names: list[str], extra: dict) -> list[st
           f" spent (the longest algorithm so far took {max(durations):.0f} s)")
       continue
     began = time.perf_counter()
+    split = splits[BATCHES_A_CUT.get(name, 1)]
     try:
       if overlap:  # ours in a thread while PFLlib's trains
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
