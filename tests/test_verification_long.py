@@ -96,22 +96,24 @@ def test_padded_loads_are_check_as_where_no_client_is_padded():
   key = jax.random.key(7)
   check_a = {"pflda": one_round._da_loads, "fedgh": one_round._gh_loads,
              "fedpcl": one_round._pcl_loads, "fedas": one_round._as_loads,
-             "perfedavg": one_round._peravg_loads}
+             "perfedavg": one_round._peravg_loads, "fedfomo": one_round._fomo_loads}
   assert set(long.LONG_LOADS) == set(check_a)
   for name, loads in long.LONG_LOADS.items():
-    for ours, theirs in zip(loads(key, 40, 40, 2, 10), check_a[name](key, 40, 2, 10)):
+    n = 50 if name == "fedfomo" else 40  # a multiple of its cut (BATCHES_A_CUT)
+    for ours, theirs in zip(loads(key, n, n, 2, 10), check_a[name](key, n, 2, 10)):
       assert len(ours) == len(theirs)
       for a, b in zip(ours, theirs):  # an epoch: [batches, B], or batches of other sizes
         assert len(a) == len(b)
         for batch_a, batch_b in zip(a, b):
           np.testing.assert_array_equal(batch_a, batch_b)
-    real = 40 if name in long.BATCHES_A_CUT else 30  # a multiple of its cut, of 50 slots
-    for load in loads(key, 50, real, 2, 10):
+    real = 10 * long.BATCHES_A_CUT.get(name, 3)  # padded to 60 slots
+    read = real - real // 5 if name == "fedfomo" else real  # its training share
+    for load in loads(key, 60, real, 2, 10):
       for epoch in load:
         samples = np.concatenate([np.ravel(batch) for batch in epoch])
-        assert sorted(samples.tolist()) == list(range(real)), name
+        assert sorted(samples.tolist()) == list(range(read)), name
         if isinstance(epoch, np.ndarray):
-          assert epoch.shape[1] in (10, 20) and epoch.size == real, name
+          assert epoch.shape[1] in (10, 20) and epoch.size == read, name
 
 
 def test_padded_loads_while_built_are_check_as_where_no_client_is_padded():

@@ -96,7 +96,7 @@ CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "f
 # diverge on the CNN in round 2 (ours NaN, PFLlib's accuracy 11 %, 2026-12-04).
 MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
         "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl", "fedgc", "gpfl",
-        "fedcp", "fedkd", "fedas", "feddbe", "perfedavg")
+        "fedcp", "fedkd", "fedas", "feddbe", "perfedavg", "fedfomo")
 DEFAULT = CORE + MORE
 
 
@@ -129,7 +129,7 @@ LONG_CONFIG: dict[str, tuple[dict, dict]] = {
 # Training sets cut to a multiple of this many batches where an algorithm reads batches of
 # several B: PFLlib's Per-FedAvg reads 2B at a time and drops a last partial one, where
 # ours deals it to D and D' and trains on it.
-BATCHES_A_CUT = {"perfedavg": 2}
+BATCHES_A_CUT = {"perfedavg": 2, "fedfomo": 5}  # FedFomo: its 80 % training share too
 
 
 def _pflda_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
@@ -189,6 +189,14 @@ def _perfedavg_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_siz
                       for chunks in meta]
 
 
+def _fedfomo_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
+                   ) -> list[list[np.ndarray]]:
+  """FedFomo's training loader (check (a)'s _fomo_loads) on a padded client: our trainer's
+  epochs over the first n - n // 5 real samples (fedfomo.train_tail's mask; n a multiple
+  of 5B: BATCHES_A_CUT)."""
+  return [bridges.leading_epochs(key, padded, n - n // 5, epochs, batch_size)]
+
+
 def _feddbe_built_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
                         ) -> list[list[np.ndarray]]:
   """FedDBE's client while built (check (a)'s _dbe_built_loads) on a padded client: a
@@ -202,7 +210,8 @@ def _feddbe_built_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_
 # draws over the padded size, (client key, padded size, size, epochs, batch size) ->
 # [load][epoch]. An algorithm with Reference.loads and none here is refused.
 LONG_LOADS = {"pflda": _pflda_loads, "fedgh": _fedgh_loads, "fedpcl": _fedpcl_loads,
-              "fedas": _fedas_loads, "perfedavg": _perfedavg_loads}
+              "fedas": _fedas_loads, "perfedavg": _perfedavg_loads,
+              "fedfomo": _fedfomo_loads}
 # And those its clients read while its server is built (Reference.built_loads), drawn
 # from the keys our init hands client k.
 LONG_BUILT_LOADS = {"feddbe": _feddbe_built_loads}
@@ -261,6 +270,8 @@ def long_reference(name: str, rounds: int):
     config = {**config, "mu_participations": rounds}
   if name == "fedkd":  # its energy ramps from T_start to T_end over the run's rounds
     args = {**args, "global_rounds": rounds}
+  if name == "fedfomo":  # M = 5 of 20 clients: P's ties broken as ours breaks them
+    reference = reference._replace(prepare=one_round._fomo_ties)  # pylint: disable=protected-access
   return reference._replace(config={**reference.config, **config},
                             args={**reference.args, **args})
 
