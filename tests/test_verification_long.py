@@ -96,7 +96,8 @@ def test_padded_loads_are_check_as_where_no_client_is_padded():
   key = jax.random.key(7)
   check_a = {"pflda": one_round._da_loads, "fedgh": one_round._gh_loads,
              "fedpcl": one_round._pcl_loads, "fedas": one_round._as_loads,
-             "perfedavg": one_round._peravg_loads, "fedfomo": one_round._fomo_loads}
+             "perfedavg": one_round._peravg_loads, "fedfomo": one_round._fomo_loads,
+             "fedpac": one_round._pac_loads}
   assert set(long.LONG_LOADS) == set(check_a)
   for name, loads in long.LONG_LOADS.items():
     n = 50 if name == "fedfomo" else 40  # a multiple of its cut (BATCHES_A_CUT)

@@ -96,7 +96,7 @@ CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "f
 # diverge on the CNN in round 2 (ours NaN, PFLlib's accuracy 11 %, 2026-12-04).
 MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
         "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl", "fedgc", "gpfl",
-        "fedcp", "fedkd", "fedas", "feddbe", "perfedavg", "fedfomo")
+        "fedcp", "fedkd", "fedas", "feddbe", "perfedavg", "fedfomo", "fedpac")
 DEFAULT = CORE + MORE
 
 
@@ -197,6 +197,16 @@ def _fedfomo_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size:
   return [bridges.leading_epochs(key, padded, n - n // 5, epochs, batch_size)]
 
 
+def _fedpac_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
+                  ) -> list[list[np.ndarray]]:
+  """FedPAC's loaders (check (a)'s _pac_loads) on a padded client: train's epochs (its
+  head epoch, then its body's), collect_protos' and the next send_models' statistics
+  (sums over the n real samples: any batches)."""
+  everything = np.arange(n).reshape(-1, batch_size)
+  return [bridges.leading_epochs(key, padded, n, epochs, batch_size), [everything],
+          [everything] * 3]
+
+
 def _feddbe_built_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
                         ) -> list[list[np.ndarray]]:
   """FedDBE's client while built (check (a)'s _dbe_built_loads) on a padded client: a
@@ -211,7 +221,7 @@ def _feddbe_built_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_
 # [load][epoch]. An algorithm with Reference.loads and none here is refused.
 LONG_LOADS = {"pflda": _pflda_loads, "fedgh": _fedgh_loads, "fedpcl": _fedpcl_loads,
               "fedas": _fedas_loads, "perfedavg": _perfedavg_loads,
-              "fedfomo": _fedfomo_loads}
+              "fedfomo": _fedfomo_loads, "fedpac": _fedpac_loads}
 # And those its clients read while its server is built (Reference.built_loads), drawn
 # from the keys our init hands client k.
 LONG_BUILT_LOADS = {"feddbe": _feddbe_built_loads}
