@@ -96,7 +96,7 @@ CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "f
 # diverge on the CNN in round 2 (ours NaN, PFLlib's accuracy 11 %, 2026-12-04).
 MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
         "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl", "fedgc", "gpfl",
-        "fedcp", "fedkd", "fedas", "feddbe", "perfedavg", "fedfomo", "fedpac")
+        "fedcp", "fedkd", "fedas", "feddbe", "perfedavg", "fedfomo", "fedpac", "fedgen")
 DEFAULT = CORE + MORE
 
 

@@ -977,14 +977,15 @@ def _gen_load_initial(server, state) -> None:
 
 def _gen_train(client) -> None:
   """One PFLlib FedGen client's train() drawing our client's batches: from the second
-  half of its round key (fedgen.client_update), one per step."""
+  half of its round key (fedgen.client_update), one per step of its own samples (a
+  padded client's real steps come first in an epoch, so one epoch's are the first)."""
   server = client.gen_server
   round_index = getattr(client, "gen_round", 0)
   client.gen_round = round_index + 1
   setting = server.gen_setting
   keys = client_keys(jax.random.fold_in(root_keys(setting.seed)["train"], round_index),
                      len(server.clients))
-  steps = setting.local_epochs * setting.train_size // setting.batch_size
+  steps = setting.local_epochs * client.train_samples // setting.batch_size
   draws = _gen_draws(jax.random.split(keys[client.id])[1], steps,
                      server.gen_state.class_weights, setting.batch_size, server.noise_dim)
   with _drawing(draws):
