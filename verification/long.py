@@ -12,8 +12,10 @@ The split: MNIST (the data root's, else the copy in the package; --data_dir) at 
 with 2 classes a client, 20 clients, an eighth of each client's pool for validation
 (FedALA's MNIST column, experiments/paper/fedala_tables.json); each client's training
 set cut to a multiple of the batch size (PFLlib drops a last partial batch, the engine
-does not): about 260 images a client. The pixels as PFLlib's generator writes them,
-(x / 255 - 0.5) / 0.5, the same floats on both sides (our CNNs take floats unscaled).
+does not): about 260 images a client; a multiple of several batches where an algorithm
+reads them so (BATCHES_A_CUT: Per-FedAvg's 2B, FedFomo's training share). The pixels as
+PFLlib's generator writes them, (x / 255 - 0.5) / 0.5, the same floats on both sides
+(our CNNs take floats unscaled).
 The model: PFLlib's FedAvgCNN, ours `--model=fedavg_cnn`, the initial weights ours
 (bridges.cnn_to_torch; checked on the first client's test images before training).
 Training: FedALA's (batch 10, lr 0.005, one local epoch, plain SGD, every client every
