@@ -6,6 +6,12 @@ which stage it is in and how long that stage may take (compiling; round r of R; 
 checkpoint); a background thread checks the clock, and when a stage outlives its limit
 it calls `on_stall` with one line naming the run, the stage and the limit.
 
+Time the process does not run is not time without progress: a run stopped with Ctrl-Z
+or SIGSTOP (paused while something else is timed), or a machine that sleeps, shows
+as one long gap between the watchdog's polls, and a gap over `pause_seconds` counts as
+one poll. A hung run's watchdog thread keeps polling (the hang holds the main thread,
+not this one), so its stalled time counts in full.
+
 A stalled runtime cannot be interrupted from Python (the main thread sits in C++, not in
 bytecode), so the default `on_stall` prints that line and ends the process at once with
 exit status STALL_EXIT_STATUS. Checkpoints are written under a temporary name and
@@ -77,12 +83,15 @@ class Watchdog:
 
   def __init__(self, limits: StallLimits = StallLimits(),
                on_stall: Callable[[str], None] = exit_process,
-               poll_seconds: float = 1.0):
+               poll_seconds: float = 1.0, pause_seconds: float = 30.0):
     self.limits = limits
     self.on_stall = on_stall
     self._poll_seconds = poll_seconds
+    self._pause_seconds = pause_seconds
     self._lock = threading.Lock()
-    self._stage: tuple[str, float, float, str] | None = None  # what, limit, start, note
+    # what, limit, start, the seconds paused before it, note
+    self._stage: tuple[str, float, float, float, str] | None = None
+    self._paused = 0.0  # seconds the process did not run, since the watchdog started
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
 
@@ -103,7 +112,7 @@ class Watchdog:
     """The run has entered stage `what` ("fedavg: round 3 of 50"), which may take up to
     `limit_seconds`; `note` ends the stall message (what is kept, how to resume)."""
     with self._lock:
-      self._stage = (what, limit_seconds, time.monotonic(), note)
+      self._stage = (what, limit_seconds, time.monotonic(), self._paused, note)
 
   def idle(self) -> None:
     """Nothing to watch until the next `stage` (between runs, writing results)."""
@@ -111,12 +120,17 @@ class Watchdog:
       self._stage = None
 
   def _watch(self) -> None:
+    last = time.monotonic()
     while not self._stop.wait(self._poll_seconds):
+      now = time.monotonic()
       with self._lock:
+        if now - last > self._pause_seconds:  # the process was stopped: one poll counts
+          self._paused += now - last - self._poll_seconds
+        last = now
         stage = self._stage
-        if stage is None or time.monotonic() - stage[2] <= stage[1]:
+        if stage is None or now - stage[2] - (self._paused - stage[3]) <= stage[1]:
           continue
         self._stage = None
-      what, limit, _, note = stage
+      what, limit, _, _, note = stage
       message = f"{what}: no progress for {limit:g} s, stopped"
       self.on_stall(message + (f"; {note}" if note else ""))

@@ -4,6 +4,7 @@ stalled row as failed and goes on (issue 54)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -62,6 +63,35 @@ def _stalled(command, *args, algorithm="fedavg", round_number=3, stall_with="han
 def _command(module, *args):
   return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=600)
+
+
+_PAUSED_CHILD = """
+import time
+from fedora_jax import watchdog
+with watchdog.Watchdog(poll_seconds=0.1, pause_seconds=1.0) as dog:
+  dog.stage("a paused stage", 2.0)
+  print("staged", flush=True)
+  time.sleep(4.5)  # 3 s of it stopped by the test: about 1.5 s run, under the limit
+  dog.stage("a stalled stage", 2.0)
+  print("went on", flush=True)
+  time.sleep(3.0)  # running: past the limit
+print("not reached", flush=True)
+"""
+
+
+def test_time_the_process_is_stopped_does_not_count_as_a_stall():
+  # A run paused with SIGSTOP (Ctrl-Z) and resumed goes on; a stall after it still ends it.
+  child = subprocess.Popen([sys.executable, "-c", _PAUSED_CHILD], cwd=ROOT, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  assert child.stdout.readline() == "staged\n"
+  time.sleep(0.5)
+  child.send_signal(signal.SIGSTOP)
+  time.sleep(3.0)
+  child.send_signal(signal.SIGCONT)
+  out, err = child.communicate(timeout=60)
+  assert out == "went on\n", err
+  assert child.returncode == watchdog_lib.STALL_EXIT_STATUS
+  assert err.strip() == "error: a stalled stage: no progress for 2 s, stopped"
 
 
 def test_a_stalled_round_ends_the_run_with_one_line_and_a_rerun_resumes(tmp_path):
