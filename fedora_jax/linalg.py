@@ -53,32 +53,29 @@ def _finite(*arrays: jax.Array) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
 
 
-def _thin_svd(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """jnp's SVD (LAPACK's divide and conquer, gesdd), and on the CPU, where it returns
-  non-finite values for a finite matrix, the QR iteration (gesvd). The CPU's gesdd fails
-  so on some matrices: a 1024 x 512 FedAvgCNN kernel of FedKD's mentee in round 12 of
-  check (b) came back NaN, with LAPACK's "SLASCL parameter number 4 had an illegal
-  value"; PyTorch's SVD of the same mentee did not fail."""
-  u, s, vt = jnp.linalg.svd(a, full_matrices=False)
+def _unless_gesdd_failed(a: jax.Array, answer, qr_answer: Callable):
+  """`answer`, jnp's SVD of `a` (LAPACK's divide and conquer, gesdd), or on the CPU,
+  where it is not finite for a finite `a`, `qr_answer()`, the QR iteration's (gesvd).
+  The CPU's gesdd fails so on some matrices (LAPACK: "SLASCL parameter number 4 had an
+  illegal value"); NumPy's and PyTorch's SVDs of the same matrix do not."""
   if jax.default_backend() != "cpu":
-    return u, s, vt
-  return jax.lax.cond(
-      _finite(a) & ~_finite(u, s, vt),
+    return answer
+  return jax.lax.cond(_finite(a) & ~_finite(*jax.tree.leaves(answer)), qr_answer,
+                      lambda: answer)
+
+
+def _thin_svd(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  return _unless_gesdd_failed(
+      a, tuple(jnp.linalg.svd(a, full_matrices=False)),
       lambda: tuple(jax.lax.linalg.svd(a, full_matrices=False,
-                                       algorithm=jax.lax.linalg.SvdAlgorithm.QR)),
-      lambda: (u, s, vt))
+                                       algorithm=jax.lax.linalg.SvdAlgorithm.QR)))
 
 
 def _thin_singular_values(a: jax.Array) -> jax.Array:
-  """_thin_svd's singular values alone."""
-  s = jnp.linalg.svd(a, compute_uv=False)
-  if jax.default_backend() != "cpu":
-    return s
-  return jax.lax.cond(
-      _finite(a) & ~_finite(s),
+  return _unless_gesdd_failed(
+      a, jnp.linalg.svd(a, compute_uv=False),
       lambda: jax.lax.linalg.svd(a, full_matrices=False, compute_uv=False,
-                                 algorithm=jax.lax.linalg.SvdAlgorithm.QR),
-      lambda: s)
+                                 algorithm=jax.lax.linalg.SvdAlgorithm.QR))
 
 
 _svd = _one_matrix_at_a_time(_thin_svd, (2,))
