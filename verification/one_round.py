@@ -1691,11 +1691,11 @@ for _name in ("ditto", "lg_fedavg", "fedbabu"):
   REFERENCES[f"{_name}_uniform"] = REFERENCES[_name]._replace(
       clients=_unequal_clients, algorithm=_name, rounds=2, client_weights="uniform",
       server_steps=(_uniform_mean, "aggregate_parameters"))
-# At seed 0, FedBABU's uniform round 2 meets a tie: one of its 160,000 pre-activations is
-# 4e-9 of its layer's largest, below float32's rounding. Which side of zero it takes
-# follows the round-1 sum's rounding (PFLlib's upload order: 4 of 12 orders; XLA's
-# optimisation level on ours), and the codes part by 1e-3 where it does. At seed 1 the
-# smallest is 8e-7.
+# At seed 0, FedBABU's uniform round 2 meets a tie: a pre-activation within float32's
+# rounding of zero (0 to 1.3e-8 of its layer's largest). Which side it takes follows the
+# round-1 sum's rounding (PFLlib's upload order: 4 of 12 orders; XLA's optimisation level
+# on ours), and the codes part by 1e-3 where it does. At seed 1 the smallest is 7.5e-7
+# (verification/tie_probe.py).
 REFERENCES["fedbabu_uniform"] = REFERENCES["fedbabu_uniform"]._replace(seed=1)
 # FedFomo in PFLlib's form with half the clients a round, three rounds: its M is
 # min(M, clients a round) = 2, and send_models sends min(M, last round's uploaders) of
