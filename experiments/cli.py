@@ -168,7 +168,8 @@ def sweep_options(finished_only: bool = False) -> sweep.Options:
 
 def run_rows(rows: list[sweep.Row]) -> list[dict | None]:
   """Several runs (--seeds, --sweep) through the sweep module, as one program where they
-  can share one: each run's summary printed, then mean +- std over each one's seeds."""
+  can share one: each run's summary printed, then mean +- std over each one's seeds
+  (with --workdir, also in <workdir>/sweep.md and .json)."""
   sweep.check_rows(rows)
   outcomes = sweep.run_configs(rows, sweep_options())
   for row, outcome in zip(rows, outcomes):
@@ -176,6 +177,10 @@ def run_rows(rows: list[sweep.Row]) -> list[dict | None]:
       report_run(outcome.results, row.workdir)
   for line in sweep.spread(rows, outcomes):
     print(line)
+  if FLAGS.workdir and jax.process_index() == 0:
+    out = os.path.join(FLAGS.workdir, "sweep")
+    sweep.write_spread(rows, outcomes, out, " ".join(["python -m", *sys.orig_argv[2:]]))
+    print(f"table in {out}.md")
   return [outcome.results for outcome in outcomes]
 
 

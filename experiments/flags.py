@@ -100,9 +100,11 @@ flags.DEFINE_integer("seeds", 1, "Run seeds --seed .. --seed+N-1, as one compile
                      lower_bound=1)
 flags.DEFINE_multi_string("sweep", [], "name=v1,v2,...: run each value of the run flag"
                           " --name (each combination of several --sweep; each over"
-                          " --seeds) as one program; only values that keep the program's"
-                          " shapes: --lr, --weight_decay, an algorithm's float"
-                          " hyperparameter (--fedprox_mu=...), --seed")
+                          " --seeds), as one program where the values keep its shapes"
+                          " (--lr, --weight_decay, an algorithm's float hyperparameter),"
+                          " one program each otherwise; --sweep=algorithm=local,...: LOCAL"
+                          " is the others' reference. With --workdir, the table in"
+                          " <workdir>/sweep.md")
 flags.DEFINE_bool("batch_runs", True, "--seeds, --sweep and reproduce's rows that differ"
                   " only in values train as one program; false: one at a time.")
 RUNS_PER_STEP = flags.DEFINE_integer(

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from fedora_jax import sweep, train, train_batch
-from fedora_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"num_clients": 3, "rounds": 2, "local_epochs": 1, "hidden": [16], "log_every": 0,
@@ -123,8 +122,42 @@ def test_seeds_grid_names_and_workdirs(tmp_path):
   defaults = sweep.seeds_grid(BASE, {}, seeds=2)
   assert [r.workdir for r in defaults] == [train.default_workdir(r.config) for r in defaults]
   assert len({r.workdir for r in defaults}) == 2
-  with pytest.raises(ConfigError, match="--sweep=hidden: its values change the"):
-    sweep.seeds_grid(BASE, {"hidden": [[16], [32]]})
+
+
+def test_an_algorithm_sweep_trains_one_local_per_seed_and_other_values(tmp_path):
+  rows = sweep.seeds_grid(BASE, {"algorithm": ["local", "fedavg", "fedprox"],
+                                 "hidden": [[16], [32]]}, seeds=2, workdir=str(tmp_path))
+  by_name = {r.name: r for r in rows}
+  local = by_name["algorithm=local,hidden=[16] seed 1"]
+  assert local.references == ()
+  assert by_name["algorithm=fedprox,hidden=[16] seed 1"].references == (
+      os.path.join(local.workdir, "results.json"),)
+  assert by_name["algorithm=fedavg,hidden=[32] seed 0"].references == (os.path.join(
+      by_name["algorithm=local,hidden=[32] seed 0"].workdir, "results.json"),)
+  # A shape or an algorithm changes the program: one per value (a key each), LOCAL first.
+  assert len({train_batch.batch_key(r.config) for r in rows}) == 6
+  assert sweep._batches(rows, range(len(rows)))[0] == [0, 1]  # pylint: disable=protected-access
+  # Without LOCAL among the values, each run trains its own reference.
+  assert all(r.references == () for r in sweep.seeds_grid(
+      BASE, {"algorithm": ["fedavg", "fedprox"]}, workdir=str(tmp_path)))
+
+
+def test_the_spread_table_holds_each_combinations_seeds(tmp_path):
+  rows = sweep.seeds_grid(BASE, {"algorithm": ["local", "fedavg"]}, seeds=2,
+                          workdir=str(tmp_path))
+  outcomes = [sweep.RowOutcome({"acc": acc, "r_acc": acc - 0.5, "ptr": None}, read=True)
+              for acc in (0.5, 0.5, 0.6, 0.8)]
+  outcomes[3] = sweep.RowOutcome(None, read=False, unfinished="not started")
+  sweep.write_spread(rows, outcomes, str(tmp_path / "sweep"), "python -m x")
+  table = json.loads((tmp_path / "sweep.json").read_text())
+  assert table["command"] == "python -m x"
+  fedavg = table["runs"][1]
+  assert fedavg["run"] == "algorithm=fedavg" and fedavg["seeds_finished"] == 1
+  assert fedavg["acc"] == {"mean": 0.6, "std": 0.0, "values": [0.6]} and "ptr" not in fedavg
+  markdown = (tmp_path / "sweep.md").read_text().splitlines()
+  assert markdown[2:] == ["| run | seeds | Acc | R-Acc |", "|---|---:|---:|---:|",
+                          "| algorithm=local | 2 | 0.5000 ± 0.0000 | 0.0000 ± 0.0000 |",
+                          "| algorithm=fedavg | 1 | 0.6000 | 0.1000 |"]
 
 
 def run_main(*args):
@@ -150,10 +183,13 @@ def test_cli_seeds_and_sweep_write_each_run(tmp_path):
   spread = [line for line in proc.stdout.splitlines() if "seeds finished" in line]
   assert [line.split(":")[0] for line in spread] == ["fedprox_mu=0.01", "fedprox_mu=0.1"]
   assert all("Acc " in line and " +- " in line for line in spread)
+  table = json.loads((tmp_path / "sweep.json").read_text())
+  assert [run["run"] for run in table["runs"]] == ["fedprox_mu=0.01", "fedprox_mu=0.1"]
+  assert table["command"].startswith("python -m experiments.main --algorithm=fedprox")
+  assert f"table in {tmp_path / 'sweep'}.md" in proc.stdout
 
 
 @pytest.mark.parametrize("given,message", [
-    ("--sweep=hidden=16,32", "error: --sweep=hidden: its values change the program"),
     ("--sweep=nosuch=1,2", "error: --sweep=nosuch=1,2: 'nosuch' is not a run flag"),
     ("--sweep=fedprox_mu=a", "error: --sweep=fedprox_mu=a: could not convert")])
 def test_cli_bad_sweeps_stop_with_one_line(tmp_path, given, message):

@@ -138,23 +138,18 @@ def seeds_grid(base: Mapping[str, Any], values: Mapping[str, Sequence[Any]], see
   """The runs of seeds seed .. seed+seeds-1 for each combination of `values` (setting
   name -> its values, on top of the flat settings `base`), a combination's seeds
   together: each in train.default_workdir, or with `workdir` in
-  <workdir>[/<name>=<value>,...][/seed<s>] (one run: `workdir` itself). A setting whose
-  values change more than values the run axis takes (train_batch.batch_key: shapes,
-  Python branches) is refused in one line: its runs could not share one program."""
+  <workdir>[/<name>=<value>,...][/seed<s>] (one run: `workdir` itself). Combinations
+  that differ only in values the run axis takes train as one program (run_configs); the
+  others (an algorithm, a shape) one program each. Where the algorithm is swept with
+  LOCAL among its values, LOCAL's run is the reference of the other algorithms' runs of
+  its seed and other values, so it trains once."""
   names = list(values)
-  for name in names:  # each swept alone, the others at their first values
-    firsts = {n: values[n][0] for n in names}
-    keys = {train_batch.batch_key(settings_lib.from_settings(
-        {**base, **firsts, name: v, "seed": seed})) for v in values[name]}
-    if len(keys) > 1:
-      raise ConfigError(f"--sweep={name}: its values change the program (its shapes or a"
-                        " branch), so its runs cannot share one; sweep only seeds, lr,"
-                        " weight_decay or an algorithm's float hyperparameter, or run one"
-                        " command per value")
-  rows = []
+  rows, keys = [], []
+  local_of: dict[tuple, str] = {}  # (the other values, seed) -> LOCAL's workdir
   for combination in itertools.product(*(values[n] for n in names)):
     chosen = dict(zip(names, combination))
     name = ",".join(f"{n}={v}" for n, v in chosen.items())
+    others = tuple((n, repr(v)) for n, v in chosen.items() if n != "algorithm")
     for s in range(seed, seed + seeds):
       config = settings_lib.from_settings({**base, **chosen, "seed": s})
       parts = [name] if name else []
@@ -162,29 +157,71 @@ def seeds_grid(base: Mapping[str, Any], values: Mapping[str, Sequence[Any]], see
         parts.append(f"seed{s}")
       directory = (train_lib.default_workdir(config) if workdir is None
                    else os.path.join(workdir, *parts))
+      is_local = config.algorithm.name == algorithms.REFERENCE
+      if "algorithm" in chosen and is_local:
+        local_of[others, s] = directory
       rows.append(Row(" ".join([name or config.algorithm.name, f"seed {s}"]), config,
                       directory))
-  return rows
+      keys.append(None if is_local else (others, s))
+  return [row._replace(references=(os.path.join(local_of[key], "results.json"),))
+          if key in local_of else row for row, key in zip(rows, keys)]
+
+
+SPREAD_METRICS = (("acc", "Acc"), ("mae", "MAE"), ("r_acc", "R-Acc"), ("ptr", "PTR"))
+
+
+def spread_table(rows: Sequence[Row], outcomes: Sequence[RowOutcome]) -> list[dict]:
+  """Per combination (rows named "<combination> seed <s>", seeds_grid's): the seeds
+  finished, and mean and std (population) of the final round's Acc, MAE, R-Acc and PTR
+  over them."""
+  groups: dict[str, list[dict]] = {}
+  for row, outcome in zip(rows, outcomes):
+    documents = groups.setdefault(row.name.rsplit(" seed ", 1)[0], [])
+    if outcome.results is not None:
+      documents.append(outcome.results)
+  table = []
+  for name, documents in groups.items():
+    entry: dict[str, Any] = {"run": name, "seeds_finished": len(documents)}
+    for key, _ in SPREAD_METRICS:
+      column = [d[key] for d in documents if d.get(key) is not None]
+      if column:
+        entry[key] = {"mean": float(np.mean(column)), "std": float(np.std(column)),
+                      "values": [float(v) for v in column]}
+    table.append(entry)
+  return table
 
 
 def spread(rows: Sequence[Row], outcomes: Sequence[RowOutcome]) -> list[str]:
-  """Mean +- std (population) of the final round's Acc, R-Acc and PTR over each
-  combination's seeds (rows named "<combination> seed <s>", seeds_grid's), finished
-  rows only."""
-  groups: dict[str, list[dict]] = {}
-  for row, outcome in zip(rows, outcomes):
-    groups.setdefault(row.name.rsplit(" seed ", 1)[0], [])
-    if outcome.results is not None:
-      groups[row.name.rsplit(" seed ", 1)[0]].append(outcome.results)
+  """spread_table's combinations, a line each: "<name>: N seeds finished: Acc m +- s"."""
   lines = []
-  for name, documents in groups.items():
-    cells = []
-    for key, label in (("acc", "Acc"), ("mae", "MAE"), ("r_acc", "R-Acc"), ("ptr", "PTR")):
-      column = [d[key] for d in documents if d.get(key) is not None]
-      if column:
-        cells.append(f"{label} {np.mean(column):.4f} +- {np.std(column):.4f}")
-    lines.append(f"{name}: {len(documents)} seeds finished: {'  '.join(cells)}")
+  for entry in spread_table(rows, outcomes):
+    cells = [f"{label} {entry[key]['mean']:.4f} +- {entry[key]['std']:.4f}"
+             for key, label in SPREAD_METRICS if key in entry]
+    lines.append(f"{entry['run']}: {entry['seeds_finished']} seeds finished:"
+                 f" {'  '.join(cells)}")
   return lines
+
+
+def write_spread(rows: Sequence[Row], outcomes: Sequence[RowOutcome], out: str,
+                 command: str = "") -> None:
+  """spread_table as <out>.json and a Markdown table, <out>.md (the command quoted)."""
+  table = spread_table(rows, outcomes)
+  labels = [(key, label) for key, label in SPREAD_METRICS
+            if any(key in entry for entry in table)]
+  lines = ([f"`{command}`", ""] if command else []) + [
+      "| run | seeds | " + " | ".join(label for _, label in labels) + " |",
+      "|---|---:|" + "---:|" * len(labels)]
+  for entry in table:
+    cells = [(f"{entry[key]['mean']:.4f}" + (f" ± {entry[key]['std']:.4f}"
+                                            if entry["seeds_finished"] > 1 else ""))
+             if key in entry else "" for key, _ in labels]
+    lines.append(f"| {entry['run']} | {entry['seeds_finished']} | " + " | ".join(cells)
+                 + " |")
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+  with open(f"{out}.json", "w") as f:
+    json.dump({"command": command, "runs": table}, f, indent=2)
+  with open(f"{out}.md", "w") as f:
+    f.write("\n".join(lines) + "\n")
 
 
 def check_rows(rows: Sequence[Row]) -> None:
