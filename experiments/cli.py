@@ -147,22 +147,28 @@ def fail_row_and_go_on(row: sweep.Row, message: str) -> None:
     sweep.record_stall(row.workdir, message)
   except OSError as e:  # unrecorded, it would stall again on every restart
     exit_on_stall(f"{message} (and the row could not be recorded as failed: {e})")
+  say_left_out(row, message)
+  os.execv(sys.executable, sys.orig_argv)
+
+
+def say_left_out(row: sweep.Row, message: str) -> None:
+  """One error line: the row failed (stalled, diverged) and the sweep goes on."""
   sys.stdout.flush()
   sys.stderr.write(("\n" if sys.stderr.isatty() else "")  # below a progress bar
                    + f"error: {row.name}: {message}; the row is left out as failed and the"
                    " sweep goes on (a later run of the same command retries it)\n")
   sys.stderr.flush()
-  os.execv(sys.executable, sys.orig_argv)
 
 
 def sweep_options(finished_only: bool = False) -> sweep.Options:
   """How the commands run a sweep's rows: a bar or log lines each, the watchdog the flags
-  ask for, and a stalled row left out as failed (a multi-process run, whose processes
-  run each row together, ends with one line instead)."""
+  ask for, and a stalled or diverged row left out as failed (a stall in a multi-process
+  run, whose processes run each row together, ends it with one line instead)."""
   on_stall = ((lambda row, message: exit_on_stall(message)) if jax.process_count() > 1
               else fail_row_and_go_on)
   return sweep.Options(train=not finished_only, progress=progress_reporter,
-                       watching=watching, on_stall=on_stall, batch_runs=FLAGS.batch_runs,
+                       watching=watching, on_stall=on_stall, on_diverged=say_left_out,
+                       batch_runs=FLAGS.batch_runs,
                        runs_per_step=FLAGS.runs_per_step)
 
 

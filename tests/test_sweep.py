@@ -4,6 +4,7 @@ the sweep reruns, only read with train=False, a row scored against its seed's LO
 import pytest
 
 from fedora_jax import sweep
+from fedora_jax.errors import TrainingDivergedError
 
 BASE = {"num_clients": 3, "rounds": 2, "local_epochs": 1, "hidden": [16], "log_every": 0,
         "checkpoint_every": 0}
@@ -35,3 +36,24 @@ def test_a_python_sweep_runs_reads_and_reports_its_rows(tmp_path):
   row_run = sweep.read_row_run(rows[1].workdir)
   assert row_run.acc == pytest.approx(fedavg.results["acc"])
   assert row_run.machine.startswith("cpu x") and row_run.wall_seconds > 0
+
+
+def test_a_diverged_row_is_left_out_as_failed_and_the_sweep_goes_on(tmp_path):
+  overrides = {"local": {"algorithm": "local"},
+               "diverges": {"algorithm": "fedavgm", "fedavgm_server_lr": 1e30},
+               "fedavg": {"algorithm": "fedavg"}}
+  rows = sweep.grid(BASE, overrides, str(tmp_path))
+  told = []
+  options = sweep.Options(progress=lambda label: None,
+                          on_diverged=lambda row, message: told.append(row.name))
+  local, diverged, fedavg = sweep.run_configs(rows, options)
+  assert told == ["diverges seed 0"]
+  assert diverged.results is None and diverged.unfinished.startswith("failed: NaN or Inf")
+  assert local.results is not None and fedavg.results is not None
+  # Recorded for this sweep: read again, it is left out without training.
+  again = sweep.run_configs(rows, options)
+  assert told == ["diverges seed 0"] and again[1].unfinished == diverged.unfinished
+  # Without on_diverged, the library raises, naming the row.
+  (tmp_path / "seed0" / "diverges" / sweep.STALLED_ROW).unlink()
+  with pytest.raises(TrainingDivergedError, match="^diverges seed 0: NaN or Inf"):
+    sweep.run_configs(rows, sweep.Options(progress=lambda label: None))

@@ -41,7 +41,7 @@ from fedora_jax import settings as settings_lib
 from fedora_jax import train as train_lib
 from fedora_jax import train_batch
 from fedora_jax.config import ExperimentConfig
-from fedora_jax.errors import ConfigError
+from fedora_jax.errors import ConfigError, TrainingDivergedError
 from fedora_jax.sweep.row_runs import (FINISHED_ONLY_ROWS, SCORED_CLIENTS,  # noqa: F401
                                        BestRound, RowRun, not_finished, read_row_run,
                                        seed_unfinished, seeds_finished, seeds_unfinished)
@@ -54,9 +54,9 @@ logger = logging.getLogger("fedora_jax")
 FINISHED_RUN_FILES = ("results.json", "timing.json", "history.npz")
 # Held (flock) by the process running or reading a row in its workdir.
 ROW_LOCK = ".row.lock"
-# A row that stalled (the watchdog): recorded in its workdir with the sweep's id, so the
-# sweep, started again (a stalled runtime cannot be recovered in place), leaves it out
-# as failed and goes on; a later sweep (another id) retries it.
+# A row that stalled (the watchdog) or diverged: recorded in its workdir with the sweep's
+# id, so the sweep (a stalled one started again: a stalled runtime cannot be recovered in
+# place) leaves it out as failed and goes on; a later sweep (another id) retries it.
 STALLED_ROW = "stalled.json"
 SWEEP_ENV = "FEDORA_JAX_SWEEP_ID"
 
@@ -96,6 +96,10 @@ def _raise_stall(row: Row, message: str) -> None:
   raise RuntimeError(f"{row.name}: {message}")
 
 
+def _raise_diverged(row: Row, message: str) -> None:
+  raise TrainingDivergedError(f"{row.name}: {message}")
+
+
 class Options(NamedTuple):
   """How a sweep's rows run. The commands give a bar or log lines per row, a watchdog,
   and a stalled row recorded as failed (experiments/cli.py)."""
@@ -104,6 +108,8 @@ class Options(NamedTuple):
   # on_stall -> the watchdog watching a row's run, entered (yields None: none).
   watching: Callable[[Callable[[str], None]], ContextManager[Watchdog | None]] = _no_watchdog
   on_stall: Callable[[Row, str], None] = _raise_stall  # told on the watchdog's thread
+  # A row whose run diverged (NaN or Inf), recorded as failed: raise, or say so and go on.
+  on_diverged: Callable[[Row, str], None] = _raise_diverged
   # Rows that differ only in values (seeds, lr, ...) as one program (run_configs).
   batch_runs: bool = True
   runs_per_step: int | None = None  # batch.prepare_batch's (None: its default)
@@ -319,7 +325,7 @@ def run_or_read(row: Row, options: Options = Options()) -> RowOutcome:
     return read_if_finished(row)
   with row_claimed(row.workdir):
     done = _finished_or_failed(row)
-    return done if done is not None else _train_rows([row], options)[0]
+    return done if done is not None else _train_or_fail([row], options)[0]
 
 
 def _finished_or_failed(row: Row) -> RowOutcome | None:
@@ -342,6 +348,25 @@ def _trained(row: Row, results: dict) -> RowOutcome:
   if stall_record(row.workdir) is not None:  # an earlier sweep's failure, finished now
     os.remove(os.path.join(row.workdir, STALLED_ROW))
   return RowOutcome(results, read=False)
+
+
+def _train_or_fail(rows: Sequence[Row], options: Options) -> list[RowOutcome]:
+  """_train_rows; where a run diverges, the rows it leaves unfinished (a program's runs
+  that diverged) recorded as failed in this sweep, as a stalled row is, and
+  options.on_diverged told; the others' finished results kept."""
+  try:
+    return _train_rows(rows, options)
+  except TrainingDivergedError as e:
+    outcomes = []
+    for row in rows:
+      results = finished_results(row)
+      if results is not None:
+        outcomes.append(RowOutcome(results, read=False))
+        continue
+      record_stall(row.workdir, str(e))
+      options.on_diverged(row, str(e))
+      outcomes.append(RowOutcome(None, read=False, unfinished=f"failed: {e}"))
+    return outcomes
 
 
 def _train_rows(rows: Sequence[Row], options: Options) -> list[RowOutcome]:
@@ -460,7 +485,7 @@ def _run_group(rows: Sequence[Row], group: Sequence[int],
       else:
         outcomes[i] = done
     if to_train:
-      trained = _train_rows([rows[i] for i in to_train], options)
+      trained = _train_or_fail([rows[i] for i in to_train], options)
       outcomes.update(zip(to_train, trained))
   for i in held:
     outcomes[i] = run_or_read(rows[i], options)
