@@ -64,8 +64,28 @@ def test_server_update_at_partial_participation():
       1.0 + 0.5 * (2 * 2.0 + 6 * 4.0) / 8)
 
 
+def test_with_momentum_the_control_divides_by_the_steps_momentum_makes():
+  # beta 0.5, K 3 steps from a zero buffer: 1 + 1.5 + 1.75 = 4.25 plain steps' way,
+  # = (3 - 0.5 (1 - 0.125) / 0.5) / 0.5.
+  np.testing.assert_allclose(scaffold.momentum_steps(jnp.array(3), 0.5), 4.25, rtol=1e-6)
+  np.testing.assert_allclose(scaffold.momentum_steps(jnp.array(3), 0.0), 3.0)
+  x, y = {"w": jnp.array(1.0)}, {"w": jnp.array(0.15)}
+  new = scaffold.new_client_control({"w": jnp.array(0.2)}, {"w": jnp.array(0.1)}, x, y,
+                                    jnp.array(3), lr=0.2, momentum=0.5)
+  np.testing.assert_allclose(new["w"], 0.2 - 0.1 + 0.85 / (4.25 * 0.2), rtol=1e-6)
+  # A constant gradient g through three momentum steps: c_i+ - c_i + c is g again.
+  g, lr, beta, velocity, w = 0.4, 0.1, 0.5, 0.0, 1.0
+  for _ in range(3):
+    velocity = beta * velocity + g
+    w -= lr * velocity
+  new = scaffold.new_client_control({"w": jnp.array(0.0)}, {"w": jnp.array(0.0)},
+                                    {"w": jnp.array(1.0)}, {"w": jnp.array(w)},
+                                    jnp.array(3), lr=lr, momentum=beta)
+  np.testing.assert_allclose(new["w"], g, rtol=1e-6)
+
+
 @pytest.mark.parametrize("field,value", [("server_lr", 0.0), ("lr", -1.0),
-                                         ("server_mean", "median")])
+                                         ("momentum", 1.0), ("server_mean", "median")])
 def test_bad_values_are_refused(field, value):
   with pytest.raises(ConfigError, match=f"scaffold: {field}"):
     scaffold.scaffold(scaffold.ScaffoldConfig()._replace(**{field: value}),

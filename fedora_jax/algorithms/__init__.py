@@ -177,7 +177,7 @@ REGISTRY: dict[str, Registered] = {
     "pfedla": Registered(pfedla.PfedlaConfig, pfedla.pfedla, pfedla.FLAG_HELP),
     "fedbn": Registered(fedbn.FedBnConfig, fedbn.fedbn, fedbn.FLAG_HELP),
     "scaffold": Registered(scaffold.ScaffoldConfig, scaffold.scaffold, scaffold.FLAG_HELP,
-                           train_fields=("lr",)),
+                           train_fields=("lr", "momentum")),
     "feddyn": Registered(feddyn.FedDynConfig, feddyn.feddyn, feddyn.FLAG_HELP),
     "fedavgm": Registered(fedavgm.FedAvgMConfig, fedavgm.fedavgm, fedavgm.FLAG_HELP),
     "fedopt": Registered(fedopt.FedOptConfig, fedopt.fedopt, fedopt.FLAG_HELP,
