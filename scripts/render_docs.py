@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
 # pylint: disable=wrong-import-position
+import algorithms_table  # noqa: E402
 import byzantine_table  # noqa: E402
 import coaching_eta_r  # noqa: E402
 import coaching_variants  # noqa: E402
@@ -72,6 +73,8 @@ def _verification(out: str) -> str:
 
 # results file -> the table its runs' files render now (a .md file: the file's own text).
 RENDERERS: dict[str, Callable[[], str]] = {
+    "results/algorithms20/mnist_pat/sweep.json":
+        lambda: algorithms_table.table(_at("results/algorithms20/mnist_pat")),
     "results/byzantine/table.md": lambda: byzantine_table.table(_at("results/byzantine")),
     "results/communication/table_r1.md":
         lambda: communication_table.render(_at("results/communication"), 1),
