@@ -103,8 +103,8 @@ flags.DEFINE_multi_string("sweep", [], "name=v1,v2,...: run each value of the ru
                           " --seeds), as one program where the values keep its shapes"
                           " (--lr, --weight_decay, an algorithm's float hyperparameter),"
                           " one program each otherwise; --sweep=algorithm=local,...: LOCAL"
-                          " is the others' reference. With --workdir, the table in"
-                          " <workdir>/sweep.md")
+                          " is the others' reference (algorithm=all: every registered"
+                          " one). With --workdir, the table in <workdir>/sweep.md")
 flags.DEFINE_bool("batch_runs", True, "--seeds, --sweep and reproduce's rows that differ"
                   " only in values train as one program; false: one at a time.")
 RUNS_PER_STEP = flags.DEFINE_integer(
@@ -397,6 +397,9 @@ def sweep_values() -> dict[str, list]:
                         " e.g. --sweep=fedprox_mu=0.01,0.1)")
     if name in grid or name in ("seeds", "sweep"):
       raise ConfigError(f"--sweep={given}: {name} swept twice")
+    if name == "algorithm" and text.strip() == "all":  # LOCAL first: the others' reference
+      text = ",".join([algorithms.REFERENCE] + [a for a in algorithms.REGISTRY
+                                                if a != algorithms.REFERENCE])
     try:
       values = [FLAGS[name].parser.parse(v.strip()) for v in text.split(",") if v.strip()]
     except ValueError as e:

@@ -14,7 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from fedora_jax import sweep, train, train_batch
+from experiments import flags as run_flags
+from fedora_jax import algorithms, sweep, train, train_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"num_clients": 3, "rounds": 2, "local_epochs": 1, "hidden": [16], "log_every": 0,
@@ -232,3 +233,13 @@ def test_reproduce_runs_a_rows_three_seeds_as_one_program(tmp_path):
   for row in ("local", "fedavg"):
     assert_same_run(str(tmp_path / "batched" / "seed1" / row),
                     str(tmp_path / "alone" / "seed1" / row))
+
+
+def test_sweep_algorithm_all_is_every_registered_algorithm_local_first():
+  run_flags.FLAGS(["main", "--sweep=algorithm=all", "--sweep=lr=0.1,0.01"])
+  try:
+    values = run_flags.sweep_values()
+  finally:
+    run_flags.FLAGS.unparse_flags()
+  assert values["algorithm"][0] == "local" and values["lr"] == [0.1, 0.01]
+  assert sorted(values["algorithm"]) == sorted(algorithms.REGISTRY)
