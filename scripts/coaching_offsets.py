@@ -42,6 +42,7 @@ from fedora_jax.algorithms.fedprox import FedProxConfig  # noqa: E402
 from fedora_jax.data import datasets  # noqa: E402
 from fedora_jax.data.client_data import ClientData, pad_and_stack  # noqa: E402
 from fedora_jax.models import build_model  # noqa: E402
+from fedora_jax.sweep.tables import PAPER_DIR  # noqa: E402
 
 flags.DEFINE_string("offsets_out", None, "where to write the per-round scores (JSON)")
 flags.DEFINE_string("offsets_summary", None, "print this file's readings and exit")
@@ -84,6 +85,39 @@ def summary(path: str) -> str:
         lines.append(f"| {row} | {model} | {reading} | {100 * best:.2f} ({at}) |"
                      f" {100 * acc[-1].mean():.2f} |")
   return "\n".join(lines)
+
+
+# (row, model) as the tables' rows name them, in the docs' order.
+TABLE_ROWS = (("local", "local", "LOCAL"),
+              ("fedavg", "global", "FedAvg, global model (the table's)"),
+              ("fedavg", "local", "FedAvg, each client's local model"))
+
+
+def table(folder: str, seed: int = 0) -> str:
+  """docs/coaching.md's offsets table: every Table 1 cell with both rows' files in
+  `folder` (<cell>_seed<s>_{local,fedavg}.json), each reading's best mean accuracy, %
+  (its round), beside the paper's number."""
+  with open(os.path.join(PAPER_DIR, "coaching_tables.json")) as f:
+    columns = json.load(f)["coaching1"]["columns"]
+  lines = ["| cell | row, model | shares (the table's) | uniform | whole | the paper |",
+           "|---|---|---|---|---|---|"]
+  for cell, column in columns.items():
+    paths = {row: os.path.join(folder, f"{cell}_seed{seed}_{row}.json")
+             for row in ("local", "fedavg")}
+    if not all(os.path.exists(path) for path in paths.values()):
+      continue
+    scores = {}
+    for row, path in paths.items():
+      with open(path) as f:
+        scores[row] = json.load(f)["scores"][row]
+    for row, model, label in TABLE_ROWS:
+      cells = []
+      for reading in READINGS:
+        best, at = best_round(np.asarray(scores[row][model][reading]))
+        cells.append(f"{100 * best:.2f} ({at})")
+      paper = column["values"][row]["mean"]
+      lines.append(f"| {column['label']} | {label} | {' | '.join(cells)} | {paper:.2f} |")
+  return "\n".join(lines) + "\n"
 
 
 def main(argv):

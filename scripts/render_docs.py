@@ -66,6 +66,11 @@ def _one_round() -> str:
     return verify.render(json.load(f))
 
 
+def _offsets() -> str:
+  import coaching_offsets  # pylint: disable=import-outside-toplevel  (defines run flags)
+  return coaching_offsets.table(_at("results/coaching1_offsets"))
+
+
 def _verification(out: str) -> str:
   from verification import long  # pylint: disable=import-outside-toplevel
   return long.render(long.read_rows(_at(out)), out)
@@ -85,6 +90,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "results/coaching2/coaching2.json": paper_gaps.coaching2,
     "results/fedora1/rmnist/table.json":
         lambda: paper_gaps.fedora(_json("results/fedora1/rmnist/table.json")),
+    "results/coaching1_offsets": _offsets,
     "results/coaching_eta_r": lambda: coaching_eta_r.table(_at("results/coaching_eta_r")),
     "results/coaching1_variants/fmnist_0.1/seed0": coaching_variants.table,
     "results/confree_solver/errors.json": lambda: confree_solver.render(
