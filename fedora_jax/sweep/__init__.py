@@ -102,7 +102,7 @@ def _raise_diverged(row: Row, message: str) -> None:
 
 class Options(NamedTuple):
   """How a sweep's rows run. The commands give a bar or log lines per row, a watchdog,
-  and a stalled row recorded as failed (experiments/cli.py)."""
+  and a stalled or diverged row recorded as failed (experiments/cli.py)."""
   train: bool = True  # False (--finished_only): read the finished rows, train none
   progress: Callable[[str], Any] = _auto_progress  # a row's label -> its progress
   # on_stall -> the watchdog watching a row's run, entered (yields None: none).
