@@ -158,3 +158,16 @@ def test_the_summary_adds_each_algorithms_recorded_twenty_rounds(tmp_path):
   text = verify.long_summary(["fedavg", "ditto_uniform"], root=str(tmp_path))
   assert "| fedavg | 74.20 | 74.30 | 0.10 | within 0.5 point | 2-core CPU, 2026-12-04 |" in text
   assert text.endswith("No 20-round record (docs/verification.md says why): ditto")
+
+
+def test_a_row_variant_with_a_twenty_round_record_of_its_own_lists_it(tmp_path):
+  folder = tmp_path / "results" / "verification" / "long_cpu"
+  folder.mkdir(parents=True)
+  for name, ours in (("moon", 0.727), ("moon_bn", 0.812)):
+    (folder / f"{name}.json").write_text(json.dumps(
+        {"algorithm": name, "ours": {"accuracy": [ours]},
+         "reference_run": {"accuracy": [0.801]}, "final_gap_points": 1.1,
+         "date": "2026-12-05"}))
+  text = verify.long_summary(["moon", "moon_bn", "fedbabu_uniform"], root=str(tmp_path))
+  assert "| moon | 72.70 | 80.10 |" in text and "| moon_bn | 81.20 | 80.10 |" in text
+  assert text.endswith("No 20-round record (docs/verification.md says why): fedbabu")

@@ -20,7 +20,8 @@ from fedora_jax.models import build_model
 from fedora_jax.rounds import client_keys
 from fedora_jax.simulation import TrainConfig, run_algorithm
 from tiny import tiny_data, tiny_model, tiny_trainer
-from verification import bridges, long, stand_ins
+from fedora_jax.engine import batch_stats
+from verification import bridges, long, stand_ins, twins
 
 
 def nchw_fedavg_cnn(layers, x: np.ndarray) -> np.ndarray:
@@ -233,3 +234,113 @@ def test_the_server_models_are_compared_round_by_round(tmp_path):
   none = long.merge("local", 2, _side([0.5, 0.6], None), _side([0.5, 0.6], None),
                     long.Setting(), {"command": "test"})
   assert none["server_model_error"] is None and long.render([none], "x").count("round 1") == 0
+
+
+def _references_or_skip() -> None:
+  lack = long.missing(bridges.REFERENCES)
+  if lack is not None:
+    pytest.skip(lack)
+
+
+def test_the_twin_rows_run_on_check_as_model_and_its_pixels():
+  """FedBN, MOON-BN and pFedLA run on coaching_cnn_bn and check (a)'s twin (uint8 pixels
+  ours, pixels / 255 the twin's, each standardised in its forward); APPLE on FedAvgCNN
+  and PFLlib's floats."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  for name in ("fedbn", "moon_bn", "pfedla"):
+    reference = long.long_reference(name, 20)
+    assert long.split_kind(name) == (1, "uint8")
+    assert long.model_name(reference) == "coaching_cnn_bn"
+    assert long.reference_inputs(reference) is bridges.model_inputs
+  apple = long.long_reference("apple", 20)
+  assert long.split_kind("apple") == (1, "pfllib") and long.model_name(apple) == long.MODEL
+  assert long.reference_inputs(apple) is long.nchw
+  assert set(long.OTHERS) <= set(long.DEFAULT) <= set(one_round.REFERENCES)
+
+
+def test_the_twins_compute_our_logits_and_read_back_our_running_averages():
+  _references_or_skip()
+  import torch  # pylint: disable=import-outside-toplevel
+  bridges.import_pfllib()
+  model = build_model("coaching_cnn_bn", 10)
+  x = np.random.default_rng(0).integers(0, 256, size=(4, 28, 28)).astype(np.uint8)
+  params = jax.tree.map(np.array, batch_stats.fold(model.init(jax.random.key(1), x[:1])))
+  rng = np.random.default_rng(1)
+  for name in twins.BN_MODULES:  # running averages other than the initial 0 and 1
+    stats = params["params"][name]["BatchNorm_0"]["batch_stats"]
+    stats["mean"] = rng.normal(size=stats["mean"].shape).astype(np.float32)
+    stats["var"] = rng.uniform(0.5, 2.0, size=stats["var"].shape).astype(np.float32)
+  ours = np.asarray(batch_stats.model_apply(model.apply)(params, x))
+  for name in ("fedbn", "moon_bn", "pfedla"):  # moon_bn's split: BaseHeadSplit
+    reference = long.long_reference(name, 20)
+    layers = long.to_torch(reference, params)
+    twin = long.torch_model(reference, "cpu", layers).eval()
+    with torch.no_grad():
+      theirs = twin(torch.from_numpy(long.reference_inputs(reference)(x))).numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+    for a, b in zip(long.flat_layers(long.torch_layers(reference, twin)),
+                    long.flat_layers(layers)):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_apple_and_pfedla_take_check_as_settings_at_this_runs_scale():
+  """APPLE: check (a)'s ratios at 20 clients, lr 0.005 and 20 rounds (PFLlib's core step
+  N lr, its p step dr_learning_rate, L 1 of its global rounds); pFedLA: one client a
+  round (its reference trains a round's clients one after another)."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  setting = long.Setting()
+  apple = long.long_reference("apple", 20)
+  assert apple.config["core_lr_scale"] == setting.clients
+  assert apple.config["p_lr_scale"] * setting.lr == pytest.approx(
+      apple.args["dr_learning_rate"]) and apple.args["dr_learning_rate"] == one_round.APPLE_DRLR
+  assert apple.config["reg_rounds"] == int(apple.args["L"] * apple.args["global_rounds"]) == 20
+  pfedla = long.long_reference("pfedla", 20)
+  train = long.train_config(setting, 20, pfedla)
+  assert train.participation * setting.clients == pytest.approx(1.0)
+  assert long.num_sampled_clients(train.participation, setting.clients) == 1
+  assert "1 client a round" in long.describe(setting, np.array([240, 270]), 20, pfedla)
+  assert long.train_config(setting, 20, apple).participation == 1.0
+
+
+def test_rows_of_another_model_name_their_setting():
+  rows = [long.merge(name, 2, _side([0.5, 0.6], None), _side([0.5, 0.6], None),
+                     long.Setting(), {"command": "test"}) for name in ("local", "fedbn",
+                                                                        "pfedla")]
+  text = long.render(rows, "x")
+  assert text.count("FedAvgCNN") == 1 and "fedbn: MNIST" in text
+  assert "coaching_cnn_bn (BatchNorm) and its PyTorch twin" in text
+  assert "pfedla: MNIST" in text and "1 client a round, sampled as ours" in text
+  assert rows[2]["reference"].startswith("KarhouTam/pFedLA@")
+  # One setting: the sentence as before.
+  assert long.render(rows[:1], "x").count("MNIST pathological") == 1
+
+
+def test_the_pfedla_driver_scores_each_round_without_changing_the_run():
+  _references_or_skip()
+  from fedora_jax.algorithms import pfedla  # pylint: disable=import-outside-toplevel
+  from verification import one_round, pfedla_driver  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(2)
+  clients = [one_round.Client(rng.integers(0, 256, (20, 28, 28)).astype(np.uint8),
+                              rng.integers(0, 10, 20), None, None,
+                              rng.integers(0, 256, (10, 28, 28)).astype(np.uint8),
+                              rng.integers(0, 10, 10)) for _ in range(2)]
+  model = build_model("coaching_cnn_bn", 10)
+  layers = twins.COACHING_CNN_BN.to_torch(batch_stats.fold(
+      model.init(jax.random.key(3), clients[0].x_train[:1])))
+  hypernetworks = pfedla.init_hypernetworks(jax.random.key(4), 2, 5, 8, 8)
+  batches = [[[[rng.permutation(20).reshape(2, 10)]] for _ in clients] for _ in range(2)]
+  active = lambda r: np.arange(2) == r % 2
+
+  def run(on_round=None):
+    return pfedla_driver.run(clients, layers, batches, hypernetworks, active, 5e-3, 10,
+                             0.05, 1, one_round._torch_accuracy, on_round=on_round)  # pylint: disable=protected-access
+  scored = []
+  final = run(lambda personalised: scored.append(personalised()))
+  plain = run()
+  flat = lambda models: [a for model in models for a in long.flat_layers(model)]
+  assert len(scored) == 2 and scored[-1][1] == final[1] == plain[1]
+  for ours, theirs in zip(flat(final[0]), flat(plain[0])):
+    np.testing.assert_array_equal(ours, theirs)
+  for ours, theirs in zip(flat(scored[-1][0]), flat(final[0])):
+    np.testing.assert_array_equal(ours, theirs)
+  assert any(np.any(a != b) for a, b in zip(flat(scored[0][0]), flat(scored[1][0])))

@@ -18,6 +18,13 @@ PFLlib's generator writes them, (x / 255 - 0.5) / 0.5, the same floats on both s
 (our CNNs take floats unscaled).
 The model: PFLlib's FedAvgCNN, ours `--model=fedavg_cnn`, the initial weights ours
 (bridges.cnn_to_torch; checked on the first client's test images before training).
+Where check (a) runs an algorithm on a twin (Reference.twin: FedBN and MOON-BN on
+coaching_cnn_bn's, which BatchNorm needs; pFedLA on its grouped one), on it and ours
+(twin.to_torch, load, read), the pixels as check (a) hands them (ours uint8, the twin's
+/ 255, each standardised in its forward). pFedLA runs KarhouTam/pFedLA's code through
+check (a)'s driver (pfedla_driver.run, scored each round), one client a round
+(LONG_PARTICIPATION: its server trains a round's clients one after another, ours side by
+side). APPLE with check (a)'s prepare, its ratios at this run's N, lr and rounds.
 Training: FedALA's (batch 10, lr 0.005, one local epoch, plain SGD, every client every
 round), each client's batches of every round drawn by the engine's functions from our
 keys (bridges.padded_client_batches) and handed to PFLlib's client. Each algorithm in
@@ -81,10 +88,11 @@ from fedora_jax.algorithms import fedas
 from fedora_jax.data.client_data import Client, FederatedData, stack_clients
 from fedora_jax.data.partitions import PartitionConfig, make_partition
 from fedora_jax.data.sources import load_mnist
+from fedora_jax.engine import batch_stats
 from fedora_jax.engine.local_training import (epoch_batches, make_client_trainer,
                                              make_optimizer)
 from fedora_jax.models import build_model, default_client_chunk, default_eval_batch_size
-from fedora_jax.rounds import client_keys
+from fedora_jax.rounds import client_keys, num_sampled_clients
 from fedora_jax.simulation import (TrainConfig, initial_model, jitted_init, root_keys,
                                    run_algorithm)
 from verification import bridges
@@ -99,7 +107,11 @@ CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "f
 MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
         "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl", "fedgc", "gpfl",
         "fedcp", "fedkd", "fedas", "feddbe", "perfedavg", "fedfomo", "fedpac", "fedgen")
-DEFAULT = CORE + MORE
+# On check (a)'s other models or drivers: FedBN and MOON-BN on the twin of our
+# coaching_cnn_bn (BatchNorm: on FedAvgCNN FedBN is FedAvg), pFedLA on its grouped twin
+# beside KarhouTam/pFedLA (pfedla_driver.py); APPLE on FedAvgCNN with check (a)'s prepare.
+OTHERS = ("apple", "fedbn", "moon_bn", "pfedla")
+DEFAULT = CORE + MORE + OTHERS
 
 
 class Setting(NamedTuple):
@@ -132,6 +144,11 @@ LONG_CONFIG: dict[str, tuple[dict, dict]] = {
 # several B: PFLlib's Per-FedAvg reads 2B at a time and drops a last partial one, where
 # ours deals it to D and D' and trains on it.
 BATCHES_A_CUT = {"perfedavg": 2, "fedfomo": 5}  # FedFomo: its 80 % training share too
+# pFedLA: one client a round, as check (a)'s row. KarhouTam/pFedLA's server trains a
+# round's clients one after another, each from hypernetworks and models its predecessors
+# in the round updated; ours trains them side by side from the round's start: the two
+# forms agree only where a round trains one client.
+LONG_PARTICIPATION = {"pfedla": 1 / Setting().clients}
 
 
 def _pflda_loads(key: jax.Array, padded: int, n: int, epochs: int, batch_size: int
@@ -246,27 +263,57 @@ def missing(references: str) -> str | None:
 
 # ---------------------------------------------------------------- the split
 
-def build_split(setting: Setting, data_dir: str | None, batches: int = 1) -> Split:
+def build_split(setting: Setting, data_dir: str | None, batches: int = 1,
+                pixels: str = "pfllib") -> Split:
   """MNIST pathological at 10 %, each client's training set cut to a multiple of
-  `batches` batches, the pixels PFLlib's floats (module docstring)."""
+  `batches` batches, the pixels PFLlib's floats (module docstring), or with
+  pixels="uint8" the dataset's, as check (a) hands them to a twin's row (ours
+  standardises them, the twin standardises pixels / 255: reference_inputs)."""
   source = load_mnist(data_dir)
   partition = make_partition(source, setting.clients, PartitionConfig(
       kind="pathological", classes_per_client=setting.classes_per_client,
       val_fraction=setting.val_fraction, data_fraction=setting.data_fraction), setting.seed)
   clients = []
+  convert = bridges.pfllib_pixels if pixels == "pfllib" else lambda x: x
   for client in partition.clients:
     cut = batches * setting.batch_size
     kept = len(client.x_train) // cut * cut
     clients.append(Client(
-        bridges.pfllib_pixels(client.x_train[:kept]), client.y_train[:kept],
-        bridges.pfllib_pixels(client.x_val), client.y_val,
-        bridges.pfllib_pixels(client.x_test), client.y_test))
+        convert(client.x_train[:kept]), client.y_train[:kept],
+        convert(client.x_val), client.y_val, convert(client.x_test), client.y_test))
   return Split(clients, stack_clients(clients, num_classes=source.num_classes))
 
 
 def nchw(x: np.ndarray) -> np.ndarray:
   """Our [N, 28, 28] images as PFLlib's [N, 1, 28, 28]."""
   return np.ascontiguousarray(x[:, None])
+
+
+def split_kind(name: str) -> tuple[int, str]:
+  """build_split's (batches, pixels) for `name`: uint8 pixels where it runs on a twin."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  twin = one_round.REFERENCES[name].twin is not None
+  return BATCHES_A_CUT.get(name, 1), "uint8" if twin else "pfllib"
+
+
+def reference_inputs(reference, float64: bool = False):
+  """Our clients' images -> the reference model's inputs: PFLlib's floats in NCHW for
+  FedAvgCNN; for a twin, pixels / 255 (check (a)'s bridges.model_inputs: the twin
+  standardises them in its forward, as ours the uint8 pixels); in float64 with
+  `float64`."""
+  base = nchw if reference.twin is None else bridges.model_inputs
+  return (lambda x: base(x).astype(np.float64)) if float64 else base
+
+
+def model_name(reference) -> str:
+  """Our model of the row: FedAvgCNN, or check (a)'s where it runs on a twin."""
+  return MODEL if reference.twin is None else reference.twin.model
+
+
+def to_torch(reference, params) -> list:
+  """Our model's variables as the PyTorch model's layers (cnn_to_torch, or the twin's)."""
+  convert = bridges.cnn_to_torch if reference.twin is None else reference.twin.to_torch
+  return convert(jax.tree.map(np.asarray, params))
 
 
 # ---------------------------------------------------------------- our side
@@ -284,6 +331,12 @@ def long_reference(name: str, rounds: int):
     args = {**args, "global_rounds": rounds}
   if name == "fedfomo":  # M = 5 of 20 clients: P's ties broken as ours breaks them
     reference = reference._replace(prepare=one_round._fomo_ties)  # pylint: disable=protected-access
+  if name == "apple":  # check (a)'s ratios at this run's N, lr and rounds (L 1: all 20)
+    config = {**config, "reg_rounds": rounds, "core_lr_scale": float(Setting().clients),
+              "p_lr_scale": one_round.APPLE_DRLR / Setting().lr}
+    args = {**args, "global_rounds": rounds}
+  if name in LONG_PARTICIPATION:
+    reference = reference._replace(participation=LONG_PARTICIPATION[name])
   return reference._replace(config={**reference.config, **config},
                             args={**reference.args, **args})
 
@@ -293,24 +346,28 @@ def initial_state(name: str, split: Split, setting: Setting, rounds: int):
   keys): what check (a)'s load_initial hands the reference beside the model (its
   server's keys, the objects its steps reach)."""
   reference = long_reference(name, rounds)
-  train = train_config(setting, rounds, reference.our_epochs or setting.local_epochs)
-  model = build_model(MODEL, split.data.num_classes)
+  train = train_config(setting, rounds, reference)
+  model = build_model(model_name(reference), split.data.num_classes)
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
                                 train.local_epochs, train.batch_size)
-  config = algorithms.default_config(name, train, **reference.config)
+  ours = reference.algorithm or name
+  config = algorithms.default_config(ours, train, **reference.config)
   keys = root_keys(setting.seed)
-  init = jitted_init(algorithms.build(name, config, trainer), trainer, split.data)
+  init = jitted_init(algorithms.build(ours, config, trainer), trainer, split.data)
   return init(initial_model(model, split.data, keys["init"]), split.data.buckets,
               keys["algorithm"])
 
 
-def train_config(setting: Setting, rounds: int, epochs: int) -> TrainConfig:
-  platform = jax.default_backend()
-  return TrainConfig(rounds=rounds, local_epochs=epochs, batch_size=setting.batch_size,
-                     lr=setting.lr, momentum=0.0, weight_decay=0.0, seed=setting.seed,
-                     log_every=0, eval_every=1,
-                     client_chunk=default_client_chunk(MODEL, platform),
-                     eval_batch_size=default_eval_batch_size(MODEL, platform))
+def train_config(setting: Setting, rounds: int, reference) -> TrainConfig:
+  """Our run's training: the setting's, check (a)'s epochs, weights and participation."""
+  platform, model = jax.default_backend(), model_name(reference)
+  return TrainConfig(rounds=rounds, local_epochs=reference.our_epochs or setting.local_epochs,
+                     batch_size=setting.batch_size, lr=setting.lr, momentum=0.0,
+                     weight_decay=0.0, seed=setting.seed, log_every=0, eval_every=1,
+                     client_weights=reference.client_weights,
+                     participation=reference.participation,
+                     client_chunk=default_client_chunk(model, platform),
+                     eval_batch_size=default_eval_batch_size(model, platform))
 
 
 # Where check (a)'s compared server model is a part, not the CNN (PFL-DA's global head).
@@ -333,25 +390,26 @@ def run_ours(name: str, split: Split, setting: Setting, rounds: int) -> dict:
   every round in PyTorch's layout (None where it is not compared), the times."""
   start = time.perf_counter()
   reference = long_reference(name, rounds)
-  train = train_config(setting, rounds, reference.our_epochs or setting.local_epochs)
-  model = build_model(MODEL, split.data.num_classes)
+  train = train_config(setting, rounds, reference)
+  model = build_model(model_name(reference), split.data.num_classes)
   initial = initial_model(model, split.data, root_keys(setting.seed)["init"])
-  config = algorithms.default_config(name, train, **reference.config)
+  ours = reference.algorithm or name
+  config = algorithms.default_config(ours, train, **reference.config)
   server_models: list[list[np.ndarray]] = []
 
   def keep_server_model(_, state) -> None:
-    server = reference.server_model(state.algorithm.server)
-    server_models.append(flat_layers(bridges.cnn_to_torch(jax.tree.map(np.asarray,
-                                                                       server))))
-  result = run_algorithm(algorithms.make(name, config), model, split.data, train,
+    server_models.append(flat_layers(to_torch(reference,
+                                              reference.server_model(state.algorithm.server))))
+  result = run_algorithm(algorithms.make(ours, config), model, split.data, train,
                          progress=None,
                          on_state=keep_server_model if compares_server(name, reference) else None)
   scores = np.asarray(result.history.test_score, np.float64)  # [R, K]
   tests = split.data.split_sizes("test").astype(np.float64)
   return {"accuracy": [float(a) for a in scores @ tests / tests.sum()],
           "client_accuracy": [float(a) for a in scores[-1]],
-          "initial_logits": np.asarray(model.apply(initial, split.clients[0].x_test)
-                                       ).tolist(),
+          # In inference mode (BatchNorm on the running averages folded into `initial`).
+          "initial_logits": np.asarray(batch_stats.model_apply(model.apply)(
+              initial, split.clients[0].x_test)).tolist(),
           "server_models": server_models if compares_server(name, reference) else None,
           "compile_seconds": result.compile_seconds, "round_seconds": result.round_seconds,
           "seconds": time.perf_counter() - start,
@@ -360,19 +418,31 @@ def run_ours(name: str, split: Split, setting: Setting, rounds: int) -> dict:
 
 # ---------------------------------------------------------------- PFLlib's side
 
-def torch_model(split: bool, device: str, layers, float64: bool = False):
-  """PFLlib's FedAvgCNN with our initial weights, split as its main.py splits it where
-  the algorithm takes a head (BaseHeadSplit: fc the head), on `device`; in float64 with
-  `float64`."""
+def torch_model(reference, device: str, layers, float64: bool = False,
+                split: bool | None = None):
+  """The reference's model with our weights `layers`: PFLlib's FedAvgCNN, or the row's
+  twin (check (a)'s Reference.twin); split as PFLlib's main.py splits it where the
+  algorithm takes a head (BaseHeadSplit: fc the head; `split` None: the reference's), on
+  `device`; in float64 with `float64`."""
   import torch  # pylint: disable=import-outside-toplevel
   from flcore.trainmodel import models  # pylint: disable=import-outside-toplevel
-  model = models.FedAvgCNN(in_features=1, num_classes=10, dim=1024)
-  bridges.load_torch_layers(model, layers)
-  if split:
+  if reference.twin is None:
+    model = models.FedAvgCNN(in_features=1, num_classes=10, dim=1024)
+    bridges.load_torch_layers(model, layers)
+  else:
+    model = reference.twin.build(torch)
+    reference.twin.load(model, layers)
+  if reference.split if split is None else split:
     head = copy.deepcopy(model.fc)
     model.fc = torch.nn.Identity()
     model = models.BaseHeadSplit(model, head)
   return (model.double() if float64 else model).to(device)
+
+
+def torch_layers(reference, model) -> list:
+  """The reference model's layers (bridges.torch_layers, or the twin's: BatchNorm's
+  running averages too)."""
+  return (bridges.torch_layers if reference.twin is None else reference.twin.read)(model)
 
 
 def round_batches(name: str, reference, train_key: jax.Array, round_index: int,
@@ -407,31 +477,72 @@ def built_batches(name: str, reference, algorithm_key: jax.Array, data: Federate
 
 
 def correct(model, x, y) -> int:
+  """The right answers of `model` in eval(), as PFLlib's test_metrics scores (BatchNorm
+  on its running averages)."""
   import torch  # pylint: disable=import-outside-toplevel
+  model.eval()
   with torch.no_grad():
     return int((model(x).argmax(1) == y).sum())
 
 
 def run_reference(name: str, split: Split, setting: Setting, rounds: int,
                   device: str, float64: bool = False) -> dict:
-  """PFLlib's run from our initial model and batches: its weighted test accuracy after
-  every round, each client's last, its initial model's logits on the first client's
-  test images, its server's model where each round is scored (None where it is not
-  compared), the times. With `float64`, its model and inputs in float64 (its code makes
-  its other tensors alike, zeros_like): the arithmetic both float32 runs round."""
+  """The reference's run from our initial model and batches: its weighted test accuracy
+  after every round, each client's last, its initial model's logits on the first
+  client's test images, its server's model where each round is scored (None where it is
+  not compared), the times. PFLlib's server and clients, or pFedLA's driver
+  (pfedla_driver.py, on the CPU). With `float64` (PFLlib's), its model and inputs in
+  float64 (its code makes its other tensors alike, zeros_like): the arithmetic both
+  float32 runs round."""
   import torch  # pylint: disable=import-outside-toplevel
   from verification import one_round  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   reference = long_reference(name, rounds)
+  driven = reference.server == one_round.PFEDLA
+  if driven and float64:
+    raise ValueError(f"{name}: its driver runs in float32 only")
+  device = "cpu" if driven else device  # the driver's server and client: the CPU
+  keys = root_keys(setting.seed)
+  initial = to_torch(reference, initial_model(
+      build_model(model_name(reference), split.data.num_classes), split.data, keys["init"]))
+  inputs = reference_inputs(reference, float64)
+  initial_logits = torch_model(reference, device, initial, float64, split=False).eval()
+  with torch.no_grad():
+    initial_logits = initial_logits(
+        torch.from_numpy(inputs(split.clients[0].x_test)).to(device)).cpu().numpy()
+  if driven:
+    scored, round_seconds = _pfedla_rounds(name, reference, split, setting, rounds, initial)
+    server_models = None
+  else:
+    scored, round_seconds, server_models = _pfllib_rounds(
+        name, reference, split, setting, rounds, device, float64, initial)
+  counts = np.asarray(scored, np.float64)  # [R, K] right answers
+  sizes = np.asarray([len(c.y_test) for c in split.clients], np.float64)
+  machine = (f"PyTorch on {torch.cuda.get_device_name(0)}" if device == "cuda"
+             else f"PyTorch on a {os.cpu_count()}-core CPU")
+  machine += ", float64" if float64 else ""
+  return {"accuracy": [float(a) for a in counts.sum(1) / sizes.sum()],
+          "client_accuracy": [float(a) for a in counts[-1] / sizes],
+          "initial_logits": initial_logits.tolist(),
+          "server_models": server_models,
+          "round_seconds": float(np.median(round_seconds)),
+          "seconds": time.perf_counter() - start, "machine": machine,
+          "train_sizes": [int(n) for n in split.data.split_sizes("train")]}
+
+
+def _pfllib_rounds(name: str, reference, split: Split, setting: Setting, rounds: int,
+                   device: str, float64: bool, initial: list
+                   ) -> tuple[list[list[int]], list[float], list | None]:
+  """PFLlib's rounds: ([round][client] right answers, each round's seconds, its server's
+  model where each round is scored, None where it is not compared)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  if reference.participation != 1.0:
+    raise ValueError(f"{name}: PFLlib's rows here train every client every round")
   module, class_name = reference.server.split(".")
   server_class = getattr(importlib.import_module(f"flcore.servers.{module}"), class_name)
   keys = root_keys(setting.seed)
-  initial = bridges.cnn_to_torch(initial_model(build_model(MODEL, split.data.num_classes),
-                                               split.data, keys["init"]))
-  inputs = (lambda x: nchw(x).astype(np.float64)) if float64 else nchw
-  with torch.no_grad():
-    initial_logits = torch_model(False, device, initial, float64)(
-        torch.from_numpy(inputs(split.clients[0].x_test)).to(device)).cpu().numpy()
+  inputs = reference_inputs(reference, float64)
   torch.manual_seed(setting.seed)
   # PFLlib's receive_models takes the uploads in random.sample's order, so its server
   # sums them in another order each run: seeded, one run rounds as the next.
@@ -441,7 +552,7 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
                               local_epochs=setting.local_epochs, lr=setting.lr,
                               seed=setting.seed)
   args = one_round._pfllib_args(  # pylint: disable=protected-access
-      check_a, class_name, torch_model(reference.split, device, initial, float64),
+      check_a, class_name, torch_model(reference, device, initial, float64),
       **{**reference.args, "device": device, "global_rounds": rounds})
   epochs = reference.our_epochs or setting.local_epochs
   with tempfile.TemporaryDirectory() as folder:
@@ -472,7 +583,7 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
 
   def score() -> list[int]:
     if compares_server(name, reference):
-      server_models.append(flat_layers(bridges.torch_layers(server.global_model)))
+      server_models.append(flat_layers(torch_layers(reference, server.global_model)))
     if reference.accuracy is not None:  # its own scoring (FedProto's prototypes)
       return [round(reference.accuracy(c, d._replace(x_test=inputs(d.x_test)))
                     * len(d.y_test)) for c, d in zip(server.clients, split.clients)]
@@ -506,18 +617,35 @@ def run_reference(name: str, split: Split, setting: Setting, rounds: int,
     if after_send:
       one_round._send_models(server, reference, rounds)  # pylint: disable=protected-access
       scored.append(score())
-  counts = np.asarray(scored, np.float64)  # [R, K] right answers
-  sizes = np.asarray([len(c.y_test) for c in split.clients], np.float64)
-  machine = (f"PyTorch on {torch.cuda.get_device_name(0)}" if device == "cuda"
-             else f"PyTorch on a {os.cpu_count()}-core CPU")
-  machine += ", float64" if float64 else ""
-  return {"accuracy": [float(a) for a in counts.sum(1) / sizes.sum()],
-          "client_accuracy": [float(a) for a in counts[-1] / sizes],
-          "initial_logits": initial_logits.tolist(),
-          "server_models": server_models if compares_server(name, reference) else None,
-          "round_seconds": float(np.median(round_seconds)),
-          "seconds": time.perf_counter() - start, "machine": machine,
-          "train_sizes": [int(n) for n in split.data.split_sizes("train")]}
+  return scored, round_seconds, server_models if compares_server(name, reference) else None
+
+
+def _pfedla_rounds(name: str, reference, split: Split, setting: Setting, rounds: int,
+                   initial: list) -> tuple[list[list[int]], list[float]]:
+  """KarhouTam/pFedLA's rounds through check (a)'s driver (pfedla_driver.run): our
+  initial hypernetworks, the clients our run samples, our batches; each round every
+  client's mixture from the updated hypernetworks scored, as its test() does.
+  ([round][client] right answers, each round's seconds of training)."""
+  from verification import one_round, pfedla_driver  # pylint: disable=import-outside-toplevel
+  keys = root_keys(setting.seed)
+  epochs = reference.our_epochs or setting.local_epochs
+  batches = [round_batches(name, reference, keys["train"], r, split.data, epochs,
+                           setting.batch_size) for r in range(rounds)]
+  active = pfedla_driver.sampled(keys["train"], setting.clients, num_sampled_clients(
+      reference.participation, setting.clients))
+  hypernetworks = initial_state(name, split, setting, rounds).server.hypernetworks
+  scored, round_seconds, began = [], [], [time.perf_counter()]
+
+  def on_round(personalised) -> None:
+    round_seconds.append(time.perf_counter() - began[0])
+    _, accuracy = personalised()
+    scored.append([round(a * len(c.y_test)) for a, c in zip(accuracy, split.clients)])
+    log(f"{name}: pFedLA round {len(scored)}/{rounds}, {round_seconds[-1]:.1f} s")
+    began[0] = time.perf_counter()
+  pfedla_driver.run(split.clients, initial, batches, hypernetworks, active,
+                    reference.config["server_lr"], setting.batch_size, setting.lr, epochs,
+                    one_round._torch_accuracy, on_round=on_round)  # pylint: disable=protected-access
+  return scored, round_seconds
 
 
 # ---------------------------------------------------------------- the comparison
@@ -545,11 +673,9 @@ def merge(name: str, rounds: int, ours: dict, theirs: dict, setting: Setting,
         "reference": model_errors(their_servers, exact_servers)}}
   sizes = np.asarray(theirs["train_sizes"])
   gaps = np.abs(np.asarray(ours["accuracy"]) - np.asarray(theirs["accuracy"])) * 100
-  server_file = reference.server.split(".")[0] + ".py"
   return {
       "algorithm": name,
-      "reference": (f"PFLlib@{one_round.PFLLIB_COMMIT} flcore/servers/{server_file},"
-                    f" flcore/clients/{reference.client_file}"),
+      "reference": one_round._reference_label(reference),  # pylint: disable=protected-access
       "rounds": rounds,
       "config": {k: _plain(v) for k, v in reference.config.items()},
       "reference_args": {k: _plain(v) for k, v in reference.args.items()},
@@ -560,7 +686,8 @@ def merge(name: str, rounds: int, ours: dict, theirs: dict, setting: Setting,
       "server_model_error": server_errors, **control,
       "final_gap_points": float(gaps[-1]), "largest_gap_points": float(gaps.max()),
       "best_gap_points": float(abs(max(ours["accuracy"]) - max(theirs["accuracy"])) * 100),
-      "setting": describe(setting, sizes, rounds), "settings": setting._asdict(),
+      "setting": describe(setting, sizes, rounds, reference),
+      "settings": setting._asdict(),
       "date": time.strftime("%Y-%m-%d"),
       "machine": f"{theirs['machine']}, {ours['machine']}", **extra}
 
@@ -632,8 +759,14 @@ def render(rows: list[dict], out: str) -> str:
         row["algorithm"])
   ran = " ".join(f"{', '.join(names) + ': ' if len(runs) > 1 else ''}{date}, {machine};"
                  f" `{command}`." for (date, machine, command), names in runs.items())
-  lines.append(f"\n{first['setting']}. {ran}{smoke} Seconds a round, ours / PFLlib's"
-               f" (after compiling): {times}.")
+  # Rows of another setting than the first row's (another model, participation) name it.
+  settings: dict[str, list[str]] = {}
+  for row in rows:
+    settings.setdefault(row["setting"], []).append(row["algorithm"])
+  others = "".join(f" {', '.join(names)}: {setting}." for setting, names in settings.items()
+                   if setting != first["setting"])
+  lines.append(f"\n{first['setting']}.{others} {ran}{smoke} Seconds a round, ours /"
+               f" PFLlib's (after compiling): {times}.")
   compared = [row for row in rows if row.get("server_model_error")]
   if compared:
     lines.append("\n" + render_model_errors(compared))
@@ -896,7 +1029,7 @@ def run_side(args: argparse.Namespace) -> int:
   setting, name = Setting(), args.algorithms
   prepare_jax(args)
   device = prepare_torch(args) if args.side != "ours" else None
-  split = build_split(setting, args.data_dir, BATCHES_A_CUT.get(name, 1))
+  split = build_split(setting, args.data_dir, *split_kind(name))
   part = (run_ours(name, split, setting, args.rounds) if args.side == "ours"
           else run_reference(name, split, setting, args.rounds, device,
                              float64=args.side == EXACT))
@@ -934,9 +1067,9 @@ def run_here(args: argparse.Namespace, names: list[str], extra: dict) -> list[st
   device = prepare_torch(args)
   overlap = (args.overlap or ("on" if device == "cuda" else "off")) == "on"
   setting = Setting()
-  splits = {batches: build_split(setting, args.data_dir, batches)
-            for batches in {BATCHES_A_CUT.get(name, 1) for name in names}}
-  split = splits.get(1) or next(iter(splits.values()))
+  splits = {kind: build_split(setting, args.data_dir, *kind)
+            for kind in {split_kind(name) for name in names}}
+  split = splits.get((1, "pfllib")) or next(iter(splits.values()))
   sizes = split.data.split_sizes("train")
   log(f"{setting.clients} clients of {sizes.min()} to {sizes.max()} training images"
       f" ({sizes.sum()} in all), {split.data.split_sizes('test').sum()} test images;"
@@ -949,7 +1082,7 @@ def run_here(args: argparse.Namespace, names: list[str], extra: dict) -> list[st
           f" spent (the longest algorithm so far took {max(durations):.0f} s)")
       continue
     began = time.perf_counter()
-    split = splits[BATCHES_A_CUT.get(name, 1)]
+    split = splits[split_kind(name)]
     try:
       if overlap:  # ours in a thread while PFLlib's trains
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -1057,12 +1190,22 @@ def read_json(path: str) -> dict:
     return json.load(f)
 
 
-def describe(setting: Setting, sizes: np.ndarray, rounds: int) -> str:
+# The model a row's setting names: FedAvgCNN, or check (a)'s twin's.
+MODEL_LABELS = {MODEL: "FedAvgCNN",
+                "coaching_cnn_bn": "coaching_cnn_bn (BatchNorm) and its PyTorch twin"}
+
+
+def describe(setting: Setting, sizes: np.ndarray, rounds: int, reference=None) -> str:
+  model = MODEL_LABELS[MODEL if reference is None else model_name(reference)]
+  count = (setting.clients if reference is None
+           else num_sampled_clients(reference.participation, setting.clients))
+  clients = ("every client every round" if count == setting.clients
+             else f"{count} client{'s' if count > 1 else ''} a round, sampled as ours")
   return (f"MNIST pathological ({setting.classes_per_client} classes a client) at"
           f" {setting.data_fraction:.0%} of the data, {setting.clients} clients of"
-          f" {sizes.min()} to {sizes.max()} training images, FedAvgCNN, batch"
+          f" {sizes.min()} to {sizes.max()} training images, {model}, batch"
           f" {setting.batch_size}, {setting.local_epochs} local epoch, SGD lr {setting.lr},"
-          f" every client every round, {rounds} rounds, same initial model and batches;"
+          f" {clients}, {rounds} rounds, same initial model and batches;"
           " each algorithm in check (a)'s form and hyperparameters")
 
 

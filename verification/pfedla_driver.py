@@ -121,11 +121,15 @@ def _load_hypernetworks(torch, hypernet, ours, cache: pathlib.Path) -> None:
 
 def run(clients: list, initial_layers: list, batches: list, hypernetworks: Any,
         active: Callable[[int], np.ndarray], hn_lr: float, batch_size: int, lr: float,
-        epochs: int, accuracy: Callable[[Any, Any], float]) -> tuple[list, list[float]]:
+        epochs: int, accuracy: Callable[[Any, Any], float],
+        on_round: Callable[[Callable[[], tuple[list, list[float]]]], None] | None = None
+        ) -> tuple[list, list[float]]:
   """The reference's rounds ([round][client][training][epoch] batch indices; the
   clients `active(round)` trains, one after another in id order, as its train() loop
   does for its sampled list): each client's personalised model (its generated mixture
-  from the final hypernetworks and models) as the twin's layers, and its test accuracy."""
+  from the final hypernetworks and models) as the twin's layers, and its test accuracy.
+  `on_round`, after each round, gets a function that returns those of that round
+  (check (b)'s scoring, verification/long.py)."""
   import torch  # pylint: disable=import-outside-toplevel
   with reference_modules() as (server_module, client_module, models_module), \
       tempfile.TemporaryDirectory() as folder:
@@ -164,15 +168,24 @@ def run(clients: list, initial_layers: list, batches: list, hypernetworks: Any,
         diff = trainer._train()  # pylint: disable=protected-access
         server.update_hypernetwork(int(client_id), diff, retain)
         server.update_client_model_parameters(int(client_id), diff)
-    layers, accuracies = [], []
-    for client_id, data in enumerate(clients):
-      stored = server.client_model_params_list[client_id]
-      params, _ = server.generate_client_model_parameters(client_id)
-      server.client_model_params_list[client_id] = stored  # generating stores its mixture
-      model = grouped_twin(torch)
-      model.load_state_dict({k: v.detach() for k, v in params.items()})
-      layers.append(GROUPED_TWIN.read(model))
-      accuracies.append(accuracy(model, data))
+      if on_round is not None:
+        on_round(lambda: _personalised(torch, server, clients, accuracy))
+    return _personalised(torch, server, clients, accuracy)
+
+
+def _personalised(torch, server, clients: list, accuracy: Callable[[Any, Any], float]
+                  ) -> tuple[list, list[float]]:
+  """Each client's mixture from the server's hypernetworks and models now, as the twin's
+  layers, and its test accuracy; the server's stored models left as they were."""
+  layers, accuracies = [], []
+  for client_id, data in enumerate(clients):
+    stored = server.client_model_params_list[client_id]
+    params, _ = server.generate_client_model_parameters(client_id)
+    server.client_model_params_list[client_id] = stored  # generating stores its mixture
+    model = grouped_twin(torch)
+    model.load_state_dict({k: v.detach() for k, v in params.items()})
+    layers.append(GROUPED_TWIN.read(model))
+    accuracies.append(accuracy(model, data))
   return layers, accuracies
 
 

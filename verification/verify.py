@@ -99,18 +99,20 @@ LONG_RECORDS = (("H200", os.path.join("results", "verification", "long")),
 
 def long_summary(names: list[str], root: str = bridges.ROOT) -> str:
   """The recorded 20-round comparisons of the algorithms `names` run (a row variant such
-  as fedbabu_uniform reads its algorithm's), read from LONG_RECORDS, not rerun; and the
-  covered algorithms that have none."""
+  as fedbabu_uniform reads its algorithm's, one with a record of its own such as moon_bn
+  its own), read from LONG_RECORDS, not rerun; and the covered algorithms that have none."""
   from verification import long  # pylint: disable=import-outside-toplevel
   recorded: dict[str, list[tuple[str, dict]]] = {}
   for machine, folder in LONG_RECORDS:
     for row in long.read_rows(os.path.join(root, folder)):
       recorded.setdefault(row["algorithm"], []).append((machine, row))
-  lines = ["Twenty rounds beside PFLlib (check (b): MNIST pathological, FedAvgCNN; recorded"
-           " by `make verify-long`, read here, not rerun; docs/verification.md):", "",
+  lines = ["Twenty rounds beside the reference (check (b): MNIST pathological, FedAvgCNN or"
+           " check (a)'s twin; recorded by `make verify-long`, read here, not rerun;"
+           " docs/verification.md):", "",
            "| algorithm | ours | PFLlib | final gap (points) | verdict | where, when |",
            "|---|---|---|---|---|---|"]
-  algorithms = list(dict.fromkeys(one_round_algorithm(name) for name in names))
+  algorithms = list(dict.fromkeys(name if name in recorded else one_round_algorithm(name)
+                                  for name in names))
   for name in algorithms:
     for machine, row in recorded.get(name, []):
       lines.append(f"| {name} | {100 * row['ours']['accuracy'][-1]:.2f} |"
