@@ -175,11 +175,16 @@ def _strip(tree: dict, template: Any) -> dict:
   return out
 
 
+# AlgorithmConfig's plug-ins: one may read what its host ignores (a robust mean, the weights).
+PLUG_INS = ("ala", "aggregation", "attack", "dp")
+
+
 def _identity_of(tree: dict) -> dict:
   """The identity of a config given as a dict (a record, or as_dict of a config)."""
   identity = _strip(tree, ExperimentConfig())
   name = identity.get("algorithm", {}).get("name")
-  ignored = algorithms.get(name).ignores if name in algorithms.REGISTRY else ()
+  plugged = any(identity.get("algorithm", {}).get(part) for part in PLUG_INS)
+  ignored = algorithms.get(name).ignores if name in algorithms.REGISTRY and not plugged else ()
   if ignored:  # training fields the algorithm never reads: one run serves every value
     defaults = as_dict(TrainConfig())
     identity["train"] = {**identity["train"], **{k: defaults[k] for k in ignored}}

@@ -131,7 +131,8 @@ def fedora(document: dict) -> str:
   lines.append(f"\n{document['dataset']}, {document['setting']}, {document['rounds']} rounds,"
                f" seeds {', '.join(map(str, document['seeds']))}; Acc at the final round."
                f" From `{document['command']}`."
-               + (f" Not finished: {', '.join(unfinished)}." if unfinished else ""))
+               + (f" Not finished: {', '.join(unfinished)}." if unfinished else "")
+               + (f" The table's {document['rule']}." if document.get("rule") else ""))
   return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from fedora_jax import config as config_lib
 from fedora_jax.algorithms import fedora as fedora_lib
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError
-from fedora_jax.sweep import fedora_render, fedora_tables
+from fedora_jax.sweep import fedora_render, fedora_tables, tables
 from test_main import FAST, ROOT
 
 
@@ -169,7 +169,7 @@ def test_every_row_of_every_table_prints_the_papers_numbers(table):
     assert [r["algorithm"] for r in summary] == fedora_tables.table_rows(table)
     assert {r["algorithm"] for r in summary} >= set(paper)
     for row in fedora_tables.table_rows(table):
-      values = paper[fedora_tables.EXTRA_ROWS.get(row, row)]
+      values = paper[fedora_tables.extra_rows(table).get(row, row)]
       line = _line(markdown, row)
       cells = [c.strip() for c in line.split("|")[5:8]]  # paper_acc, paper_r_acc, paper_ptr
       assert cells[0] == f"{values['acc']:.4f}", (table, dataset, row)
@@ -225,32 +225,67 @@ def test_a_column_runs_its_own_flags_unless_the_command_line_gives_them(args, co
   assert (partition.split, config.data.data_seed, partition.train_per_client) == values
 
 
-def test_table_3_averages_uniformly_and_local_serves_either_weighting():
+def test_table_3_weighs_by_samples_with_the_uniform_reading_beside():
   flag_values = reproduce.FLAGS
-  # The column's weights, unless the command line gives its own.
-  for args, chosen, weights in (
-      (["--dataset=rmnist"], {"client_weights": "uniform"}, "uniform"),
-      (["--dataset=rfmnist", "--client_weights=samples"], {}, "samples")):
-    flag_values(["reproduce", "--table=fedora3", *args])
-    try:
-      given = run_flags.given_settings()
-      assert fedora_tables.column_settings("fedora3", flag_values.dataset, given) == chosen
-      config = fedora_tables.row_config("fedora3", "fedavg", 0, run_flags.settings(), given)
-    finally:
-      flag_values.unparse_flags()
-    assert config.train.client_weights == weights
-    assert config_lib.identity(config)["train"]["client_weights"] == weights
-    local = config_lib.reference_config(config)  # LOCAL averages nothing: either serves
-    assert config_lib.identity(local) == config_lib.identity(dataclasses.replace(
-        local, train=dataclasses.replace(local.train, client_weights="samples")))
+  flag_values(["reproduce", "--table=fedora3", "--dataset=rmnist"])
+  try:
+    given = run_flags.given_settings()
+    assert fedora_tables.column_settings("fedora3", "rmnist", given) == {}
+    config = lambda row: fedora_tables.row_config("fedora3", row, 0, run_flags.settings(),
+                                                  given)
+    samples, uniform, fedamp = config("fedavg"), config("fedavg_uniform"), config("fedamp")
+  finally:
+    flag_values.unparse_flags()
+  # The paper's rule by default; the other reading beside the rows it moves, and only them.
+  assert samples.train.client_weights == "samples" == fedamp.train.client_weights
+  assert uniform.train.client_weights == "uniform"
+  assert dataclasses.replace(uniform, train=samples.train) == samples
+  rows = fedora_tables.table_rows("fedora3")
+  assert rows[rows.index("fedavg") + 1] == "fedavg_uniform"
+  assert "fedamp_uniform" not in rows and "fedora_uniform" not in rows
+  local = config_lib.reference_config(samples)  # LOCAL averages nothing: either serves
+  assert config_lib.identity(local) == config_lib.identity(dataclasses.replace(
+      local, train=dataclasses.replace(local.train, client_weights="uniform")))
+  # The table runs both readings, so the command line may not pick one.
+  with pytest.raises(ConfigError, match="--table=fedora3 runs its rows under both readings"
+                                        " of --client_weights; leave it out"):
+    fedora_tables.check_request(tables.Request(table="fedora3",
+                                               given={"client_weights": "uniform"}))
   flag_values(["reproduce", "--table=fedora1", "--dataset=rmnist"])
   try:  # Table 1's clients are all one size: nothing to set
     given = run_flags.given_settings()
     assert fedora_tables.column_settings("fedora1", "rmnist", given) == {}
     assert fedora_tables.row_config("fedora1", "fedavg", 0, run_flags.settings(),
                                 given).train.client_weights == "samples"
+    assert "fedavg_uniform" not in fedora_tables.table_rows("fedora1")
   finally:
     flag_values.unparse_flags()
+
+
+# Table 3's rows that run under both weightings, and those that compute the same
+# either way (their servers read a client's weight only as "took part or not").
+_TABLE_3_BASELINES = [row for row in fedora_tables.table_rows("fedora3")
+                      if row in fedora_tables.RUNS and row != "local"]
+
+
+@pytest.mark.parametrize("row", _TABLE_3_BASELINES)
+def test_table_3s_other_reading_names_exactly_the_rows_the_weights_move(row):
+  import jax  # pylint: disable=import-outside-toplevel
+  import tiny  # pylint: disable=import-outside-toplevel
+  from fedora_jax.simulation import TrainConfig, run_algorithm  # pylint: disable=import-outside-toplevel
+  name = fedora_tables.RUNS[row]["algorithm"]
+  data, _ = tiny.tiny_data([2, 3, 7, 5])
+  train = TrainConfig(rounds=2, local_epochs=1, batch_size=2, lr=0.1, log_every=0)
+  states = [jax.tree.leaves(run_algorithm(
+      algorithms.make(name, tiny.default_config(name)), tiny.tiny_model(), data,
+      dataclasses.replace(train, client_weights=weights)).final_state.algorithm)
+            for weights in ("samples", "uniform")]
+  same = all(np.array_equal(a, b) for a, b in zip(*states))
+  moved = row in fedora_tables.other_reading("fedora3")["rows"]
+  assert same != moved, row
+  # Those that declare it share one run between the weightings (FeSEM does not: its
+  # m_step=uploaders reads them).
+  assert ("client_weights" in algorithms.get(name).ignores) == (not moved and row != "fesem")
 
 
 def test_a_sweep_from_before_the_default_changed_is_refused_before_training(tmp_path):

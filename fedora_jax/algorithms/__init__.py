@@ -64,8 +64,10 @@ class Registered(NamedTuple):
   # ExperimentConfig.new_clients): its check of the config that does (one-line error);
   # None: it does not.
   new_clients: Callable[[Any], None] | None = None
-  # Training fields the algorithm never reads (LOCAL averages nothing: client_weights);
-  # a run's identity holds them at their defaults, so one run serves every value.
+  # Training fields the algorithm never reads (LOCAL averages nothing; FEDORA, IFCA,
+  # FedFomo, FedU, FedAMP and pFedHN read a client's weight only as "took part or not":
+  # client_weights); without plug-ins a run's identity holds them at their defaults, so
+  # one run serves every value (tests/test_reproduce.py runs both).
   ignores: tuple[str, ...] = ()
   # Its config -> what a round computes beyond training and scoring (the benchmark's FLOPs).
   round_cost: Callable[[Any], RoundCost] = no_round_cost
@@ -84,7 +86,8 @@ REGISTRY: dict[str, Registered] = {
                          presets=fedora.PRESETS, default_preset=fedora.DEFAULT_VARIANT,
                          preset_help=fedora.PRESET_HELP, train_fields=("lr",),
                          only_with=fedora.ONLY_WITH, new_clients=fedora.check_new_clients,
-                         round_cost=fedora.round_cost, torch_loop=True),
+                         round_cost=fedora.round_cost, torch_loop=True,
+                         ignores=("client_weights",)),
     "fedprox": Registered(fedprox.FedProxConfig, fedprox.fedprox, fedprox.FLAG_HELP),
     "fedavg_ft": Registered(fedavg_ft.FedAvgFTConfig, fedavg_ft.fedavg_ft),
     "fedprox_ft": Registered(fedprox_ft.FedProxFTConfig, fedprox_ft.fedprox_ft,
@@ -96,7 +99,8 @@ REGISTRY: dict[str, Registered] = {
     "apfl": Registered(apfl.ApflConfig, apfl.apfl, apfl.FLAG_HELP, train_fields=("lr",)),
     "lg_fedavg": Registered(lg_fedavg.LgFedAvgConfig, lg_fedavg.lg_fedavg, lg_fedavg.FLAG_HELP),
     "fedper": Registered(fedper.FedPerConfig, fedper.fedper, fedper.FLAG_HELP),
-    "ifca": Registered(ifca.IfcaConfig, ifca.ifca, ifca.FLAG_HELP),
+    "ifca": Registered(ifca.IfcaConfig, ifca.ifca, ifca.FLAG_HELP,
+                       ignores=("client_weights",)),
     "fesem": Registered(fesem.FesemConfig, fesem.fesem, {
         "num_clusters": "Number of centers C",
         "init": "kmeans: k-means on the local models of the first rounds; random: the paper's"
@@ -120,7 +124,8 @@ REGISTRY: dict[str, Registered] = {
                       " its training data, trained on the rest (PFLlib)",
         "affinity_update": "normalized: P adds the normalised weights; raw: the signed,"
                            " unnormalised ones (PFLlib)",
-        "distance_eps": "Added to ||theta_n - theta_i|| in the weights (PFLlib: 1e-5)"}),
+        "distance_eps": "Added to ||theta_n - theta_i|| in the weights (PFLlib: 1e-5)"},
+        ignores=("client_weights",)),
     "fedu": Registered(fedu.FedUConfig, fedu.fedu, {
         "lam": "Laplacian regularisation strength lambda",
         "eta": "Step size of the Laplacian step after local training",
@@ -129,7 +134,8 @@ REGISTRY: dict[str, Registered] = {
         "step": "paper: eta lambda per unit a_kl; code: 0.5 local_epochs eta lambda (the"
                 " authors' code)",
         "graph": "complete: a_kl = 1; random: the authors' code's K = 0 graph, (B + B^T) / 2"
-                 " with B ~ U(0, 1), entries below 0.25 zeroed, drawn once"}),
+                 " with B ~ U(0, 1), entries below 0.25 zeroed, drawn once"},
+        ignores=("client_weights",)),
     "fedamp": Registered(fedamp.FedAmpConfig, fedamp.fedamp, {
         "attention": "distance: xi_ij = alpha_k exp(-||w_i - w_j||^2 / sigma) / sigma"
                      " (FedAMP); cosine: HeurFedAMP's softmax of cosines",
@@ -143,7 +149,8 @@ REGISTRY: dict[str, Registered] = {
                      " (the paper's bound); false: alpha_k as given (PFLlib)",
         "attention_from": "all: attention and cloud models from every client's stored"
                           " model; uploaders: from the round's uploaded models only"
-                          " (PFLlib, under --participation < 1)"}),
+                          " (PFLlib, under --participation < 1)"},
+        ignores=("client_weights",)),
     "pfedhn": Registered(pfedhn.PfedhnConfig, pfedhn.pfedhn, {
         "embed_dim": "Client embedding size; 0: 1 + K / 4",
         "hidden_dim": "Hypernetwork hidden width",
@@ -155,7 +162,8 @@ REGISTRY: dict[str, Registered] = {
         "server_steps": "pFedHN server: one step a round on the clients' summed"
                         " hypergradients (summed) or one step per sampled client, each"
                         " clipped, decayed and with momentum (per_client, the official"
-                        " trainer's)"}),
+                        " trainer's)"},
+        ignores=("client_weights",)),
     "fedala": Registered(fedala.FedAlaConfig, fedala.fedala, fedala.FLAG_HELP,
                          fedala.FLAG_NAMES),
     "coaching": Registered(coaching.CoachingConfig, coaching.coaching, coaching.FLAG_HELP,

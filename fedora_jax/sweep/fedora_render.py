@@ -16,6 +16,8 @@ from fedora_jax.algorithms import REFERENCE
 METRICS = ("acc", "r_acc", "ptr")
 # Our rows that have no paper row of their own -> the paper row they are compared with.
 EXTRA_ROWS = {"fedora_paper": "fedora"}
+# What each of them is, in the table's "paper's row" column.
+EXTRA_NOTES = {"fedora_paper": "ours: the equations as printed"}
 
 
 def _cell(value, std=None, signed=False) -> str:
@@ -40,8 +42,9 @@ def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1,
     ptr = None if r["algorithm"] == REFERENCE else r["ptr"]
     timing = results_lib.cost_cells(r)
     paper_row = r.get("paper_row") or "—"
-    if r["algorithm"] in EXTRA_ROWS:
-      paper_row += " (ours: the equations as printed)"
+    note = r.get("extra_note", EXTRA_NOTES.get(r["algorithm"]))
+    if note:
+      paper_row += f" ({note})"
     if r["seeds"] < seeds:  # --finished_only, a sweep in progress
       paper_row += (f"; ours: {sweep.seeds_finished(r['seeds'], seeds)}"
                     f"{sweep.seeds_unfinished(unfinished.get(r['algorithm']))}")
@@ -124,4 +127,6 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 def plot(rows: list[dict], title: str, path: str) -> None:
   """table.png: each metric ours beside the paper's per row, error bars over seeds."""
-  plots.plot_reproduced_table(cast(Any, rows), title, path, EXTRA_ROWS)
+  extra = {r["algorithm"]: r.get("beside") or EXTRA_ROWS[r["algorithm"]] for r in rows
+           if r.get("beside") or r["algorithm"] in EXTRA_ROWS}
+  plots.plot_reproduced_table(cast(Any, rows), title, path, extra)

@@ -5,8 +5,11 @@ the paper prints, each one of our algorithms (RUNS: its settings), and beside th
 paper's FEDORA row `fedora_paper`, FEDORA's equations as printed; Tables 4 and 5's
 ablation rows are the `fedora` row with its similarity or lambda_k rule changed. A
 column may run with settings of its own (its "flags": CIFAR-10's calibrated protocol)
-unless the command line gives them. Each row's workdir is <workdir>/seed<s>/<row>, and
-each row is scored against its seed's LOCAL. The metric: the final round's Acc, R-Acc
+unless the command line gives them. Where the paper leaves a rule open that moves some
+rows (Table 3's client weights), the table states its rule ("weights_rule") and runs
+those rows under the other reading too, `<row>_<suffix>` beside each ("other_reading").
+Each row's workdir is <workdir>/seed<s>/<row>, and each row is scored against its seed's
+LOCAL. The metric: the final round's Acc, R-Acc
 and PTR, mean and std over seeds (fedora_render.py writes the table).
 """
 
@@ -74,6 +77,29 @@ RUNS = {**{row: {"algorithm": row} for row in _BASELINES},
 EXTRA_ROWS = fedora_render.EXTRA_ROWS
 
 
+def other_reading(table: str) -> dict | None:
+  """The table's other reading of an open rule ({suffix, flags, what, why, rows}), if any."""
+  return load_paper_tables()[table].get("other_reading")
+
+
+def extra_rows(table: str) -> dict[str, str]:
+  """The table's rows without a paper row of their own -> the paper row each sits by:
+  EXTRA_ROWS, and `<row>_<suffix>` for each row of its other reading."""
+  reading = other_reading(table)
+  readings = {f"{row}_{reading['suffix']}": row for row in reading["rows"]} if reading else {}
+  return {**EXTRA_ROWS, **readings}
+
+
+def row_settings(table: str, row: str) -> dict[str, Any]:
+  """A row's own settings: RUNS', or for an other-reading row its paper row's and the
+  reading's flags."""
+  if row in RUNS:
+    return RUNS[row]
+  reading = other_reading(table)
+  assert reading is not None, row
+  return {**RUNS[extra_rows(table)[row]], **reading["flags"]}
+
+
 def table_rows(table: str) -> list[str]:
   """Every row the table prints, in the paper's order: LOCAL first (run as the reference
   even where the paper prints no LOCAL row), our extra rows after the row they sit by."""
@@ -81,7 +107,7 @@ def table_rows(table: str) -> list[str]:
   for row in load_paper_tables()[table]["rows"]:
     if row != REFERENCE:
       rows.append(row)
-    rows += [extra for extra, beside in EXTRA_ROWS.items() if beside == row]
+    rows += [extra for extra, beside in extra_rows(table).items() if beside == row]
   return rows
 
 
@@ -133,7 +159,7 @@ def row_config(table: str, row: str, seed: int, base: Mapping[str, Any],
   line's `given` leaves them out, `given`, the row's own, the table's setting and `seed`."""
   dataset = given.get("dataset", base.get("dataset", "rmnist"))
   return from_settings({**base, **column_settings(table, dataset, given), **given,
-                        **RUNS[row], "setting": load_paper_tables()[table]["setting"],
+                        **row_settings(table, row), "setting": load_paper_tables()[table]["setting"],
                         "seed": seed})
 
 
@@ -158,8 +184,11 @@ def plan(table: str, rows: list[str], workdir: str, first_seed: int, seeds: int,
           for number, (seed, row) in enumerate(keys, 1)]
 
 
-def summarize(row: str, runs: list[sweep.RowRun], paper: dict) -> dict:
-  """Mean (and std over seeds) of a row's metrics beside the paper's numbers."""
+def summarize(row: str, runs: list[sweep.RowRun], paper: dict,
+              extra: Mapping[str, str] = EXTRA_ROWS, extra_note: str | None = None) -> dict:
+  """Mean (and std over seeds) of a row's metrics beside the paper's numbers; `extra`:
+  the table's rows without a paper row -> the row each sits by, `extra_note` what this
+  one is, if it is one."""
   entry: dict[str, Any] = {"algorithm": row, "seeds": len(runs)}
   for m in METRICS:
     values = np.array([np.nan if getattr(r, m) is None else getattr(r, m) for r in runs],
@@ -167,7 +196,10 @@ def summarize(row: str, runs: list[sweep.RowRun], paper: dict) -> dict:
     entry[m] = None if np.isnan(values).all() else round(float(np.nanmean(values)), 4)
     entry[f"{m}_std"] = round(float(np.nanstd(values)), 4) if len(runs) > 1 else None
     entry[f"{m}_seeds"] = [None if np.isnan(v) else round(float(v), 4) for v in values]
-  entry.update(_paper_columns(row, paper))
+  entry.update(_paper_columns(row, paper, extra))
+  if row in extra:
+    entry["beside"] = extra[row]
+    entry["extra_note"] = extra_note or fedora_render.EXTRA_NOTES[row]
   entry["round_seconds"] = round(float(np.median([r.round_seconds for r in runs])), 4)
   entry["wall_seconds"] = round(float(sum(r.wall_seconds for r in runs)), 1)
   entry["machine"] = results_lib.joined_machines(r.machine for r in runs)
@@ -175,21 +207,34 @@ def summarize(row: str, runs: list[sweep.RowRun], paper: dict) -> dict:
   return entry
 
 
-def _paper_columns(row: str, paper: dict) -> dict:
-  entry = paper.get(EXTRA_ROWS.get(row, row), {})
+def _paper_columns(row: str, paper: dict, extra: Mapping[str, str]) -> dict:
+  entry = paper.get(extra.get(row, row), {})
   columns = {f"paper_{m}": entry.get(m) for m in METRICS}
   columns["paper_row"] = entry.get("label")
   columns["paper_source"] = entry.get("source")
   if entry.get("note"):
     columns["paper_note"] = entry["note"]
-  if row in EXTRA_ROWS:
+  if row in extra:
     columns["paper_source"] = f"{columns['paper_source']} (ours: not a paper row)"
   return columns
 
 
 def table_summary(table: str, runs: dict[str, list[sweep.RowRun]], paper: dict) -> list[dict]:
   """The rows we ran in the paper's order, each (mean over seeds) beside the paper's."""
-  return [summarize(row, runs[row], paper) for row in table_rows(table) if runs.get(row)]
+  extra, reading = extra_rows(table), other_reading(table)
+  return [summarize(row, runs[row], paper, extra,
+                    reading["what"] if reading and row not in EXTRA_ROWS else None)
+          for row in table_rows(table) if runs.get(row)]
+
+
+def rule_statement(table: str) -> str:
+  """The table's rule where the paper leaves one open, and its other reading ("" if none)."""
+  paper_table, reading = load_paper_tables()[table], other_reading(table)
+  parts = [f"rule: {paper_table['weights_rule']}"] if "weights_rule" in paper_table else []
+  if reading:
+    parts.append(f"<row>_{reading['suffix']}: {reading['what']}, beside the rows it moves"
+                 f" ({reading['why']})")
+  return "; ".join(parts)
 
 
 def check_request(request: Request) -> None:
@@ -203,6 +248,10 @@ def check_request(request: Request) -> None:
   if "fedora_variant" in request.given:
     raise ConfigError("reproduce picks each FEDORA row's variant (fedora: authors,"
                       " fedora_paper: paper); leave out --fedora_variant")
+  reading = other_reading(request.table)
+  if reading and set(reading["flags"]) & set(request.given):
+    raise ConfigError(f"--table={request.table} runs its rows under both readings of"
+                      f" {', '.join(f'--{name}' for name in reading['flags'])}; leave it out")
   owned = [f"--{name}" for name in ROW_SETTINGS if name in request.given]
   if owned:
     raise ConfigError(f"reproduce sets {', '.join(owned)} row by row (Tables 4 and 5's"
@@ -244,6 +293,9 @@ def reproduce(request: Request, options: sweep.Options = sweep.Options()) -> Tab
               f" batch {train.batch_size}, lr {train.lr}; `{request.command}`")
   if request.finished_only:
     settings += f"; {sweep.FINISHED_ONLY_ROWS}"
+  rule = rule_statement(request.table)
+  if rule:
+    settings += f"; {rule}"
   if column_flags:
     why = paper_table["datasets"][dataset]["flags_why"]
     settings += (f"; the column's own flags: "
@@ -255,7 +307,7 @@ def reproduce(request: Request, options: sweep.Options = sweep.Options()) -> Tab
   document = {"table": request.table, "title": title, "dataset": dataset,
               "setting": setting, "rounds": train.rounds,
               "seeds": list(range(first_seed, first_seed + request.seeds)),
-              "command": request.command, "rows": summary,
+              "command": request.command, "rule": rule, "rows": summary,
               "unfinished": {row: why for row, why in unfinished.items() if why}}
   markdown = fedora_render.format_markdown(title, settings, summary, request.seeds,
                                            document["unfinished"])
