@@ -117,8 +117,8 @@ def _seeds_why(why: list[str]) -> str:
 def fedora(document: dict) -> str:
   """A FEDORA table `reproduce` wrote (its table.json): each row's mean ± std over the
   seeds it finished beside the paper's Acc / R-Acc / PTR, and the rows not finished."""
-  lines = ["| row | seeds | Acc | R-Acc | PTR | paper Acc / R-Acc / PTR |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| row | seeds | Acc | R-Acc | PTR | Acc (best val) | paper Acc / R-Acc / PTR |",
+           "|---|---|---|---|---|---|---|"]
   for row in document["rows"]:
     local = row["algorithm"] == "local"
     paper = " / ".join(_fedora_cell(row.get(f"paper_{m}"), None, m == "r_acc")
@@ -126,7 +126,8 @@ def fedora(document: dict) -> str:
     lines.append(
         f"| {row['algorithm']} | {row['seeds']} | {_fedora_cell(row['acc'], row['acc_std'])} |"
         f" {'—' if local else _fedora_cell(row['r_acc'], row['r_acc_std'], True)} |"
-        f" {'—' if local else _fedora_cell(row['ptr'], row['ptr_std'])} | {paper} |")
+        f" {'—' if local else _fedora_cell(row['ptr'], row['ptr_std'])} |"
+        f" {_fedora_cell(row.get('best_val_acc'), row.get('best_val_acc_std'))} | {paper} |")
   unfinished = [f"{row} ({_seeds_why(why)})" for row, why in document["unfinished"].items()]
   lines.append(f"\n{document['dataset']}, {document['setting']}, {document['rounds']} rounds,"
                f" seeds {', '.join(map(str, document['seeds']))}; Acc at the final round."

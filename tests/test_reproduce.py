@@ -171,7 +171,7 @@ def test_every_row_of_every_table_prints_the_papers_numbers(table):
     for row in fedora_tables.table_rows(table):
       values = paper[fedora_tables.extra_rows(table).get(row, row)]
       line = _line(markdown, row)
-      cells = [c.strip() for c in line.split("|")[5:8]]  # paper_acc, paper_r_acc, paper_ptr
+      cells = [c.strip() for c in line.split("|")[6:9]]  # paper_acc, paper_r_acc, paper_ptr
       assert cells[0] == f"{values['acc']:.4f}", (table, dataset, row)
       if row != "local":
         assert cells[1] == f"{values['r_acc']:+.4f}" and cells[2] == f"{values['ptr']:.4f}"
@@ -314,11 +314,16 @@ def test_bad_row_hyperparameters_fail_before_the_sweep(tmp_path):
   assert not os.path.exists(tmp_path / "seed0")
 
 
-def test_seeds_give_mean_and_population_std_beside_the_paper():
+def test_seeds_give_mean_and_population_std_beside_the_paper(tmp_path):
+  # Each seed's results.json: Acc at its round of best validation accuracy.
+  for name, best in (("a", 0.72), ("b", 0.78)):
+    (tmp_path / name).write_text(json.dumps({"best_val": {"acc": best}}))
   runs = [sweep.RowRun(acc=0.70, r_acc=0.01, ptr=0.5, round_seconds=0.2,
-                       wall_seconds=10.0, machine="NVIDIA H200 x1", results="a"),
+                       wall_seconds=10.0, machine="NVIDIA H200 x1",
+                       results=str(tmp_path / "a")),
           sweep.RowRun(acc=0.80, r_acc=0.03, ptr=None, round_seconds=0.4,
-                       wall_seconds=30.0, machine="cpu x2, 2 cores", results="b")]
+                       wall_seconds=30.0, machine="cpu x2, 2 cores",
+                       results=str(tmp_path / "b"))]
   paper = {"fedora": {"acc": 0.8251, "r_acc": 0.0806, "ptr": 1.0, "label": "FEDORA",
                       "source": "Table 1"}}
   row = fedora_tables.summarize("fedora", runs, paper)
@@ -328,8 +333,10 @@ def test_seeds_give_mean_and_population_std_beside_the_paper():
   assert row["paper_acc"] == 0.8251 and row["paper_source"] == "Table 1"
   assert row["round_seconds"] == pytest.approx(0.3) and row["wall_seconds"] == 40.0
   assert row["acc_seeds"] == [0.70, 0.80] and row["ptr_seeds"] == [0.5, None]
+  assert row["best_val_acc"] == pytest.approx(0.75) and row["best_val_acc_std"] == 0.03
   markdown = fedora_render.format_markdown("T", "settings", [row])
-  assert "| fedora | 0.7500 ± 0.0500 | +0.0200 ± 0.0100 |" in markdown
+  assert ("| fedora | 0.7500 ± 0.0500 | +0.0200 ± 0.0100 | 0.5000 ± 0.0000 |"
+          " 0.7500 ± 0.0300 |") in markdown
 
 
 def test_table_csv_has_a_line_per_row_with_ours_the_papers_and_timing(tmp_path):
@@ -341,13 +348,13 @@ def test_table_csv_has_a_line_per_row_with_ours_the_papers_and_timing(tmp_path):
   rows = fedora_tables.table_summary("fedora1", {"local": runs, "fedora_paper": runs}, paper)
   fedora_render.write_csv(str(tmp_path / "table.csv"), rows)
   lines = (tmp_path / "table.csv").read_text().splitlines()
-  assert lines[0] == ("algorithm,seeds,acc,acc_std,r_acc,r_acc_std,ptr,ptr_std,paper_acc,"
-                      "paper_r_acc,paper_ptr,round_seconds,wall_seconds,machine,"
+  assert lines[0] == ("algorithm,seeds,acc,acc_std,r_acc,r_acc_std,ptr,ptr_std,best_val_acc,"
+                      "best_val_acc_std,paper_acc,paper_r_acc,paper_ptr,round_seconds,wall_seconds,machine,"
                       "paper_row,paper_source")
-  assert lines[1] == ("local,2,0.75,0.05,0.02,0.01,0.75,0.25,0.7642,,,0.3,40.0,"
+  assert lines[1] == ("local,2,0.75,0.05,0.02,0.01,0.75,0.25,,,0.7642,,,0.3,40.0,"
                       '"NVIDIA H200 x1 + cpu x2, 2 cores",LOCAL,"Table 1, LOCAL row,'
                       ' Rotated MNIST"')
-  assert lines[2] == ("fedora_paper,2,0.75,0.05,0.02,0.01,0.75,0.25,0.8251,0.0806,1.0,0.3,"
+  assert lines[2] == ("fedora_paper,2,0.75,0.05,0.02,0.01,0.75,0.25,,,0.8251,0.0806,1.0,0.3,"
                       '40.0,"NVIDIA H200 x1 + cpu x2, 2 cores",FEDORA,"Table 1, FEDORA row,'
                       ' Rotated MNIST (ours: not a paper row)"')
 

@@ -34,9 +34,9 @@ def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1,
   finished are ("seed 1: not started"); a row with none finished is listed below."""
   unfinished = unfinished or {}
   lines = [f"# {title}", "", settings, "",
-           "| algorithm | acc | r_acc | ptr | paper_acc | paper_r_acc | paper_ptr |"
-           " s/round | wall s | machine | paper's row |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| algorithm | acc | r_acc | ptr | acc (best val) | paper_acc | paper_r_acc |"
+           " paper_ptr | s/round | wall s | machine | paper's row |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     r_acc = None if r["algorithm"] == REFERENCE else r["r_acc"]
     ptr = None if r["algorithm"] == REFERENCE else r["ptr"]
@@ -51,13 +51,14 @@ def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1,
     lines.append(
         f"| {r['algorithm']} | {_cell(r['acc'], r['acc_std'])} |"
         f" {_cell(r_acc, r['r_acc_std'], signed=True)} | {_cell(ptr, r['ptr_std'])} |"
-        f" {_cell(r['paper_acc'])} | {_cell(r['paper_r_acc'], signed=True)} |"
+        f" {_cell(r.get('best_val_acc'), r.get('best_val_acc_std'))} | {_cell(r['paper_acc'])} | {_cell(r['paper_r_acc'], signed=True)} |"
         f" {_cell(r['paper_ptr'])} | {timing} | {paper_row} |")
   shown = {r["algorithm"] for r in rows}
   left_out = [f"- {row}: {sweep.not_finished(why)}"
               for row, why in unfinished.items() if row not in shown]
   lines += [""] + left_out if left_out else []
-  lines += ["", "acc: mean per-client test accuracy at the final round; r_acc: mean relative"
+  lines += ["", "acc: mean per-client test accuracy at the final round; acc (best val): at"
+            " the round of best mean validation accuracy; r_acc: mean relative"
             " accuracy against LOCAL on the same split and seed; ptr: fraction of clients"
             " at or above LOCAL. paper_*: experiments/paper/fedora_tables.json; — : the"
             " paper prints none (LOCAL's R-Acc and PTR). s/round: median round time"
@@ -111,7 +112,7 @@ def format_distance_section(rows: list[dict]) -> str:
 
 # table.csv: one line per row, ours (mean, std over seeds) and the paper's, then timing.
 CSV_COLUMNS = ("algorithm", "seeds", *[f"{m}{s}" for m in METRICS for s in ("", "_std")],
-               *[f"paper_{m}" for m in METRICS], "round_seconds", "wall_seconds",
+               "best_val_acc", "best_val_acc_std", *[f"paper_{m}" for m in METRICS], "round_seconds", "wall_seconds",
                "machine", "paper_row", "paper_source")
 
 

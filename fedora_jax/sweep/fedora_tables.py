@@ -33,6 +33,12 @@ PAPER_TABLES = os.path.join(PAPER_DIR, "fedora_tables.json")
 METRICS = ("acc", "r_acc", "ptr")
 
 
+def evaluation_rule() -> str:
+  """How every FEDORA table scores a row, and where that comes from."""
+  with open(PAPER_TABLES) as f:
+    return json.load(f)["_evaluation"]
+
+
 def load_paper_tables() -> dict:
   """The paper's tables by name (fedora1, ...), as fedora_tables.json holds them."""
   with open(PAPER_TABLES) as f:
@@ -196,6 +202,10 @@ def summarize(row: str, runs: list[sweep.RowRun], paper: dict,
     entry[m] = None if np.isnan(values).all() else round(float(np.nanmean(values)), 4)
     entry[f"{m}_std"] = round(float(np.nanstd(values)), 4) if len(runs) > 1 else None
     entry[f"{m}_seeds"] = [None if np.isnan(v) else round(float(v), 4) for v in values]
+  best = np.array([_best_val_acc(r.results) for r in runs], float)
+  known = best[~np.isnan(best)]
+  entry["best_val_acc"] = round(float(known.mean()), 4) if len(known) else None
+  entry["best_val_acc_std"] = round(float(known.std()), 4) if len(known) > 1 else None
   entry.update(_paper_columns(row, paper, extra))
   if row in extra:
     entry["beside"] = extra[row]
@@ -205,6 +215,15 @@ def summarize(row: str, runs: list[sweep.RowRun], paper: dict,
   entry["machine"] = results_lib.joined_machines(r.machine for r in runs)
   entry["results"] = [r.results for r in runs]
   return entry
+
+
+def _best_val_acc(results_path: str) -> float:
+  """Acc at the run's round of best mean validation accuracy (results.json's best_val)."""
+  try:
+    with open(results_path) as f:
+      return json.load(f)["best_val"]["acc"]
+  except (OSError, KeyError, TypeError, ValueError):  # a record without it
+    return np.nan
 
 
 def _paper_columns(row: str, paper: dict, extra: Mapping[str, str]) -> dict:
@@ -228,9 +247,12 @@ def table_summary(table: str, runs: dict[str, list[sweep.RowRun]], paper: dict) 
 
 
 def rule_statement(table: str) -> str:
-  """The table's rule where the paper leaves one open, and its other reading ("" if none)."""
+  """The table's evaluation rule, its rule where the paper leaves one open, and that
+  rule's other reading."""
   paper_table, reading = load_paper_tables()[table], other_reading(table)
-  parts = [f"rule: {paper_table['weights_rule']}"] if "weights_rule" in paper_table else []
+  parts = [evaluation_rule()]
+  if "weights_rule" in paper_table:
+    parts.append(f"weights rule: {paper_table['weights_rule']}")
   if reading:
     parts.append(f"<row>_{reading['suffix']}: {reading['what']}, beside the rows it moves"
                  f" ({reading['why']})")
@@ -294,8 +316,7 @@ def reproduce(request: Request, options: sweep.Options = sweep.Options()) -> Tab
   if request.finished_only:
     settings += f"; {sweep.FINISHED_ONLY_ROWS}"
   rule = rule_statement(request.table)
-  if rule:
-    settings += f"; {rule}"
+  settings += f"; {rule}"
   if column_flags:
     why = paper_table["datasets"][dataset]["flags_why"]
     settings += (f"; the column's own flags: "
