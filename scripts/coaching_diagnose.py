@@ -45,7 +45,6 @@ import numpy as np  # noqa: E402
 from experiments import flags as run_flags  # noqa: E402  (defines the run flags)
 from fedora_jax import algorithms, simulation  # noqa: E402
 from fedora_jax import config as config_lib  # noqa: E402
-from fedora_jax.algorithms import coaching  # noqa: E402
 from fedora_jax.algorithms.base import AlgorithmState  # noqa: E402
 from fedora_jax.algorithms.layers import layer_names  # noqa: E402
 from fedora_jax.data import datasets  # noqa: E402
