@@ -148,7 +148,7 @@ def fail_row_and_go_on(row: sweep.Row, message: str) -> None:
   except OSError as e:  # unrecorded, it would stall again on every restart
     exit_on_stall(f"{message} (and the row could not be recorded as failed: {e})")
   say_left_out(row, message)
-  os.execv(sys.executable, sys.orig_argv)
+  os.execve(sys.executable, sys.orig_argv, sweep.reexecution_env())
 
 
 def say_left_out(row: sweep.Row, message: str) -> None:

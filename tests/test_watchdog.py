@@ -146,3 +146,14 @@ def test_a_sweep_leaves_a_stalled_row_out_as_failed_and_goes_on(tmp_path):
   table = json.loads((tmp_path / "table.json").read_text())
   assert [row["algorithm"] for row in table["rows"]] == ["local", "fedavg", "fedprox"]
   assert not (tmp_path / "seed0" / "fedavg" / "stalled.json").exists()
+
+
+def test_a_sweep_s_id_reaches_its_reexecution_and_no_other_program():
+  # In os.environ, an id taken in this process (a sweep run here) would reach every
+  # later command started from it, and each would leave out, as stalled "in this sweep",
+  # the rows it should retry (it failed this file's test above in CI, under pytest-xdist).
+  from fedora_jax import sweep
+  before = os.environ.get(sweep.SWEEP_ENV)
+  assert sweep.sweep_id() == sweep.sweep_id()
+  assert os.environ.get(sweep.SWEEP_ENV) == before
+  assert sweep.reexecution_env()[sweep.SWEEP_ENV] == sweep.sweep_id()

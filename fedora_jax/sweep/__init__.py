@@ -282,9 +282,21 @@ def row_claimed(workdir: str, wait: bool = True) -> Iterator[bool]:
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+_SWEEP_ID = os.environ.get(SWEEP_ENV) or uuid.uuid4().hex
+
+
 def sweep_id() -> str:
-  """This sweep's id, the same in its re-executions (SWEEP_ENV)."""
-  return os.environ.setdefault(SWEEP_ENV, uuid.uuid4().hex)
+  """This sweep's id: inherited from SWEEP_ENV in a re-execution, else this process's."""
+  return _SWEEP_ID
+
+
+def reexecution_env() -> dict[str, str]:
+  """The environment for re-executing this sweep: this one's, with the sweep's id.
+
+  Only the re-execution gets the id: in os.environ it would reach every program this
+  process starts, and a later sweep started from it would take the stalled rows of this
+  one as its own and leave them out instead of retrying them."""
+  return dict(os.environ, **{SWEEP_ENV: sweep_id()})
 
 
 def stall_record(workdir: str) -> dict | None:
