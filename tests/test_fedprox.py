@@ -48,6 +48,26 @@ def test_client_takes_the_proximal_gradient_step():
                           plain["params"]["Dense_0"]["kernel"], atol=1e-5)
 
 
+@pytest.mark.parametrize("ala_anchor", ["global", "theta_hat"])
+def test_under_ala_training_starts_at_theta_hat_and_is_pulled_to_the_chosen_anchor(
+    ala_anchor):
+  data, clients = tiny_data([6, 6])
+  model = tiny_model()
+  trainer = tiny_trainer(model, lr=LR, batch_size=8, epochs=2)
+  global_params = init_params(model)
+  theta_hat = jax.tree.map(lambda a: a + 0.3, global_params)  # ALA's start, not w^t
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  algorithm = fedprox.fedprox(fedprox.FedProxConfig(mu=0.5, ala_anchor=ala_anchor), trainer)
+  _, message = algorithm.ala_hooks.replace(jnp.zeros(()), global_params, theta_hat)
+  out = algorithm.client_update(jnp.zeros(()), message, splits, jax.random.key(0))
+
+  # w1 = theta_hat - lr g;  w2 = w1 - lr (g(w1) + mu (w1 - anchor)), anchor w^t (the
+  # paper's) or theta_hat.
+  anchor = global_params if ala_anchor == "global" else theta_hat
+  expected = _gd_steps(model, theta_hat, clients[0], 2, mu=0.5, anchor=anchor)
+  chex.assert_trees_all_close(out.upload, expected, atol=1e-6)
+
+
 def test_negative_mu_is_refused():
   with pytest.raises(ConfigError, match="fedprox: mu"):
     fedprox.fedprox(fedprox.FedProxConfig(mu=-1.0), tiny_trainer(tiny_model()))

@@ -171,3 +171,41 @@ def test_a_row_variant_with_a_twenty_round_record_of_its_own_lists_it(tmp_path):
   text = verify.long_summary(["moon", "moon_bn", "fedbabu_uniform"], root=str(tmp_path))
   assert "| moon | 72.70 | 80.10 |" in text and "| moon_bn | 81.20 | 80.10 |" in text
   assert text.endswith("No 20-round record (docs/verification.md says why): fedbabu")
+
+
+def test_the_ala_host_driver_runs_ala_in_place_of_the_hosts_copy():
+  # A host whose set_parameters copies the global model into its model and its anchor
+  # (FedProx's form): under the driver the anchor is still the global model, and ALA
+  # gets the global model and the client's own, whose result the model then holds.
+  if verify.missing() is not None:
+    pytest.skip(verify.missing())
+  import torch  # pylint: disable=import-outside-toplevel
+  from verification import ala_hosts  # pylint: disable=import-outside-toplevel
+
+  class Host:
+    def __init__(self):
+      self.model = torch.nn.Linear(2, 1)
+      self.anchor = [p.data.clone() for p in self.model.parameters()]
+
+    def set_parameters(self, model):
+      for new, anchor, param in zip(model.parameters(), self.anchor, self.model.parameters()):
+        anchor.data, param.data = new.data.clone(), new.data.clone()
+
+  class HalfWay:  # stands in for utils/ALA.py: theta_hat halfway, the call kept
+    def adaptive_local_aggregation(self, global_model, local_model):
+      self.seen = [(g.data.clone(), p.data.clone())
+                   for g, p in zip(global_model.parameters(), local_model.parameters())]
+      for g, p in zip(global_model.parameters(), local_model.parameters()):
+        p.data = (g.data + p.data) / 2
+
+  on = ala_hosts.AlaOn(received=ala_hosts.whole_model, local=ala_hosts.whole_model)
+  client = ala_hosts.ala_client(Host, on)()
+  client.ALA = HalfWay()
+  own = [p.data.clone() for p in client.model.parameters()]
+  sent = torch.nn.Linear(2, 1)
+  client.set_parameters(sent)
+  for (seen_global, seen_own), new, mine, anchor, param in zip(
+      client.ALA.seen, sent.parameters(), own, client.anchor, client.model.parameters()):
+    assert torch.equal(seen_global, new.data) and torch.equal(seen_own, mine)
+    assert torch.equal(anchor, new.data)
+    assert torch.equal(param.data, (new.data + mine) / 2)

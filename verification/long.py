@@ -111,7 +111,10 @@ MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "
 # coaching_cnn_bn (BatchNorm: on FedAvgCNN FedBN is FedAvg), pFedLA on its grouped twin
 # beside KarhouTam/pFedLA (pfedla_driver.py); APPLE on FedAvgCNN with check (a)'s prepare.
 OTHERS = ("apple", "fedbn", "moon_bn", "pfedla")
-DEFAULT = CORE + MORE + OTHERS
+# ALA on two of its hosts, through check (a)'s driver (ala_hosts.py): on the whole model
+# it trains (Ditto's global part) and on the base it receives (FedRep's).
+ALA_HOSTS = ("ditto_ala", "fedrep_ala")
+DEFAULT = CORE + MORE + OTHERS + ALA_HOSTS
 
 
 class Setting(NamedTuple):
@@ -345,13 +348,14 @@ def initial_state(name: str, split: Split, setting: Setting, rounds: int):
   """Our algorithm's state after init on the CNN, as run_algorithm starts it (same
   keys): what check (a)'s load_initial hands the reference beside the model (its
   server's keys, the objects its steps reach)."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
   reference = long_reference(name, rounds)
   train = train_config(setting, rounds, reference)
   model = build_model(model_name(reference), split.data.num_classes)
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
                                 train.local_epochs, train.batch_size)
   ours = reference.algorithm or name
-  config = algorithms.default_config(ours, train, **reference.config)
+  config = one_round._our_config(ours, train, reference)  # pylint: disable=protected-access
   keys = root_keys(setting.seed)
   init = jitted_init(algorithms.build(ours, config, trainer), trainer, split.data)
   return init(initial_model(model, split.data, keys["init"]), split.data.buckets,
@@ -388,13 +392,14 @@ def run_ours(name: str, split: Split, setting: Setting, rounds: int) -> dict:
   """Our run: the weighted test accuracy after every round, each client's last, the
   initial model's logits on the first client's test images, the server's model after
   every round in PyTorch's layout (None where it is not compared), the times."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   reference = long_reference(name, rounds)
   train = train_config(setting, rounds, reference)
   model = build_model(model_name(reference), split.data.num_classes)
   initial = initial_model(model, split.data, root_keys(setting.seed)["init"])
   ours = reference.algorithm or name
-  config = algorithms.default_config(ours, train, **reference.config)
+  config = one_round._our_config(ours, train, reference)  # pylint: disable=protected-access
   server_models: list[list[np.ndarray]] = []
 
   def keep_server_model(_, state) -> None:

@@ -39,7 +39,7 @@ from fedora_jax.models import build_model
 from fedora_jax.rounds import client_keys, num_sampled_clients, sampled_clients
 from fedora_jax.simulation import (TrainConfig, initial_model, jitted_init, root_keys,
                                    run_algorithm)
-from verification import bridges, pfedla_driver, twins
+from verification import ala_hosts, bridges, pfedla_driver, twins
 
 HIDDEN = 100
 
@@ -226,6 +226,9 @@ class Reference(NamedTuple):
   # within float32's rounding of ReLU's zero, on whose side the two codes' rounding
   # decides. None: the setting's.
   seed: int | None = None
+  # ALA's config (ala.AlaConfig's fields) where the row runs its algorithm under --ala (ALA
+  # on its hosts); None: no plug-in.
+  ala: dict | None = None
 
 
 _MLP = twins.Twin("mlp", None, bridges.dense_stack_to_torch, bridges.load_linear_layers,
@@ -604,9 +607,10 @@ def _ala_ours(algorithm, state, earlier):
 
 
 def _ala_theirs(client):
-  """theta_hat's layers, then W (over the head: layer_idx 2) as one more Linear."""
+  """theta_hat's layers, then W (over the layer layer_idx 2 names) as one more Linear."""
   import torch  # pylint: disable=import-outside-toplevel
-  weights = torch.nn.Linear(HIDDEN, 10)
+  out_features, in_features = client.ala_weights[0].shape
+  weights = torch.nn.Linear(in_features, out_features)
   with torch.no_grad():
     weights.weight.copy_(client.ala_weights[0])
     weights.bias.copy_(client.ala_weights[1])
@@ -1854,6 +1858,122 @@ REFERENCES["apple"] = Reference(
     compare_server=False, rounds=2, server_steps=(), prepare=_apple_prepare,
     also=(_apple_ours_p, _apple_p), clients=_unequal_clients)
 
+
+def _copy_uploads(server) -> None:
+  """The uploaded models as copies: PFLlib's receive_models lists the clients' own
+  modules, so once ALA writes a client's model in send_models, the cloud models of the
+  clients after it would mix that theta_hat in place of the upload (PFLlib's FedAMP alone
+  never writes a client's model there)."""
+  server.uploaded_models = [copy.deepcopy(model) for model in server.uploaded_models]
+
+
+def _ala_host_prepare(server, setting: Setting, clients: list[Client],
+                      on: ala_hosts.AlaOn, first_round: int = 0) -> None:
+  """The host's PFLlib clients with ALA where `on` says (ala_hosts.attach), on their
+  training data as read_client_data reads our files, then the FedALA rows' slice
+  (_ala_prepare); a host whose server first sends in round `first_round` (FedAMP: 1)
+  draws that round's slice first."""
+  from utils.data_utils import process_image  # pylint: disable=import-outside-toplevel
+  train = [process_image({"x": bridges.model_inputs(c.x_train),
+                          "y": c.y_train.astype(np.int64)}) for c in clients]
+  ala_hosts.attach(server, train, on, ALA_ARGS)
+  _ala_prepare(server, setting, clients)
+  for client in server.clients:
+    client.ALA.train_data.count = first_round
+
+
+def _renumbered(*stacked) -> dict:
+  """Dense-layer trees one after another, as one tree of Dense_0, Dense_1, ..."""
+  layers = [layer for params in stacked for _, layer in sorted(
+      params["params"].items(), key=lambda item: int(item[0].rsplit("_", 1)[1]))]
+  return {"params": {f"Dense_{i}": layer for i, layer in enumerate(layers)}}
+
+
+def _ala_host_ours(algorithm, state, earlier, received=lambda message: message,
+                   more=None):
+  """Each client's theta_hat as ala.with_ala builds it, from the last round's theta_i
+  and the model its host sent (`received`: the host's ala_hooks.received), as the model
+  the host trains from (theta_i with the received layers replaced); then W as one more
+  layer. `more`: (our host's client state) -> layers compared before them."""
+  sent = received(algorithm.broadcast(earlier.server, earlier.clients))
+  local = earlier.clients.local
+  theta_hat = jax.vmap(ala.aggregate_locally)(local, sent, state.clients.weights)
+  start = {"params": {**local["params"], **theta_hat["params"]}}
+  front = () if more is None else (more(state.clients.host),)
+  return _renumbered(*front, start, state.clients.weights)
+
+
+def _ala_host_theirs(client, more=None):
+  """_ala_theirs after `more`'s module (client -> module), where the row compares one."""
+  import torch  # pylint: disable=import-outside-toplevel
+  ala_layers = _ala_theirs(client)
+  return ala_layers if more is None else torch.nn.ModuleList([more(client), ala_layers])
+
+
+def _on_host(name: str, on: ala_hosts.AlaOn, received=lambda message: message,
+             first_round: int = 0, more: tuple | None = None, **changes) -> Reference:
+  """Host `name`'s row (its Reference) under ALA in the authors' form (ALA_CONFIG): its
+  PFLlib client with the authors' ALA where `on` says, its keys and loaders split as
+  with_ala splits a client's key (the host's half second), three rounds (ALA rests,
+  trains W until the loss settles, one epoch), theta_hat and W of the last round compared
+  beside the host's scored model, read after training (the closing send_models would run
+  ALA again, which ours has not run). `more`: (ours, theirs) compared before theta_hat."""
+  host = REFERENCES[name]
+  assert host.prepare is None and host.also_previous is False, name
+  loads = None
+  if host.loads is not None:
+    loads = lambda key, *rest, host_loads=host.loads: host_loads(jax.random.split(key)[1],
+                                                                 *rest)
+  return host._replace(
+      algorithm=name, steps=(_ala_keep, *host.steps),
+      trainings=lambda key, trainings=host.trainings: trainings(jax.random.split(key)[1]),
+      loads=loads, ala=ALA_CONFIG, rounds=3, scored_after_send=False,
+      prepare=functools.partial(_ala_host_prepare, on=on, first_round=first_round),
+      also=(functools.partial(_ala_host_ours, received=received,
+                              more=None if more is None else more[0]),
+            functools.partial(_ala_host_theirs, more=None if more is None else more[1])),
+      also_previous=True, **changes)
+
+
+# ALA on the hosts of the FedALA poster's "Applicability of ALA" table, each host's row
+# above under --ala (ALA_CONFIG) beside its PFLlib client with the authors' ALA composed
+# in (ala_hosts.py), on the model our host's ala_hooks name:
+_WHOLE = ala_hosts.AlaOn(received=ala_hosts.whole_model, local=ala_hosts.whole_model)
+# FedProx: the model it trains; set_parameters also keeps the global model as the
+# proximal anchor, which ALA leaves alone (ours: --fedprox_ala_anchor=global, the
+# default). Scored: theta_i, the trained model (FedAvg's hooks). fedprox_ala_theta_hat:
+# the anchor at theta_hat on both sides (ours --fedprox_ala_anchor=theta_hat).
+REFERENCES["fedprox_ala"] = _on_host("fedprox", _WHOLE, personal="model")
+REFERENCES["fedprox_ala_theta_hat"] = _on_host(
+    "fedprox", _WHOLE._replace(after=ala_hosts.anchor_at_theta_hat), personal="model",
+    config={**REFERENCES["fedprox"].config, "ala_anchor": "theta_hat"})
+# Per-FedAvg: the meta model, which its scoring adapts (theta_hat, kept before training).
+REFERENCES["perfedavg_ala"] = _on_host("perfedavg", _WHOLE)
+# FedRep: the base it receives, W over the base's top layer, learned on the whole model's
+# loss (the base under the client's head: ala_hosts.routed_base). Scored: theta_i.
+REFERENCES["fedrep_ala"] = _on_host(
+    "fedrep", ala_hosts.AlaOn(received=ala_hosts.routed_base, local=ala_hosts.routed_base))
+# pFedMe: theta's solver start and the local model w_i (both copies set_parameters makes).
+REFERENCES["pfedme_ala"] = _on_host(
+    "pfedme", _WHOLE._replace(after=ala_hosts.copy_model_into_local_params))
+# Ditto: the global-model part it trains (ptrain's anchor too), not the personal model.
+REFERENCES["ditto_ala"] = _on_host("ditto", _WHOLE)
+# FedAMP: its cloud model u_i, which PFLlib's set_parameters builds, ALA then initialising
+# the client's own model (ours: its start and, at our lambda 0 without effect, its
+# anchor). Its server first sends in round 2: ALA rests in round 1 on our side only, and
+# runs in rounds 2 and 3 on both (the cloud models of round 2 in its theta_hat).
+REFERENCES["fedamp_ala"] = _on_host(
+    "fedamp", _WHOLE._replace(received=lambda client: client.client_u),
+    received=lambda message: message.cloud_model, first_round=1,
+    server_steps=(_copy_uploads, "aggregate_parameters"))
+# FedPHP: the model it trains against the HPM (mu ramped over the three rounds); the HPM
+# compared too.
+REFERENCES["fedphp_ala"] = _on_host(
+    "fedphp", _WHOLE, more=(lambda host: host.hpm, _php_hpm),
+    config={**REFERENCES["fedphp"].config, "mu_participations": 3},
+    args={**REFERENCES["fedphp"].args, "global_rounds": 3})
+
+
 def _mlp_twin(torch):
   """Our MLP 784-100-10 in PyTorch with PFLlib's layer names (fc1, fc): its DNN ends in
   log_softmax, which BaseHeadSplit would put under the head."""
@@ -1981,8 +2101,17 @@ def _reference_label(reference: Reference) -> str:
     return (f"KarhouTam/pFedLA@{PFEDLA_COMMIT} src/server/pFedLA.py,"
             f" {reference.client_file}")
   server_file = reference.server.split(".")[0] + ".py"
+  ala_file = "" if reference.ala is None else ", utils/ALA.py"  # composed in (ala_hosts.py)
   return (f"PFLlib@{SNAPSHOT_COMMITS[reference.snapshot]} flcore/servers/{server_file},"
-          f" flcore/clients/{reference.client_file}")
+          f" flcore/clients/{reference.client_file}{ala_file}")
+
+
+def _our_config(name: str, train: TrainConfig, reference: Reference):
+  """Our algorithm's config for the row: its fields, under ALA where the row puts it."""
+  config = algorithms.default_config(name, train, **reference.config)
+  if reference.ala is None:
+    return config
+  return algorithms.Plugged(config, ala=ala.AlaConfig(**reference.ala))
 
 
 def _our_initial_state(name: str, setting: Setting, clients: list[Client],
@@ -1998,7 +2127,7 @@ def _our_initial_state(name: str, setting: Setting, clients: list[Client],
                       participation=reference.participation)
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
                                 epochs, train.batch_size)
-  config = algorithms.default_config(name, train, **reference.config)
+  config = _our_config(name, train, reference)
   keys = root_keys(setting.seed)
   init = jitted_init(algorithms.build(name, config, trainer), trainer, data)
   return init(initial_model(model, data, keys["init"]), data.buckets, keys["algorithm"])
@@ -2058,7 +2187,7 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
                       weight_decay=0.0, seed=setting.seed, log_every=0,
                       client_weights=reference.client_weights,
                       participation=reference.participation)
-  config = algorithms.default_config(name, train, **reference.config)
+  config = _our_config(name, train, reference)
   keys = root_keys(setting.seed)
   initial = initial_model(model, data, keys["init"])
   if reference.loads is None:

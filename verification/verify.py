@@ -48,6 +48,10 @@ COVERED += ("pfedla",)  # beside KarhouTam/pFedLA, on that twin (pfedla_driver.p
 COVERED += ("moon_bn",)  # MOON on that twin, its fixed models on running averages
 COVERED += ("fedpac",)  # PFLlib's form; its server needs cvxpy (OPTIONAL)
 COVERED += ("apple",)  # in PFLlib's form, each client its copies of the cores (one_round.py)
+# ALA on the hosts of FedALA's "+ALA" table, each beside its PFLlib client with the
+# authors' ALA composed in (one_round.py, ala_hosts.py).
+COVERED += ("fedprox_ala", "fedprox_ala_theta_hat", "perfedavg_ala", "fedrep_ala",
+            "pfedme_ala", "ditto_ala", "fedamp_ala", "fedphp_ala")
 # Rows whose reference imports a package the others do not: (module, what it is).
 OPTIONAL = {"fedpac": ("cvxpy", "cvxpy (PFLlib's FedPAC server solves its heads' QP with it)")}
 
@@ -126,9 +130,11 @@ def long_summary(names: list[str], root: str = bridges.ROOT) -> str:
 
 
 def one_round_algorithm(name: str) -> str:
-  """The algorithm a check (a) row runs: its Reference's, else the row's own name."""
+  """The algorithm a check (a) row runs: its Reference's, else the row's own name (a
+  host under ALA: the row's, another algorithm than its host)."""
   from verification import one_round  # pylint: disable=import-outside-toplevel
-  return one_round.REFERENCES[name].algorithm or name
+  reference = one_round.REFERENCES[name]
+  return name if reference.ala is not None else reference.algorithm or name
 
 
 def _key(row: dict) -> tuple[str, bool]:
@@ -300,6 +306,14 @@ def main(argv: list[str]) -> int:
                           " before the last step uploaded and scored, lambda a round late)"
                           " on clients of 80, 120, 240 and 360 training images, each client"
                           " its own copies of the cores, two rounds, p's move compared too")
+  document["setting"] += ("; ALA on FedProx, Per-FedAvg, FedRep, pFedMe, Ditto, FedAMP and"
+                          " FedPHP, each host's row above under --ala in the authors' form"
+                          " beside its PFLlib client with the authors' utils/ALA.py run in"
+                          " place of its copy of the received model (on FedRep's base, on"
+                          " FedAMP's cloud model), three rounds, the last round's theta_hat"
+                          " and W compared too (FedPHP: its HPM too); FedProx's also with"
+                          " the proximal anchor at theta_hat on both sides (ours"
+                          " --fedprox_ala_anchor=theta_hat)")
   print(render(write(args.out, document) if args.record else document))
   print("\n" + long_summary(names))
   failed = [row["algorithm"] for row in rows if verdict(row) in ("DIFFERS", "NOT TOLD APART")]

@@ -22,28 +22,36 @@ FedAvg's can be: its FedProx rows read as local models, and its `reproduce` tabl
 this view (docs/reproduce_other_papers.md).
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
 from fedora_jax.algorithms import fedavg
 from fedora_jax.algorithms.base import Algorithm, AlgorithmState, ClientOutput, InitContext
+from fedora_jax.algorithms.plugin_fields import model_message
 from fedora_jax import tree
 from fedora_jax.engine.local_training import ClientTrainer
 from fedora_jax.errors import FieldError, check_one_of, traced
 
 EVALUATIONS = ("global", "local")
+ALA_ANCHORS = ("global", "theta_hat")
 
 
 class FedProxConfig(NamedTuple):
   mu: float = 1.0  # proximal strength; the paper's best value on MNIST
   evaluate: str = "global"  # "global": the global model (paper); "local": local models
+  # Under --ala, what the proximal term pulls towards: "global", w^t as the paper's Eq. 2
+  # has it (ALA changes only where training starts, FedALA Section 4.1); "theta_hat",
+  # ALA's initialised model, our form before 2026-12-05 (docs/verification_departures.md).
+  ala_anchor: str = "global"
 
 
 FLAG_HELP = {
     "mu": "FedProx proximal strength: local loss + mu/2 ||w - w_global||^2",
     "evaluate": "FedProx: evaluate the global model (global, the paper) or each client's"
                 " latest local model (local)",
+    "ala_anchor": "FedProx under --ala: the proximal term pulls towards the received global"
+                  " model (global, the paper's w^t) or ALA's initialised model (theta_hat)",
 }
 
 
@@ -51,6 +59,7 @@ def validate(config: FedProxConfig) -> FedProxConfig:
   if not traced(config.mu) and config.mu < 0:
     raise FieldError("fedprox", "mu", f"must be >= 0, got {config.mu}")
   check_one_of("fedprox", config, "evaluate", EVALUATIONS)
+  check_one_of("fedprox", config, "ala_anchor", ALA_ANCHORS)
   return config
 
 
@@ -59,17 +68,36 @@ def proximal_term(mu: float, anchor):
   return lambda params: 0.5 * mu * tree.squared_distance(params, anchor)
 
 
-def proximal_train(trainer: ClientTrainer, mu: float, global_params, data, key: jax.Array):
-  """FedProx's local solver: the run's SGD on F_k(w) + mu/2 ||w - w^t||^2 from w^t."""
-  return trainer.train(global_params, data.train, key,
-                       regularizer=proximal_term(mu, global_params))
+class AlaStart(NamedTuple):
+  """The message under ALA with ala_anchor "global": train from ALA's theta_hat, pull
+  towards the received global model w^t."""
+  start: Any
+  anchor: Any
+
+
+def proximal_train(trainer: ClientTrainer, mu: float, message, data, key: jax.Array):
+  """FedProx's local solver: the run's SGD on F_k(w) + mu/2 ||w - w^t||^2 from w^t (from
+  theta_hat, anchored at w^t, where the message is an AlaStart)."""
+  start, anchor = ((message.start, message.anchor) if isinstance(message, AlaStart)
+                   else (message, message))
+  return trainer.train(start, data.train, key, regularizer=proximal_term(mu, anchor))
+
+
+def ala_hooks(config: FedProxConfig):
+  """FedAvg's (ALA's theta_hat in place of the whole message), with the anchor kept at the
+  received model under ala_anchor "global"."""
+  hooks = model_message(personal_is_local=True)
+  if config.ala_anchor == "theta_hat":
+    return hooks
+  return hooks._replace(
+      replace=lambda state, message, theta_hat: (state, AlaStart(theta_hat, message)))
 
 
 def fedprox(config: FedProxConfig, trainer: ClientTrainer) -> Algorithm:
   config = validate(config)
   # Same server state, broadcast and aggregation as FedAvg; only local training differs.
-  # FedAvg's ALA hooks hold; ConFREE does not count FedProx among its hosts.
-  base = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)
+  # ConFREE does not count FedProx among its hosts.
+  base = fedavg.fedavg(fedavg.FedAvgConfig(), trainer)._replace(ala_hooks=ala_hooks(config))
 
   def client_update(client_state, global_params, data, key):
     params, stats = proximal_train(trainer, config.mu, global_params, data, key)
