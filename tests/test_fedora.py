@@ -151,6 +151,31 @@ def test_broadcast_propagates_every_parameter(steps):
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("steps", [0, 80])
+def test_one_model_held_by_every_client_propagates_exactly_as_it_is(steps):
+  # The first round: P's rows sum to 1 only to rounding, which set lambda to 0 for some
+  # clients under the authors' rule (diff -1e-7 < 0); their code propagates nothing then.
+  data, _ = tiny_data([6, 6, 6, 6])
+  model = tiny_model()
+  trainer = tiny_trainer(model)
+  algorithm = fedora.fedora(fedora.config_for_variant("authors", propagation_steps=steps),
+                            trainer)
+  one = model.init(jax.random.key(3), jnp.zeros((1, 4)))
+  stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (4,) + a.shape), one)
+  state = algorithm.init(InitContext(params=stacked, data=data, trainer=trainer,
+                                     key=jax.random.key(0)))
+  propagated = algorithm.broadcast(state.server, stacked)
+  chex.assert_trees_all_equal(propagated, stacked)
+  splits = jax.tree.map(lambda a: jnp.asarray(a[0]), data.buckets[0])
+  first = jax.tree.map(lambda a: a[0], stacked)
+  out = algorithm.client_update(first, first, splits, jax.random.key(1))
+  assert float(out.metrics["lambda"]) == 1.0  # exp(0 / 2)
+  # Models that differ still propagate (the test above).
+  other = jax.tree.map(lambda a: a.at[1].add(0.1), stacked)
+  assert not jnp.array_equal(jax.tree.leaves(algorithm.broadcast(state.server, other))[0],
+                             jax.tree.leaves(other)[0])
+
+
 def test_new_client_gets_the_weighted_mean_of_its_neighbours():
   # theta_hat_new = D_new^-1 W_new Theta_hat: (1 * 2 + 3 * 6) / 4 = 5.
   params = {"w": jnp.array([[2.0], [6.0]])}

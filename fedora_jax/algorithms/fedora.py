@@ -302,6 +302,18 @@ def initial_similarity(context: InitContext, config: FedoraConfig) -> jax.Array:
   return jnp.ones((num_clients, num_clients), jnp.float32)
 
 
+def as_is_where_identical(client_params, propagated):
+  """`propagated`, or the clients' models themselves where they are all one model (the
+  first round). P's rows sum to 1, so such models propagate as they are, but only to
+  float32 rounding, which would give lambda's diff of exactly 0 a random sign (lambda 0
+  for some clients under the authors' rule); the authors' code propagates nothing in
+  round 1 (docs/measurements/2026-12-05-unlicensed-references-b.md)."""
+  identical = jnp.all(jnp.stack([jnp.all(leaf == leaf[:1])
+                                 for leaf in jax.tree.leaves(client_params)]))
+  return jax.tree.map(lambda own, hat: jnp.where(identical, own, hat), client_params,
+                      propagated)
+
+
 def selective_lambda(val_loss_local: jax.Array, val_loss_propagated: jax.Array,
                      config: FedoraConfig) -> jax.Array:
   """lambda_k: how much the client trusts its propagated model (step 4)."""
@@ -345,13 +357,15 @@ def fedora(config: FedoraConfig, trainer: ClientTrainer) -> Algorithm:
   def broadcast(server: FedoraServer, client_params):
     """Theta_hat = P Theta from the clients' current models (step 3)."""
     if config.propagation_steps == 0:
-      return propagation.apply_to_clients(server.propagation, client_params)
-    num_clients = server.graph.shape[0]
-    return jax.tree.map(
-        lambda leaf: propagation.propagate_iterative(
-            leaf.reshape(num_clients, -1), server.graph, kappa=kappa,
-            num_steps=config.propagation_steps).reshape(leaf.shape),
-        client_params)
+      propagated = propagation.apply_to_clients(server.propagation, client_params)
+    else:
+      num_clients = server.graph.shape[0]
+      propagated = jax.tree.map(
+          lambda leaf: propagation.propagate_iterative(
+              leaf.reshape(num_clients, -1), server.graph, kappa=kappa,
+              num_steps=config.propagation_steps).reshape(leaf.shape),
+          client_params)
+    return as_is_where_identical(client_params, propagated)
 
   def val_loss(model, val: ClientData) -> jax.Array:
     if config.val_loss == "batch_sum":
