@@ -23,7 +23,9 @@ times weaker than the official trainer's, which steps once per client.
 server_steps="per_client" takes the trainer's steps: one optimiser step per sampled
 client, in client order, each with that client's hypergradient alone (taken at the
 round's start, where the hypernetwork made the model the client trained), clipped,
-decayed and with momentum as the trainer's step is.
+decayed and with momentum as the trainer's step is. The trainer's one client a step is
+never stale; with many clients a round these steps are (50 at once diverged by round 4,
+docs/verification_departures.md): it is the trainer's at one client a round.
 
 Architecture (the official code's): v_k -> Linear(e, H) -> [ReLU -> Linear(H, H)] x n_hidden
 -> a linear head per target parameter (head pytrees with the target model's structure).
