@@ -51,7 +51,8 @@ def format_markdown(title: str, settings: str, rows: list[dict], seeds: int = 1,
     lines.append(
         f"| {r['algorithm']} | {_cell(r['acc'], r['acc_std'])} |"
         f" {_cell(r_acc, r['r_acc_std'], signed=True)} | {_cell(ptr, r['ptr_std'])} |"
-        f" {_cell(r.get('best_val_acc'), r.get('best_val_acc_std'))} | {_cell(r['paper_acc'])} | {_cell(r['paper_r_acc'], signed=True)} |"
+        f" {_cell(r.get('best_val_acc'), r.get('best_val_acc_std'))} |"
+        f" {_cell(r['paper_acc'])} | {_cell(r['paper_r_acc'], signed=True)} |"
         f" {_cell(r['paper_ptr'])} | {timing} | {paper_row} |")
   shown = {r["algorithm"] for r in rows}
   left_out = [f"- {row}: {sweep.not_finished(why)}"
@@ -112,7 +113,8 @@ def format_distance_section(rows: list[dict]) -> str:
 
 # table.csv: one line per row, ours (mean, std over seeds) and the paper's, then timing.
 CSV_COLUMNS = ("algorithm", "seeds", *[f"{m}{s}" for m in METRICS for s in ("", "_std")],
-               "best_val_acc", "best_val_acc_std", *[f"paper_{m}" for m in METRICS], "round_seconds", "wall_seconds",
+               "best_val_acc", "best_val_acc_std", *[f"paper_{m}" for m in METRICS],
+               "round_seconds", "wall_seconds",
                "machine", "paper_row", "paper_source")
 
 

@@ -165,8 +165,8 @@ def row_config(table: str, row: str, seed: int, base: Mapping[str, Any],
   line's `given` leaves them out, `given`, the row's own, the table's setting and `seed`."""
   dataset = given.get("dataset", base.get("dataset", "rmnist"))
   return from_settings({**base, **column_settings(table, dataset, given), **given,
-                        **row_settings(table, row), "setting": load_paper_tables()[table]["setting"],
-                        "seed": seed})
+                        **row_settings(table, row),
+                        "setting": load_paper_tables()[table]["setting"], "seed": seed})
 
 
 def row_workdir(workdir: str, seed: int, row: str) -> str:
