@@ -355,7 +355,7 @@ def initial_state(name: str, split: Split, setting: Setting, rounds: int):
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
                                 train.local_epochs, train.batch_size)
   ours = reference.algorithm or name
-  config = one_round._our_config(ours, train, reference)  # pylint: disable=protected-access
+  config = one_round.our_config(ours, train, reference)
   keys = root_keys(setting.seed)
   init = jitted_init(algorithms.build(ours, config, trainer), trainer, split.data)
   return init(initial_model(model, split.data, keys["init"]), split.data.buckets,
@@ -399,7 +399,7 @@ def run_ours(name: str, split: Split, setting: Setting, rounds: int) -> dict:
   model = build_model(model_name(reference), split.data.num_classes)
   initial = initial_model(model, split.data, root_keys(setting.seed)["init"])
   ours = reference.algorithm or name
-  config = one_round._our_config(ours, train, reference)  # pylint: disable=protected-access
+  config = one_round.our_config(ours, train, reference)
   server_models: list[list[np.ndarray]] = []
 
   def keep_server_model(_, state) -> None:

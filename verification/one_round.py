@@ -2106,7 +2106,7 @@ def _reference_label(reference: Reference) -> str:
           f" flcore/clients/{reference.client_file}{ala_file}")
 
 
-def _our_config(name: str, train: TrainConfig, reference: Reference):
+def our_config(name: str, train: TrainConfig, reference: Reference):
   """Our algorithm's config for the row: its fields, under ALA where the row puts it."""
   config = algorithms.default_config(name, train, **reference.config)
   if reference.ala is None:
@@ -2127,7 +2127,7 @@ def _our_initial_state(name: str, setting: Setting, clients: list[Client],
                       participation=reference.participation)
   trainer = make_client_trainer(model.apply, make_optimizer(train.lr, 0.0, 0.0),
                                 epochs, train.batch_size)
-  config = _our_config(name, train, reference)
+  config = our_config(name, train, reference)
   keys = root_keys(setting.seed)
   init = jitted_init(algorithms.build(name, config, trainer), trainer, data)
   return init(initial_model(model, data, keys["init"]), data.buckets, keys["algorithm"])
@@ -2187,7 +2187,7 @@ def _our_round(name: str, setting: Setting, clients: list[Client], reference: Re
                       weight_decay=0.0, seed=setting.seed, log_every=0,
                       client_weights=reference.client_weights,
                       participation=reference.participation)
-  config = _our_config(name, train, reference)
+  config = our_config(name, train, reference)
   keys = root_keys(setting.seed)
   initial = initial_model(model, data, keys["init"])
   if reference.loads is None:
