@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 run: install
 	$(PY) -m experiments.main --dataset=rmnist $(ARGS)
 
-# ruff and mypy over the library, as configured in pyproject.toml.
+# ruff over the library, its scripts and the tests, mypy over the library, as configured
+# in pyproject.toml.
 lint: install
-	$(VENV)/bin/ruff check fedora_jax
+	$(VENV)/bin/ruff check fedora_jax experiments verification scripts benchmarks tests
 	$(VENV)/bin/mypy fedora_jax
 
 # Two workers: most of the suite's time is single-threaded XLA compilation. The tiers

@@ -78,7 +78,7 @@ def test_36_rotated_clients_of_real_mnist(mnist):
   np.testing.assert_allclose(part.angles, 10.0 * np.arange(36))
   assert part.large_client is None and part.kind == "rotation"
   assert part.class_counts.shape == (36, 10) and (part.class_counts.sum(1) == 128).all()
-  for k, (c, (train_idx, val_idx, test_idx)) in enumerate(zip(part.clients, indices)):
+  for c, (train_idx, val_idx, test_idx) in zip(part.clients, indices):
     assert (len(c.x_train), len(c.x_val), len(c.x_test)) == (128, 64, 277)
     assert c.x_train.dtype == np.uint8 and c.x_train.shape[1:] == (28, 28)
     np.testing.assert_array_equal(c.y_train, mnist.y_train[train_idx])

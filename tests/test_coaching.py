@@ -275,7 +275,7 @@ def test_norm_coaching_loss_pulls_each_layer_by_a_unit_vector():
   for name, layer in own["params"].items():
     norm = np.sqrt(float(tree.squared_distance(layer, coach_0["params"][name])))
     expected["params"][name] = jax.tree.map(
-        lambda w, g, s: w - lr * (g + lam * (w - s) / norm), layer, grad["params"][name],
+        lambda w, g, s, norm=norm: w - lr * (g + lam * (w - s) / norm), layer, grad["params"][name],
         coach_0["params"][name])
   chex.assert_trees_all_close(out.state, expected, atol=1e-6)
 

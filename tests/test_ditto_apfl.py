@@ -88,7 +88,7 @@ def test_ditto_per_client_lambda_keeps_the_grid_model_best_on_validation():
   for lam in grid:
     v = personal
     for _ in range(2):
-      v = jax.tree.map(lambda v, g, w: v - LR * (g + lam * (v - w)), v,
+      v = jax.tree.map(lambda v, g, w, lam=lam: v - LR * (g + lam * (v - w)), v,
                        _grad(model, v, client), global_params)
     by_lambda[lam] = v
   val = {lam: float(_val_loss(model, v, client)) for lam, v in by_lambda.items()}
@@ -138,7 +138,7 @@ def test_ditto_per_step_lambda_chooses_every_step_as_the_authors_code():
   v, chosen = personal, []
   for _ in range(3):
     g = _grad(model, v, client)
-    steps = {lam: jax.tree.map(lambda v, g, w: v - LR * (g + lam * (v - w)), v, g,
+    steps = {lam: jax.tree.map(lambda v, g, w, lam=lam: v - LR * (g + lam * (v - w)), v, g,
                                global_params) for lam in grid}
     val = {lam: float(_val_loss(model, s, client)) for lam, s in steps.items()}
     chosen.append(min(val, key=val.get))
@@ -214,8 +214,8 @@ def test_apfl_evaluates_each_clients_mixture_with_the_new_global_model():
   server = init_params(model, seed=5)
   mixed = algorithm.personalized_params(server, clients)
   for k, a in enumerate([0.25, 1.0]):
-    expected = jax.tree.map(lambda v, w: a * v[k] + (1 - a) * w, clients.local, server)
-    chex.assert_trees_all_close(jax.tree.map(lambda m: m[k], mixed), expected, atol=1e-6)
+    expected = jax.tree.map(lambda v, w, a=a, k=k: a * v[k] + (1 - a) * w, clients.local, server)
+    chex.assert_trees_all_close(jax.tree.map(lambda m, k=k: m[k], mixed), expected, atol=1e-6)
 
 
 def test_apfl_output_mixing_step_and_evaluation_as_the_authors_code():

@@ -42,8 +42,8 @@ def test_fedavg_one_full_batch_step_is_the_weighted_mean_by_hand():
 
   expected = jax.tree.map(jnp.zeros_like, params)
   for n, c in zip(sizes, clients):
-    grads = jax.grad(lambda p: mean_ce(model, p, c.x_train, c.y_train))(params)
-    expected = jax.tree.map(lambda e, p, g: e + n / sum(sizes) * (p - lr * g),
+    grads = jax.grad(lambda p, c=c: mean_ce(model, p, c.x_train, c.y_train))(params)
+    expected = jax.tree.map(lambda e, p, g, n=n: e + n / sum(sizes) * (p - lr * g),
                             expected, params, grads)
   chex.assert_trees_all_close(state.algorithm.server, expected, atol=1e-6)
   np.testing.assert_array_equal(metrics.local_steps, [1, 1, 1])

@@ -155,8 +155,8 @@ def test_at_partial_participation_only_the_sampled_clients_run_ala():
     took_part = np.asarray(after.rounds - before.rounds) == 1
     assert took_part.sum() == 2 and np.all(np.asarray(after.rounds - before.rounds) <= 1)
     for k in np.flatnonzero(~took_part):  # untouched: local model, W and host state
-      chex.assert_trees_all_equal(jax.tree.map(lambda a: a[k], after),
-                                  jax.tree.map(lambda a: a[k], before))
+      chex.assert_trees_all_equal(jax.tree.map(lambda a, k=k: a[k], after),
+                                  jax.tree.map(lambda a, k=k: a[k], before))
     for k in np.flatnonzero(took_part):
       expected = {0: 0, 1: 5}.get(int(before.rounds[k]), 1)
       assert int(metrics.extra["ala_epochs"][k]) == expected

@@ -150,7 +150,7 @@ def test_server_sends_the_new_global_parts_to_the_round_s_clients_only():
   chex.assert_trees_all_close(new.server.policy,
                               jax.tree.map(lambda a: a - 0.75, state.server.policy))
   for k in (0, 1):
-    chex.assert_trees_all_close(jax.tree.map(lambda a: a[k], new.clients.policy),
+    chex.assert_trees_all_close(jax.tree.map(lambda a, k=k: a[k], new.clients.policy),
                                 new.server.policy)
     kernel = clients.personal_head["params"]["Dense_1"]["kernel"][k]
     np.testing.assert_allclose(new.clients.context[k], kernel.sum(axis=1), rtol=1e-6)
@@ -170,7 +170,7 @@ def test_the_round_scores_the_noise_free_gated_model():
       state, data.buckets, jax.random.key(1))
   personal = algorithm.personalized_params(state.algorithm.server, state.algorithm.clients)
   for k, client in enumerate(clients):
-    one = jax.tree.map(lambda a: a[k], personal)
+    one = jax.tree.map(lambda a, k=k: a[k], personal)
     dense = one.model["params"]["Dense_0"]
     z = np.maximum(client.x_test @ dense["kernel"] + dense["bias"], 0.0)
     logits, _ = _np_gated({n: np.asarray(v) for n, v in one.policy.items()},

@@ -49,7 +49,7 @@ def test_pfllib_penalty_is_the_unsquared_distance():
     diff = jax.tree.map(jnp.subtract, theta, s)
     norm = float(np.sqrt(sum(np.sum(np.square(d)) for d in jax.tree.leaves(diff))))
     pull = 0.0 if step == 0 else 0.5 * 0.3 / norm
-    theta = jax.tree.map(lambda t, g, d: t - LR * (g - 0.5 + pull * d), theta, g, diff)
+    theta = jax.tree.map(lambda t, g, d, pull=pull: t - LR * (g - 0.5 + pull * d), theta, g, diff)
   chex.assert_trees_all_close(out.upload, theta, atol=1e-6)
 
 

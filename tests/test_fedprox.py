@@ -91,7 +91,7 @@ def test_fine_tuning_leaves_the_server_trajectory_alone(base_name):
   base_state = _start(base, trainer, data, params)
   tuned_state = _start(tuned, trainer, data, params)
 
-  for round_number in range(2):
+  for _ in range(2):
     global_before = base_state.algorithm.server
     base_state, _ = base_round(base_state, data.buckets, jax.random.key(1))
     tuned_state, _ = tuned_round(tuned_state, data.buckets, jax.random.key(1))
@@ -104,7 +104,7 @@ def test_fine_tuning_leaves_the_server_trajectory_alone(base_name):
                                            tuned_state.algorithm.clients)
   for k, client in enumerate(clients):
     expected = _gd_steps(model, global_before, client, 2)
-    chex.assert_trees_all_close(jax.tree.map(lambda a: a[k], personalized), expected,
+    chex.assert_trees_all_close(jax.tree.map(lambda a, k=k: a[k], personalized), expected,
                                 atol=1e-5)
   global_model = base.personalized_params(base_state.algorithm.server,
                                           base_state.algorithm.clients)

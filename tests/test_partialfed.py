@@ -91,7 +91,7 @@ def test_evaluation_loads_the_most_likely_layers_of_the_latest_global_model():
   evaluated = algorithm.personalized_params(global_params, clients)
   for k, sources in enumerate([(global_params, local), (local, global_params)]):
     for name, source in zip(("Dense_0", "Dense_1"), sources):
-      chex.assert_trees_all_equal(jax.tree.map(lambda a: a[k], evaluated["params"][name]),
+      chex.assert_trees_all_equal(jax.tree.map(lambda a, k=k: a[k], evaluated["params"][name]),
                                   source["params"][name])
 
 

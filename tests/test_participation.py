@@ -61,8 +61,8 @@ def test_fedavg_averages_only_the_sampled_clients_and_the_others_keep_their_stat
   expected = jax.tree.map(jnp.zeros_like, params)
   for n, c, a in zip(sizes, clients, active):
     if a:
-      grads = jax.grad(lambda p: mean_ce(model, p, c.x_train, c.y_train))(params)
-      expected = jax.tree.map(lambda e, p, g: e + n / total * (p - lr * g),
+      grads = jax.grad(lambda p, c=c: mean_ce(model, p, c.x_train, c.y_train))(params)
+      expected = jax.tree.map(lambda e, p, g, n=n: e + n / total * (p - lr * g),
                               expected, params, grads)
   chex.assert_trees_all_close(state.algorithm.server, expected, atol=1e-6)
 

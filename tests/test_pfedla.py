@@ -52,7 +52,8 @@ def test_hypernetwork_step_follows_the_chain_rule_through_the_normalised_weights
   names = ["Dense_0", "Dense_1"]
   expected_b = np.zeros((2, 2))
   for l, name in enumerate(names):
-    flat = lambda t, k: np.concatenate([np.ravel(a[k]) for a in jax.tree.leaves(t["params"][name])])
+    flat = lambda t, k, name=name: np.concatenate(
+        [np.ravel(a[k]) for a in jax.tree.leaves(t["params"][name])])
     c = flat(received, 0) - flat(uploads, 0)
     for j in range(2):
       expected_b[l, j] = -0.5 * c @ (flat(models, j) - flat(received, 0)) / float(

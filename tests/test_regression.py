@@ -103,7 +103,7 @@ def _regression_clients(sizes, num_features=3, seed=0):
   for k, n in enumerate(sizes):
     w = rng.normal(size=num_features) + k  # related but different client tasks
 
-    def split(m):
+    def split(m, w=w):
       x = rng.normal(size=(m, num_features)).astype(np.float32)
       return x, (x @ w + 0.1 * rng.normal(size=m)).astype(np.float32)
     clients.append(Client(*split(n), *split(4), *split(5)))

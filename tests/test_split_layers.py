@@ -149,7 +149,7 @@ def test_one_round_averages_only_the_shared_layers(name, shared):
 
   # Round 1: every client trains the whole shared initial model one step.
   trained = [jax.tree.map(lambda p, g: p - LR * g, params, jax.grad(
-      lambda p: mean_ce(model, p, c.x_train, c.y_train))(params)) for c in clients]
+      lambda p, c=c: mean_ce(model, p, c.x_train, c.y_train))(params)) for c in clients]
   assert sorted(state.server["params"]) == shared
   for layer in shared:
     expected = jax.tree.map(lambda a, b: (SIZES[0] * a + SIZES[1] * b) / sum(SIZES),
@@ -159,7 +159,7 @@ def test_one_round_averages_only_the_shared_layers(name, shared):
   personalized = algorithm.personalized_params(state.server, state.clients)
   for k in range(len(SIZES)):
     for layer in ("Dense_0", "Dense_1", "Dense_2"):
-      got = jax.tree.map(lambda a: a[k], personalized["params"][layer])
+      got = jax.tree.map(lambda a, k=k: a[k], personalized["params"][layer])
       want = state.server["params"][layer] if layer in shared else trained[k]["params"][layer]
       chex.assert_trees_all_close(got, want, atol=1e-6)
 
