@@ -1,4 +1,4 @@
-"""Times rounds with the clients held on the host (issue 51, --client_data=host).
+"""Times rounds with the clients held on the host (--client_data=host).
 
 run_host (fedora_jax/host_simulation.py) for --warmup + --repeats rounds and a last one:
 the median seconds of the timed rounds (each: the sampled clients trained, the

@@ -281,7 +281,7 @@ def _define_algorithm_flags() -> None:
 
 _define_algorithm_flags()
 
-# Plug-ins (issue 7) around the chosen algorithm. --ala_* are also FedALA's own flags.
+# Plug-ins around the chosen algorithm. --ala_* are also FedALA's own flags.
 flags.DEFINE_bool("ala", False, "FedALA's Adaptive Local Aggregation in front of the"
                   f" algorithm's local training (hosts: {', '.join(algorithms.ala_hosts())});"
                   " settings --ala_*.")
@@ -299,7 +299,7 @@ for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():
 PLUGIN_FLAGS = {"ala": tuple(f"ala_{field}" for field in ala_lib.AlaConfig._fields),
                 "aggregation": tuple(f"confree_{field}"
                                      for field in confree_lib.ConfreeConfig._fields)}
-# The robust rules' settings and the attackers (issue 50; settings.CHOSEN_PLUGINS).
+# The robust rules' settings and the attackers (settings.CHOSEN_PLUGINS).
 for _field, _default in robust_lib.RobustConfig._field_defaults.items():
   if _field != "rule":
     _DEFINE_BY_TYPE[type(_default)](f"robust_{_field}", None,
@@ -317,7 +317,7 @@ flags.DEFINE_bool("attackers_sampled", None, "Draw the attackers anew each round
 for _field in ("std", "epsilon", "z"):
   _DEFINE_BY_TYPE[float](f"attack_{_field}", None, f"{byzantine_lib.FLAG_HELP[_field]}"
                          f" (default: {byzantine_lib.AttackConfig._field_defaults[_field]!r}).")
-# User-level DP (issue 50; docs/privacy.md): any --dp_* flag turns it on.
+# User-level DP (docs/privacy.md): any --dp_* flag turns it on.
 _DP_CHOICES = {"accountant": list(accounting.ACCOUNTANTS), "sampling": list(accounting.SAMPLINGS)}
 for _field, _help in dp_lib.FLAG_HELP.items():
   _default = dp_lib.DpConfig._field_defaults[_field]

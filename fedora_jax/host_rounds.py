@@ -1,4 +1,4 @@
-"""One round over a round's sampled clients only, their data handed in as slots (issue 51).
+"""One round over a round's sampled clients only, their data handed in as slots.
 
 With the clients held on the host (fedora_jax/data/host_clients.py) the device sees only
 the M clients a round samples, as one bucket of M slots, and the algorithm's client

@@ -1,4 +1,4 @@
-"""Runs an algorithm with its clients held on the host (issue 51, `--client_data=host`).
+"""Runs an algorithm with its clients held on the host (`--client_data=host`).
 
 Each round only the sampled clients' data goes to the device (host_rounds.py), stacked
 and moved by a background thread while the previous round trains; a generated dataset

@@ -1,5 +1,5 @@
 """How much a client's data leaks: gradient inversion of its first-round update, and
-membership inference against the models it ends with (issue 50, item 2).
+membership inference against the models it ends with.
 
 Gradient inversion. The server (or an eavesdropper) sees one client's first-round update
 Delta = theta_1 - theta_0 of one local SGD step on a batch of B samples (FedSGD's upload;

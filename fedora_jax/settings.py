@@ -43,7 +43,7 @@ PARTITION = {"partition": "kind", "split": "split",
 # value that turns it on). FedALA's own ALA settings are the --ala_* too.
 PLUGINS = {"ala": ("ala", ala_lib.AlaConfig, "ala", True),
            "aggregation": ("aggregation", confree_lib.ConfreeConfig, "confree", "confree")}
-# Plug-ins whose switch's value is a field of their config (issue 50): switch ->
+# Plug-ins whose switch's value is a field of their config: switch ->
 # (AlgorithmConfig field, its config class, the field the switch's value fills, the values
 # that turn it on, its settings' prefix, its settings named otherwise than
 # <prefix>_<field>). --aggregation=<rule> with --robust_*; --attack=<attack> with
@@ -53,7 +53,7 @@ CHOSEN_PLUGINS = {
                     "robust", {}),
     "attack": ("attack", byzantine_lib.AttackConfig, "attack", byzantine_lib.ATTACKS, "attack",
                {"fraction": "attackers", "sampled": "attackers_sampled"})}
-# User-level DP (issue 50; algorithms/dp.py): on with any of its settings, each a DpConfig
+# User-level DP (algorithms/dp.py): on with any of its settings, each a DpConfig
 # field a user sets (--dp_clip_norm, --dp_target_epsilon, ...); the run fills the others.
 DP_SETTINGS = {f"dp_{field}": field for field in dp_lib.FLAG_HELP}
 

@@ -1,4 +1,4 @@
-"""Per-round diagnosis of coaching under client selection (issue 48).
+"""Per-round diagnosis of coaching under client selection.
 
 Runs coaching round by round on the split the run flags describe (those of
 experiments.main) and, for the clients each round samples, records:

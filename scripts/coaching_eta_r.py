@@ -1,4 +1,4 @@
-"""docs/coaching.md's table of coaching at the paper's stated R step, eta_r = 0.01 (issue 47).
+"""docs/coaching.md's table of coaching at the paper's stated R step, eta_r = 0.01.
 
   bash results/coaching_eta_r/run.sh        # the runs (a few CPU-minutes)
   python scripts/coaching_eta_r.py          # print the table

@@ -1,4 +1,4 @@
-"""LOCAL's and FedAvg's offsets in the coaching tables (issue 48, item 3): the candidate
+"""LOCAL's and FedAvg's offsets in the coaching tables: the candidate
 readings of how a client's test data is drawn, and of which FedAvg model is scored.
 
 The coaching paper (Zhi et al., AAAI 2024, line 234) says only "10% training data and

@@ -1,5 +1,5 @@
 """docs/coaching.md's four ways to run R in coaching's Table 1 Fashion-MNIST alpha 0.1
-cell, beside LOCAL and FedProx (issue 47).
+cell, beside LOCAL and FedProx.
 
   python scripts/coaching_variants.py    # print the table
 

@@ -1,4 +1,4 @@
-"""Bytes per round, and accuracy with and without unreliable clients (issue 51).
+"""Bytes per round, and accuracy with and without unreliable clients.
 
   python scripts/communication_table.py --data_dir=../shared/data --rounds=1
   python scripts/communication_table.py --data_dir=../shared/data --rounds=30 \

@@ -1,4 +1,4 @@
-"""ConFREE's dual solver against scipy's SLSQP (docs/confree.md's solver table, issue 47).
+"""ConFREE's dual solver against scipy's SLSQP (docs/confree.md's solver table).
 
   python scripts/confree_solver.py            # run (a few CPU-minutes), write the JSON
   python scripts/confree_solver.py --render   # print the table of the written JSON

@@ -1,5 +1,5 @@
 """The accuracy-epsilon tables and figure of docs/privacy.md from the runs results/dp/run.sh
-leaves (issue 50).
+leaves.
 
   python scripts/dp_table.py [results/dp]
 

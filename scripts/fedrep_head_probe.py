@@ -1,4 +1,4 @@
-"""Why FedRep ends near chance on rotated MNIST at the defaults (issue 50): a probe.
+"""Why FedRep ends near chance on rotated MNIST at the defaults: a probe.
 
   python scripts/fedrep_head_probe.py > results/dp/fedrep_head_probe.md
 

@@ -1,4 +1,4 @@
-"""Coaching's Tables 1 and 2 against the paper, cell by cell (issue 47).
+"""Coaching's Tables 1 and 2 against the paper, cell by cell.
 
   python scripts/paper_gaps.py    # print both summaries
 

@@ -1,4 +1,4 @@
-"""The docs' result tables, rendered from results/ (issue 47).
+"""The docs' result tables, rendered from results/.
 
   python scripts/render_docs.py            # rewrite the docs' blocks; name stale tables
   python scripts/render_docs.py --results  # rewrite the stale results tables (.md) too

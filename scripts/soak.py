@@ -1,4 +1,4 @@
-"""The soak test of issue 54: the algorithm matrix at many clients on two CPU devices,
+"""The soak test: the algorithm matrix at many clients on two CPU devices,
 then every seed table's cheapest column at a few rounds, each table back to back in one
 `reproduce` process on the default CPU mesh (one device per core), several passes.
 Counts the hangs.

@@ -77,7 +77,7 @@ OPTION_ROWS += (("metafed", "rounds=2,threshold=0"),
 # FedRep and FedPAC with a fresh optimizer state when the body's phase begins (the
 # authors' optimizer per phase).
 OPTION_ROWS += (("fedrep", "phase_optimizer=separate"), ("fedpac", "phase_optimizer=separate"))
-# FedPAC in PFLlib's form (issue 46): its plain prototype mean, no pull without a global
+# FedPAC in PFLlib's form: its plain prototype mean, no pull without a global
 # prototype, the head weights left as zeroed.
 OPTION_ROWS += (("fedpac", "proto_mean=clients,missing_proto=own,renormalize=false"),)
 # FedFomo's official sampling (explore or exploit per slot, last round's uploaders only)
@@ -89,10 +89,10 @@ OPTION_ROWS += (("fedfomo", "sampling=slot,pool=uploaders"),
 OPTION_ROWS += (("pfedla", "buffers=own,delta_sign=after_minus_before,model=resnet"),)
 MODEL_ROWS = {"model=cnn": (lambda: tiny.tiny_cnn(conv="banded"), tiny.CNN_X_SHAPE),
               "model=resnet": (tiny.tiny_resnet, tiny.RESNET_X_SHAPE)}
-# FedAMP's attention from the round's uploaders only (PFLlib's, issue 46): the aggregate
+# FedAMP's attention from the round's uploaders only (PFLlib's): the aggregate
 # reads who took part from the weights.
 OPTION_ROWS += (("fedamp", "attention_from=uploaders"),)
-# FedU in its authors' code's form (issue 46): only the round's clients step, over each
+# FedU in its authors' code's form: only the round's clients step, over each
 # other, the code's step, its random graph in the server state.
 OPTION_ROWS += (("fedu", "update=sampled,step=code,graph=random"),)
 # FeSEM's M-step over the round's uploaders by their weights (the authors' code, issue
@@ -103,7 +103,7 @@ OPTION_ROWS += (("fesem", "m_step=uploaders,init=random"),)
 OPTION_ROWS += (("fedfed", "mix=union,classifier=model"), ("fedfed", "model=resnet"))
 # ADCOL's model=fedavg (FL-bench's): one shared model, the engine's shared_model path.
 OPTION_ROWS += (("adcol", "model=fedavg"),)
-# Per-FedAvg scored as the references score it (issue 46): every client adapts the
+# Per-FedAvg scored as the references score it: every client adapts the
 # latest global model (PFLlib's), or takes two steps on test batches (PFLlib a41f7ba's).
 OPTION_ROWS += (("perfedavg", "evaluation=latest"), ("perfedavg", "evaluation=test"))
 # pFedMe training only the sampled clients (PFLlib's; its default trains every client).
@@ -115,11 +115,11 @@ OPTION_ROWS += (("fedphp", "teacher=global,mu_max=0.5,mu_participations=2"),)
 # similarities from the BatchNorm inputs, then the mixtures; and FL-bench's form.
 OPTION_ROWS += (("fedap", "rounds=2,model=resnet"),
                 ("fedap", "rounds=2,batch_norm=statistics,score=trained,model=resnet"))
-# APPLE in PFLlib's form (issue 46): p from 1/N, its mean-of-means gradient after the core's
+# APPLE in PFLlib's form: p from 1/N, its mean-of-means gradient after the core's
 # step, the mixture before the last step uploaded, lambda a round late.
 OPTION_ROWS += (("apple", "p_start=uniform,p_gradient=pfllib,upload=mixture,"
                           "lambda_round=previous"),)
-# Clients as they really are (issue 51; fedora_jax/availability.py): 30 % dropout and
+# Clients as they really are (fedora_jax/availability.py): 30 % dropout and
 # half the clients straggling (partial work), or a deadline that drops the slow ones, as
 # rows of their own on both paths above and at full participation (FULL: the masks on
 # every client rather than on sampled slots). They cover each way a server reads its
@@ -136,7 +136,7 @@ CONDITION_ROWS = tuple((name, "dropout") for name in (
     "fedcac", "perfedavg", "pfedme", "fedadmm")) + (("fedavg", "ala,dropout"),
                                                     ("ditto", "deadline"))
 FULL = Path(1, None, 1.0)
-# Byzantine clients and the robust aggregators (issue 50): every rule and every attack on
+# Byzantine clients and the robust aggregators: every rule and every attack on
 # FedAvg, paired so each row has both, and one pairing on each other host of a shared
 # part (FedCP's and FedPAC's is a part of their server). "attack=X:sampled" draws the
 # attackers anew each round; one client in six attacks.
@@ -150,7 +150,7 @@ BYZANTINE_ROWS = (
     ("fedavg", "aggregation=norm_bound,attack=alie:sampled"),
     *((host, "aggregation=centered_clip,attack=alie") for host in
       ("apfl", "fedala", "fedcp", "fedpac", "fedper", "fedrep", "fedrod", "lg_fedavg")))
-# User-level DP (issue 50) on every host that declares what it needs (the "dp" rows of
+# User-level DP on every host that declares what it needs (the "dp" rows of
 # pairings), with adaptive clipping so the server's clip norm moves too, and on FedAvg
 # with dropouts (a dropped client lowers the noised sum, not its denominator).
 DP_CONFIG = dp.DpConfig(clip_norm=1.0, noise_multiplier=0.5, delta=1e-5,

@@ -3,7 +3,7 @@
 
 Before fedora_jax/linalg.py every call here handed jaxlib's CPU LAPACK kernels a batch,
 which they split over XLA's intra-op pool and wait for; two devices doing so at once on
-a 2-thread pool hung the process forever within a few calls (issue 54).
+a 2-thread pool hung the process forever within a few calls.
 
   python tests/linalg_stress.py [repeats]   # prints "ok <seconds>"
 """
@@ -28,7 +28,7 @@ from fedora_jax import propagation, similarity
 from fedora_jax.algorithms import coaching
 from fedora_jax.engine import sharding
 
-LAYERS, CLIENTS = 16, 100   # coaching's Gram matrices [L, N, N] (issue 54's hang)
+LAYERS, CLIENTS = 16, 100   # coaching's Gram matrices [L, N, N] (the hang it reproduces)
 PAIRS, DIM, P = 16, 64, 8   # principal angles of [K, D, p] subspaces
 
 

@@ -1,6 +1,6 @@
 """Every algorithm and plug-in pairing (and the options that leave the engine's fast
 paths: algorithm_matrix.OPTION_ROWS; dropout and stragglers: CONDITION_ROWS) on every
-engine path (issue 13): vmap on one device and client chunks on 2 CPU devices (chunks
+engine path: vmap on one device and client chunks on 2 CPU devices (chunks
 under shard_map), both with partial participation. Two rounds each: finite metrics, the
 right shapes, only the sampled clients trained, and the same per-client numbers on one
 and two devices."""

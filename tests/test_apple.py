@@ -122,7 +122,7 @@ def test_bad_settings_are_refused():
     apple.apple(apple.AppleConfig(num_models=-1), tiny_trainer(tiny_model()))
 
 
-# PFLlib's form (issue 46): each option against a step computed by hand.
+# PFLlib's form: each option against a step computed by hand.
 
 def _one_client(config: apple.AppleConfig, epochs: int = 1, round_index: int = 1):
   """Client 1 of three, full-batch steps (6 samples, batch 8: order-free), from fixed

@@ -1,4 +1,4 @@
-"""Clients as they really are (issue 51): dropout, availability traces, stragglers and a
+"""Clients as they really are: dropout, availability traces, stragglers and a
 round deadline, drawn from the round key and applied as masks on the sampled clients."""
 
 import jax

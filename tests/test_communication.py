@@ -1,4 +1,4 @@
-"""Bytes up and down (issue 51): each algorithm's real messages, counted per client from
+"""Bytes up and down: each algorithm's real messages, counted per client from
 their shapes, times who took part; in the history, results.json, rounds.csv and
 TensorBoard."""
 

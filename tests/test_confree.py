@@ -142,7 +142,7 @@ def _fedavg_with_confree(config):
 
 @pytest.mark.parametrize("order", ["sequential", "eq3"])
 def test_clients_that_sat_the_round_out_do_not_enter_the_step(order):
-  # Issue 17: uploads [1,0], [0,1], [-5,-5]; client 3 unsampled (weight 0) must give the
+  # Uploads [1,0], [0,1], [-5,-5]; client 3 unsampled (weight 0) must give the
   # two-client step. By hand: [1,0] and [0,1] do not conflict, so g0 = [.5,.5]; by
   # symmetry w* = [.5,.5], g_w = g0, and d* = g0 + c ||g0|| g0 / ||g0|| = (1 + c) g0.
   wrapped = _fedavg_with_confree(confree.ConfreeConfig(c=0.5, projection_order=order))

@@ -1,6 +1,6 @@
 """User-level DP from the command line: a run's epsilon in rounds.csv, results.json and on
 the progress line, its record holding the noise it trained with, and its one-line
-errors (issue 50)."""
+errors."""
 
 import csv
 import json

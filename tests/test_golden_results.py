@@ -1,4 +1,4 @@
-"""The same flags give a byte-identical results.json (issue 15's refactor check).
+"""The same flags give a byte-identical results.json.
 
 tests/golden/ holds results.json files written by `experiments.main` before the library
 API and flag layer were rebuilt (2026-11-26, commit 869d5e7); every later change must
@@ -61,7 +61,7 @@ def test_results_json_is_byte_identical(name, tmp_path):
         b'    },\n    "aggregation"')
   with open(tmp_path / "results.json", "rb") as f:
     written = f.read()
-  # And results.json gained the run's bytes_up and bytes_down (2026-12-04, issue 51),
+  # And results.json gained the run's bytes_up and bytes_down (2026-12-04),
   # which leave every other byte as it was (their counts: tests/test_communication.py).
   assert written.count(b'\n  "bytes_up": ') == written.count(b'\n  "bytes_down": ') == 1
   assert re.sub(rb'\n  "bytes_(up|down)": \d+,', b"", written) == expected

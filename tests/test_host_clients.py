@@ -1,4 +1,4 @@
-"""Clients held on the host (issue 51): the same numbers as device-held clients, only the
+"""Clients held on the host: the same numbers as device-held clients, only the
 sampled clients generated and moved, a sample scored a round, one line for bad input."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""The algorithm matrix with the clients held on the host (issue 51): every registered
+"""The algorithm matrix with the clients held on the host: every registered
 algorithm either gives the device-held run's numbers over two rounds at partial
 participation, or stops with one line naming what host-held clients do not keep."""
 

@@ -1,5 +1,5 @@
 """fedora_jax/linalg.py: jnp's answers, one matrix at a time on CPU, and no hang on two
-CPU devices (issue 54)."""
+CPU devices."""
 
 import os
 import subprocess
@@ -152,6 +152,6 @@ def test_two_cpu_devices_do_not_hang():
     proc = subprocess.run([sys.executable, script, "40"], capture_output=True, text=True,
                           timeout=120, check=False)
   except subprocess.TimeoutExpired:
-    pytest.fail("batched linear algebra hung on two CPU devices (issue 54)")
+    pytest.fail("batched linear algebra hung on two CPU devices")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.startswith("ok"), proc.stdout

@@ -1,4 +1,4 @@
-"""Naturally partitioned data (issue 51): FEMNIST and Shakespeare from LEAF's JSON,
+"""Naturally partitioned data: FEMNIST and Shakespeare from LEAF's JSON,
 CIFAR-100 (Pachinko) from TFF's HDF5 and SQLite files, on tiny files the tests write in
 the published formats (the SQLite examples serialized with the tf.train.Example copy
 tensorflow_datasets ships, as TFF serializes them with TensorFlow's)."""

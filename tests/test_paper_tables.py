@@ -84,7 +84,7 @@ def test_every_row_and_column_is_well_formed(name):
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_each_table_states_one_evaluation_rule_and_its_other_readings(name):
-  # Issue 48: one rule per table, stated; a row read under another rule is the same
+  # One rule per table, stated; a row read under another rule is the same
   # algorithm with other evaluation flags, shown beside its row, never in its place.
   table = TABLES[name]
   assert table["evaluation"]["rule"], name
@@ -164,8 +164,6 @@ def test_a_plugin_row_runs_with_its_hosts_flags():
 
 
 def test_every_row_algorithm_and_column_model_is_registered():
-  # FedBN and ResNet-18 come from another branch (issue 16); until it is merged this
-  # names them.
   missing = sorted({f"algorithm {spec['algorithm']}" for table in TABLES.values()
                     for spec in table["rows"].values()
                     if spec["algorithm"] not in algorithms.REGISTRY}

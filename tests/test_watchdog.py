@@ -1,6 +1,6 @@
 """The watchdog (fedora_jax/watchdog.py, --stall_timeout): a stalled run ends with one
 line and exit status 75, keeps its checkpoint and resumes on rerun; a sweep records the
-stalled row as failed and goes on (issue 54)."""
+stalled row as failed and goes on."""
 
 import json
 import os

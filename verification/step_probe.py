@@ -9,7 +9,7 @@ float32 rounds a pre-activation to the other side of ReLU's zero sends a gradien
 The loss is check (b)'s form of the algorithm in its first round: FedAvg's and FedProx's
 (mu 0.1) cross-entropy and proximal term, FedDyn's (alpha 0.1, PFLlib's unsquared
 penalty, g_k zero in round 1), through the algorithms' own regularisers; plain SGD at
-the run's lr, as the engine steps. docs/log.md (issue 46).
+the run's lr, as the engine steps. docs/log.md.
 """
 
 import argparse

@@ -32,8 +32,8 @@ COVERED = ("local", "fedavg", "fedprox", "ditto", "apfl", "fedper", "lg_fedavg",
 COVERED += ("fedala_round1", "fedala_round2", "fedala", "fedala_converging", "fedcp")
 COVERED += ("fedfomo",)  # in PFLlib's form (one_round.py)
 COVERED += ("fedfomo_sampled",)  # half the clients a round, last round's uploaders counted
-COVERED += ("fedkd", "fedmtl", "fedpcl")  # issue 52's, in PFLlib's forms (one_round.py)
-COVERED += ("fedgen", "fedcross", "fedgc")  # issue 52's, PFLlib's forms (one_round.py)
+COVERED += ("fedkd", "fedmtl", "fedpcl")  # in PFLlib's forms (one_round.py)
+COVERED += ("fedgen", "fedcross", "fedgc")  # PFLlib's forms (one_round.py)
 # Server weights on clients of unequal sizes: PFLlib's sample counts, the authors' 1/|S|.
 COVERED += ("ditto_samples", "ditto_uniform", "lg_fedavg_samples", "lg_fedavg_uniform",
             "fedbabu_samples", "fedbabu_uniform")

@@ -297,9 +297,9 @@ def variant_label(name: str, fields: Mapping[str, Any]) -> str | None:
 
 
 class Plugged(NamedTuple):
-  """An algorithm's config with the plug-ins applied around it (issue 7): ALA in front of
+  """An algorithm's config with the plug-ins applied around it: ALA in front of
   its client update (--ala), ConFREE or a robust rule as its server aggregation
-  (--aggregation), attackers among its clients (--attack; issue 50)."""
+  (--aggregation), attackers among its clients (--attack)."""
   config: Any
   ala: ala_lib.AlaConfig | None = None
   aggregation: confree.ConfreeConfig | robust.RobustConfig | None = None

@@ -20,7 +20,7 @@ Initialisation (`init`). The paper draws the centers at random (`init="random"`:
 0 is the run's shared initial model, the others random re-draws of it by
 tree.random_models, and the first assignment is uniformly random, since every client
 starts from the same model and an E-step on it would put all clients in one cluster).
-On rotated MNIST that start never recovers (issue 14): independently drawn centers lie
+On rotated MNIST that start never recovers: independently drawn centers lie
 ~178 apart in squared L2 while a client moves < 1 in a round, so every E-step returns
 the client's random cluster, the assignment never moves, and each center is FedAvg over
 a random quarter of the rotations (Acc 0.625 at 500 rounds against the FEDORA paper's

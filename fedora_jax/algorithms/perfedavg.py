@@ -43,7 +43,7 @@ a round out keeps the adaptation of the last global model it received
 The references re-adapt EVERY client from the latest global model before each evaluation
 (PFLlib's evaluate_one_step after send_models, which reaches all clients; the pFedMe
 authors' evaluate_one_step too), so under partial participation no client is scored on a
-stale adaptation (issue 46). `evaluation="latest"` does that: after the server step each
+stale adaptation. `evaluation="latest"` does that: after the server step each
 client's scored model is one step of size alpha from the new global model on a random
 training batch of B, drawn from the round's own key (`adaptation_keys`), the numbers of
 PFLlib's next evaluation. `evaluation="test"` is PFLlib's form at commit a41f7ba (the code

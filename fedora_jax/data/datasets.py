@@ -56,7 +56,7 @@ DATASETS: dict[str, DatasetSpec] = {
         tfds_name="mnist"),
 }
 
-# Plain and rotated image datasets of FEDORA and the papers it is compared with (issue 5).
+# Plain and rotated image datasets of FEDORA and the papers it is compared with.
 DATASETS.update({
     "mnist": DatasetSpec(
         description="MNIST, label-skew partitions (default iid; --partition=dirichlet)",
@@ -127,7 +127,7 @@ DATASETS.update({
         paper_table="FEDORA Table 2 (agriculture)", task="regression"),
 })
 
-# Generated on the spot, any number of clients (issue 51).
+# Generated on the spot, any number of clients.
 DATASETS["synthetic"] = DatasetSpec(
     description="Synthetic(alpha, beta) of FedProx / LEAF: 60 features, 10 classes, each"
                 " client its own softmax model and feature mean (--synthetic_alpha,"
@@ -137,7 +137,7 @@ DATASETS["synthetic"] = DatasetSpec(
     generated=True)
 
 
-# One client per real user, read from the files each is published in (issue 51).
+# One client per real user, read from the files each is published in.
 DATASETS.update({
     "femnist": DatasetSpec(
         description="FEMNIST (LEAF): handwritten digits and letters, 62 classes, one"

@@ -1,4 +1,4 @@
-"""Clients held on the host (issue 51): for K beyond what the device holds.
+"""Clients held on the host: for K beyond what the device holds.
 
 Nothing is stacked for all K clients. A `HostClients` hands out any client's unpadded
 splits on demand: from a list kept in host memory (a partition's clients), or generated
