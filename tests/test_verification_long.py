@@ -302,6 +302,27 @@ def test_apple_and_pfedla_take_check_as_settings_at_this_runs_scale():
   assert long.train_config(setting, 20, apple).participation == 1.0
 
 
+def test_ala_rows_take_their_hosts_settings():
+  """An ALA row runs its host's check (b) settings: FedPHP's mu ramped over the run (check
+  (a)'s row ramps over its 3 rounds), pFedMe's eta and personal lr, Per-FedAvg's 2B cut,
+  and its host's padded loaders keyed as with_ala keys the host (the client key's second
+  half): check (a)'s perfedavg_ala loaders where no client is padded."""
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  assert long.settings_of("pfedme_ala") == "pfedme" and long.settings_of("fedavg") == "fedavg"
+  assert long.long_reference("fedphp_ala", 20).config["mu_participations"] == 20
+  assert long.long_reference("pfedme_ala", 20).config["personal_lr"] == 0.01
+  assert long.long_reference("pfedme_ala", 20).args["p_learning_rate"] == 0.01
+  assert long.split_kind("perfedavg_ala") == long.split_kind("perfedavg") == (2, "pfllib")
+  data, _ = tiny_data([40, 40])
+  key, reference = jax.random.key(3), one_round.REFERENCES["perfedavg_ala"]
+  ours = long.round_batches("perfedavg_ala", reference, key, 0, data, 1, 10)
+  keys = client_keys(jax.random.fold_in(key, 0), 2)
+  for k in range(2):
+    for a, b in zip(ours[k], reference.loads(keys[k], 40, 1, 10)):
+      for epoch_a, epoch_b in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(epoch_a), np.asarray(epoch_b))
+
+
 def test_rows_of_another_model_name_their_setting():
   rows = [long.merge(name, 2, _side([0.5, 0.6], None), _side([0.5, 0.6], None),
                      long.Setting(), {"command": "test"}) for name in ("local", "fedbn",

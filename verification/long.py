@@ -102,8 +102,9 @@ GAP_POINTS = 0.5  # the largest final accuracy gap, in percentage points
 # Most telling first: a run that must stop early (--time_budget) stops at the end.
 CORE = ("fedavg", "fedala", "ditto", "fedper", "fedrep", "apfl", "lg_fedavg", "fedrod",
         "fedbabu", "moon", "fedprox", "local")
-# Not FedDistill: in PFLlib's form (raw logits as the target's class weights) both sides
-# diverge on the CNN in round 2 (ours NaN, PFLlib's accuracy 11 %, 2026-12-04).
+# Not FedDistill: PFLlib's target (raw logits as the class weights of a cross-entropy) is
+# unbounded below: at lambda 1 the CNN diverges on both sides in round 2 (ours NaN,
+# PFLlib's accuracy 11 %, 2026-12-04); at lambda 0.1 ours in round 3 (NaN, 2026-12-05).
 MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "fml",
         "fedphp", "fedproto", "fedcross", "fedgh", "fedpcl", "pflda", "fedmtl", "fedgc", "gpfl",
         "fedcp", "fedkd", "fedas", "feddbe", "perfedavg", "fedfomo", "fedpac", "fedgen")
@@ -111,10 +112,20 @@ MORE = ("pfedme", "scaffold", "feddyn", "fedntd", "fedlc", "fedamp", "fedcac", "
 # coaching_cnn_bn (BatchNorm: on FedAvgCNN FedBN is FedAvg), pFedLA on its grouped twin
 # beside KarhouTam/pFedLA (pfedla_driver.py); APPLE on FedAvgCNN with check (a)'s prepare.
 OTHERS = ("apple", "fedbn", "moon_bn", "pfedla")
-# ALA on two of its hosts, through check (a)'s driver (ala_hosts.py): on the whole model
-# it trains (Ditto's global part) and on the base it receives (FedRep's).
-ALA_HOSTS = ("ditto_ala", "fedrep_ala")
+# ALA on each host check (a) covers, through its driver (ala_hosts.py): on the whole model
+# it trains (Ditto's global part, FedProx's, ...) or on the base it receives (FedRep's).
+ALA_HOSTS = ("ditto_ala", "fedrep_ala", "fedprox_ala", "fedprox_ala_theta_hat", "perfedavg_ala",
+             "pfedme_ala", "fedamp_ala", "fedphp_ala")
 DEFAULT = CORE + MORE + OTHERS + ALA_HOSTS
+
+
+def settings_of(name: str) -> str:
+  """Whose check (b) settings a row takes (LONG_CONFIG, BATCHES_A_CUT, LONG_LOADS, ...):
+  an ALA row its host's (pfedme_ala pFedMe's), any other row its own."""
+  if name not in ALA_HOSTS:
+    return name
+  from verification import one_round  # pylint: disable=import-outside-toplevel
+  return one_round.REFERENCES[name].algorithm
 
 
 class Setting(NamedTuple):
@@ -296,7 +307,7 @@ def split_kind(name: str) -> tuple[int, str]:
   """build_split's (batches, pixels) for `name`: uint8 pixels where it runs on a twin."""
   from verification import one_round  # pylint: disable=import-outside-toplevel
   twin = one_round.REFERENCES[name].twin is not None
-  return BATCHES_A_CUT.get(name, 1), "uint8" if twin else "pfllib"
+  return BATCHES_A_CUT.get(settings_of(name), 1), "uint8" if twin else "pfllib"
 
 
 def reference_inputs(reference, float64: bool = False):
@@ -324,9 +335,11 @@ def to_torch(reference, params) -> list:
 def long_reference(name: str, rounds: int):
   """check (a)'s Reference of `name` for a run of `rounds` on the CNN: LONG_CONFIG's
   changes, and FedPHP's mu ramped over the run (ours over each client's
-  participations: with every client in every round, the rounds)."""
+  participations: with every client in every round, the rounds). An ALA row takes its
+  host's changes (settings_of)."""
   from verification import one_round  # pylint: disable=import-outside-toplevel
   reference = one_round.REFERENCES[name]
+  name = settings_of(name)
   config, args = LONG_CONFIG.get(name, ({}, {}))
   if name == "fedphp":
     config = {**config, "mu_participations": rounds}
@@ -457,12 +470,15 @@ def round_batches(name: str, reference, train_key: jax.Array, round_index: int,
   if reference.loads is None:
     return bridges.padded_client_batches(train_key, round_index, data, epochs, batch_size,
                                          reference.trainings)
-  if name not in LONG_LOADS:
+  loads = LONG_LOADS.get(settings_of(name))
+  if loads is None:
     raise ValueError(f"{name}: check (a)'s loaders are for clients of one size and"
                      " LONG_LOADS has none for padded clients")
   keys = client_keys(jax.random.fold_in(train_key, round_index), data.num_clients)
+  if name in ALA_HOSTS:  # with_ala hands its host the second half of the client's key
+    keys = [jax.random.split(key)[1] for key in keys]
   sizes, padded = data.split_sizes("train"), bridges.padded_sizes(data)
-  return [LONG_LOADS[name](keys[k], int(padded[k]), int(sizes[k]), epochs, batch_size)
+  return [loads(keys[k], int(padded[k]), int(sizes[k]), epochs, batch_size)
           for k in range(data.num_clients)]
 
 
