@@ -291,8 +291,8 @@ flags.DEFINE_enum("aggregation", "mean", ["mean", "confree", *robust_lib.RULES],
                   " Byzantine-robust rule (median, trimmed_mean, krum, multi_krum,"
                   " centered_clip, norm_bound; settings --robust_*; docs/robustness.md);"
                   f" hosts: {', '.join(algorithms.confree_hosts())}.")
-# "default", not "paper": ConFREE's paper gives none of these values (confree.py says
-# where each default comes from).
+# "default", not "paper": ConFREE's paper gives none of these values
+# (docs/algorithms/confree.md says where each default comes from).
 for _field, _default in confree_lib.ConfreeConfig._field_defaults.items():
   _DEFINE_BY_TYPE[type(_default)](f"confree_{_field}", None,
                                   f"{confree_lib.FLAG_HELP[_field]} (default: {_default!r}).")

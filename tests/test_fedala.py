@@ -136,8 +136,9 @@ def test_ala_composes_with_each_host(name):
 
 
 def test_at_partial_participation_only_the_sampled_clients_run_ala():
-  # ala.py's definition: a client that sits a round out keeps theta_i, W_i and its count
-  # of rounds; ALA's schedule counts the client's own rounds (rest, converge, one epoch).
+  # docs/algorithms/ala.md's definition: a client that sits a round out keeps theta_i, W_i
+  # and its count of rounds; ALA's schedule counts the client's own rounds (rest, converge,
+  # one epoch).
   data, _ = tiny_data([5, 6, 7, 9])
   model = tiny_model(hidden=(5,))
   trainer = tiny_trainer(model, batch_size=4)

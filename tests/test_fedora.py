@@ -124,7 +124,7 @@ def test_authors_validation_loss_sums_the_batch_means():
                              by_hand, rtol=1e-5)
   np.testing.assert_allclose(fedora.authors_val_loss(trainer, params, splits.val, n),
                              mean_ce(model, params, client.x_val, client.y_val), rtol=1e-6)
-  # Both presets keep the mean (module docstring: the sum overflows lambda on the
+  # Both presets keep the mean (docs/algorithms/fedora.md: the sum overflows lambda on the
   # imbalanced setting's large client); the code's sum is one flag away.
   assert fedora.config_for_variant("authors").val_loss == "mean"
   assert fedora.config_for_variant("authors", val_loss="batch_sum").val_loss == "batch_sum"

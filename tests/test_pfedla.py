@@ -186,7 +186,7 @@ def test_buffers_own_leaves_the_running_averages_out_of_the_chain_rule():
 
 def test_delta_signs_move_the_aggregate_towards_or_away_from_the_trained_model():
   """To first order the default step moves theta_bar_0 towards client 0's trained model
-  (descent on its loss); the public codes' sign moves it away (the module docstring)."""
+  (descent on its loss); the public codes' sign moves it away (docs/algorithms/pfedla.md)."""
   algorithm, state, _ = _setup()
   server = state.server
   received = algorithm.broadcast(server, state.clients)

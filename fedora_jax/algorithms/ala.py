@@ -5,81 +5,16 @@ Zhang, Hua, Wang, Song, Xue, Ma, Guan. "FedALA: Adaptive Local Aggregation for
 Personalized Federated Learning." AAAI 2023. https://arxiv.org/abs/2212.01197
 (code: github.com/TsingZ0/FedALA, system/utils/ALA.py; also in TsingZ0/PFLlib)
 
-Before local training, client i does not overwrite its local model theta_i with the
-received global model Theta; it aggregates the two element-wise (the paper's Eq. 1-3):
+A sampled client's host training starts from theta_i + (Theta - theta_i) * W_i on the top p
+layers and from Theta below them (theta_i its last trained model, Theta the global model),
+W_i in [0, 1] learned by SGD on s% of its data: not in its first round, until convergence in
+its second, one epoch after. The host's uploads and server are untouched (`with_ala`,
+`Algorithm.ala_hooks`). AlaConfig: s 80, p 1, eta 1.0, threshold 0.1, num_pre_loss 10.
 
-  theta_hat_i = theta_i + (Theta - theta_i) * W_i        on the top p layers,
-  theta_hat_i = Theta                                     on the layers below,
+Departures: p counts layers, not tensors; a fresh s% sample each round (sample="slice" is
+the authors'); the mean epoch loss (epoch_loss="last"); only sampled clients run ALA.
 
-with W_i in [0, 1] (same shape as the top layers' parameters). W_i is learned on a
-random s% of the client's training data by SGD on the client loss of theta_hat_i(W):
-
-  W_i <- clip(W_i - eta * grad_W L(theta_hat_i(W_i)), 0, 1)
-      =  clip(W_i - eta * grad_theta L(theta_hat_i) * (Theta - theta_i), 0, 1)
-
-(the second form is the paper's / code's; jax.grad through theta_hat gives exactly it).
-W_i starts at ones (theta_hat = Theta), is kept from round to round in the client's
-state, and is trained
-  * not at all in the first round (theta_i is still the shared initial model, so ALA is
-    a no-op; the authors skip it when Theta - theta_i is zero),
-  * "until convergence" in the second round: epochs over the s% sample until the
-    standard deviation of the last `num_pre_loss` epoch losses is below `threshold`
-    (authors' defaults 10 and 0.1), at most `max_epochs` epochs (a traced loop needs a
-    bound; the authors' loop has none),
-  * one epoch in every later round.
-The client then runs its host's local update from theta_hat_i instead of Theta; its
-trained model becomes theta_i for the next round.
-
-As a plug-in (the paper's Table "+ALA"), `with_ala` wraps a host algorithm: the host's
-message to client i has its global model replaced by theta_hat_i, everything else of the
-host (its training, uploads and server) is untouched. `AlaHooks` say, per host, where
-that model sits in the message, which trained model is the client's next theta_i, and
-which model the host's training starts from. The received model can be some of the
-layers (FedRep's body: W covers its top p layers, the head stays the client's), and a
-host can keep some received layers out of its start (PartialFed's loading strategy); W
-always learns on the loss of the model the host trains from. Each host declares its
-hooks (Algorithm.ala_hooks, next to its own code).
-
-Partial participation (--participation < 1), the definition here: ALA is part of a
-client's round, so only the round's sampled clients run it (then their host's local
-training). A client that sits a round out does nothing: it keeps theta_i, W_i and its
-count of rounds (the engine keeps an unsampled client's state), and is evaluated on the
-model it kept. ALA's schedule above counts the client's own rounds: it rests the first
-time the client takes part (theta_i is still the shared initial model, so theta_hat is
-the global model), trains W_i until convergence the second time, one epoch every later
-time; at full participation these are rounds 1, 2 and 3 on.
-The authors' code does otherwise (TsingZ0/FedALA system/flcore/servers/serverALA.py,
-and the FedALA host of StuZheng/ConFREE, server/serverala.py, from PFLlib): its
-send_models runs ALA on every client every round, sampled or not, before it evaluates
-and before the sampled ones train. An unsampled client there learns W_i and replaces
-theta_i by theta_hat_i without training, every client's W_i converges in global round
-2, and every client is evaluated on a theta_hat_i built from the latest global model.
-That needs a client step for the clients outside the round, which the engine
-(rounds.py) does not give, so it is not offered. The poster ("after downloading
-the global model ... we update W") describes ALA as the step of a client that receives
-the global model, i.e. the definition above.
-
-Departures, all written down here:
-  * p counts layers (flax top-level modules, e.g. Dense_2 = kernel + bias); the
-    authors' layer_idx counts parameter tensors (their layer_idx=2 is one Linear layer).
-  * The s% sample is drawn afresh each round without replacement and reshuffled each
-    epoch (the authors draw one random contiguous slice, its samples in stored order,
-    the same batches every epoch: `sample="slice"`); batches are the run's batch size,
-    the last one partial, as the authors' (their ALA loader keeps it, drop_last=False).
-  * An epoch's loss for the convergence test is the mean of its batch losses (the
-    authors record the last batch's: `epoch_loss="last"`).
-  * The sample's size: their int(s / 100 * n) in float64 falls one short of the exact
-    floor for some s and n (s 29, n 100: 28), ours (float32) did not on the sizes tried;
-    the two agree at the default s = 80.
-With sample="slice" and epoch_loss="last" W learns as the authors' ALA does
-(docs/verification.md: the FedALA rows, their code given our slice's start).
-BatchNorm (models with running averages, e.g. resnet18), as the authors' code does it:
-ALA sets parameters only (`model.parameters()`; PyTorch keeps running averages as
-buffers), so theta_hat keeps the local model's running averages in every layer, and the
-weight-learning loss runs BatchNorm in train mode (their temporary model is in train mode
-after the client's last training), normalising with each batch's statistics; the
-averages that pass computes are dropped with the temporary model. W has entries at the
-running averages (the engine folds them into the parameters); they take no step.
+Details (every option, the departures, measurements): docs/algorithms/ala.md.
 """
 
 from typing import Any, NamedTuple

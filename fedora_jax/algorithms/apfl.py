@@ -3,72 +3,17 @@
 Deng, Kamani, Mahdavi. "Adaptive Personalized Federated Learning." arXiv 2020.
 https://arxiv.org/abs/2003.13461  (authors' code: github.com/MLOPTPSU/FedTorch)
 
-Client k keeps a local model v_k and a mixing weight alpha_k; its personalised model is
-the mixture  v_bar_k = alpha_k v_k + (1 - alpha_k) w_k  of the parameters (the paper's
-`mixing="parameters"`; the authors' code mixes outputs instead, see "Mixing" below).
-Every local step, on one minibatch xi (the paper's Algorithm 1 and its gradient step on
-alpha):
-  w_k   <- w_k   - lr grad f_k(w_k; xi)                        (FedAvg's local step)
-  v_k   <- v_k   - lr grad_v f_k(v_bar_k; xi) = v_k - lr alpha_k grad f_k(v_bar_k; xi)
-  alpha <- alpha - lr grad_alpha f_k(v_bar_k; xi)
-                 = alpha - lr <v_k - w_k, grad f_k(v_bar_k; xi)>,  projected onto [0, 1]
-all three from the same iterates (w_k, v_k, alpha_k) before the step. After the local
-steps the w_k are averaged into the global model (weighted by training-set size, full
-participation), which every client starts the next round from; v_k and alpha_k stay in
-the stacked client state. With mixing="parameters" evaluation uses v_bar_k with the
-latest global model.
+Client k trains its copy w_k of the global model, its local model v_k and its mixing weight
+alpha_k in [0, 1] (one loss, the run's client optimizer); the server averages the w_k,
+weighted by training-set size. Client k is scored with its mixture of v_k and w_k. Config:
+`mixing` "output", `alpha_update` "round", `alpha` 0.5 (the start), `adapt_alpha` True.
 
-One engine step does all three updates: the trained pytree is (w, v, alpha) and its loss
-f(w) + f(alpha v + (1 - alpha) stop_gradient(w)), whose gradient is exactly the three
-directions above (w gets no gradient from the mixture). They therefore share the run's
-client optimizer: with --momentum=0 --weight_decay=0 this is the paper's plain SGD with
-one step size; with momentum, alpha is a heavy-ball step like v and w. The round's
-reported train loss is that sum, f(w) + f(v_bar).
+Departures: the defaults follow the authors' code, not the paper: outputs mixed, not
+parameters (mixing="parameters" is the paper's); alpha moved once a round, on the whole
+training split (alpha_update="step", every step, is the paper's). mixing="pfllib" is
+PFLlib's form, behind ConFREE's table.
 
-Mixing (`mixing`). The authors' code (FedTorch, comms/trainings/federated/apfl.py with
-comms/utils/eval.py:inference_personal) never forms v_bar: it mixes the two models'
-outputs, alpha v_k(x) + (1 - alpha) w_k(x), both in the personal training loss and in
-evaluation, and evaluates with the client's own w_k (its copy of the global model right
-after its local steps, before the server averages). `mixing="output"` (the default) does
-that: the loss is f(w) + CE(alpha v(x) + (1 - alpha) sg(w)(x)), whose gradient in alpha is
-<v(x) - w(x), dCE/doutputs>, and the personalised model is (alpha_k, v_k, own w_k),
-evaluated through that mixture. `mixing="parameters"` is the paper's v_bar with the
-latest global model. Parameter mixing averages two MLPs whose hidden units need not line
-up (v_k never restarts from w), so the mixture can be worse than either model; on
-rotated MNIST it gave 0.755 at 500 rounds against the FEDORA paper's 0.787
-(docs/measurements/). The FEDORA authors' repository holds no baseline code, so which form
-their row used is not known; the default follows the APFL authors' code. 
-
-Alpha's step (`alpha_update`). The paper's Algorithm 1 moves alpha every local step.
-The authors' code (comms/utils/flow_utils.py:alpha_update) moves it once a round, on
-the round's first batch, by one plain SGD step of the client learning rate on its
-gradient plus 0.02 alpha (a small pull towards the global model). Here every local step
-with the run's optimizer (heavy-ball momentum 0.9 by default) drives alpha to 1 within
-~40 rounds on rotated MNIST (mean alpha 0.67 at round 21, 1.0 from round 41 on), after
-which APFL is LOCAL: 0.7575 against LOCAL's 0.7563 at 500 rounds, the paper's APFL row
-being 0.787 (docs/measurements/). `alpha_update="round"` (the default) is the authors'
-step, taken at the round's starting iterates on the client's whole training split (one
-full batch here, a first minibatch there; the exact d/d alpha of the personal loss,
-where their code uses the parameter-space <v - w, alpha grad_v + (1 - alpha) grad_w>)
-and used for the round's local steps;
-`alpha_update="step"` is the paper's.
-
-PFLlib's form (`mixing="pfllib"`), the APFL behind the tables of the PFLlib-based papers
-(ConFREE's Table 2: StuZheng/ConFREE client/clientapfl.py, the same as PFLlib's). Every
-local step trains w_k and v_k each on its own loss, f(w) and f(v) (v never sees the
-mixture), then moves alpha by
-  alpha <- clip(alpha - lr (<v - w, alpha grad f(v) + (1 - alpha) grad f(w)> + 0.02 alpha))
-with v, w the iterates after the step and the gradients those of the step (its
-alpha_update, after FedTorch's flow_utils); at the round's end v_k is replaced by the
-parameter mixture (1 - alpha) w_k + alpha v_k with the client's own trained w_k, which is
-its personalised model, evaluated and kept for the next round. lr g is taken as the step
-each model took, equal under PFLlib's plain SGD (with momentum it is the momentum step);
-`alpha_update` does not apply.
-
-Defaults: alpha starts at 0.5, the authors' code default (--fed_personal_alpha 0.5;
-the paper also reports fixed alpha in {0.25, 0.5, 0.75}); adapting it is the paper's
-method, and `adapt_alpha=False` keeps it fixed. Local models v_k start from the shared
-initial model, as w does.
+Details (every option, the departures, measurements): docs/algorithms/apfl.md.
 """
 
 from typing import Any, NamedTuple

@@ -6,67 +6,16 @@ We follow the authors' code, github.com/ljaiverson/pFL-APPLE (train_APPLE.py,
 utils/apple.py, utils/losses.py, utils/models.py); PFLlib's port (TsingZ0/PFLlib
 clientapple.py) differs where noted.
 
-Every client j owns a core model w_c^j; client i holds (copies of) all N core models and a
-directed-relationship (DR) vector p_i in R^N, and its personalised model is
-  w_p^i = sum_j p_ij w_c^j.
-Local training of client i, every local step on a batch (the run's SGD and epochs), on
-  CE(w_p^i; x, y) + lambda(r) mu ||p_i - p_0||^2
-descends only its own core model w_c^i (gradient p_ii grad CE(w_p^i)) and p_i (gradient
-<grad CE(w_p^i), w_c^j> + 2 lambda(r) mu (p_ij - p_0j)); the other core models are fixed
-copies. It then uploads w_c^i; the server keeps the latest core model of every client
-and sends them out at the start of the next round. The personalised model evaluated is
-w_p^i as the client ends its round (the authors evaluate the client's model after
-training, built from the core models it downloaded); a client that sits a round out
-keeps it.
+Client i holds copies of all N core models w_c^j and a DR vector p_i; each local step on
+CE(w_p^i) + lambda(r) mu ||p_i - p_0||^2, w_p^i = sum_j p_ij w_c^j, trains its own core and
+p_i. It uploads its core; the server sends every client's latest core out. A client is scored
+with w_p^i. Defaults: mu 0.1, reg_rounds 16, p_lr_scale 0.1, p0 "sizes", num_models 0 (all).
 
-  * p_0 and the start of p_i: the training-set shares n_j / sum n (the authors' init_pss
-    and reg_loss; PFLlib too), `p0="sizes"`; `p0="uniform"` takes 1/N. Equal on
-    balanced splits.
-  * lambda(r), r the round (0-based), L = `reg_rounds`: "cosine" (cos(pi r / L) + 1) / 2,
-    "exponential" 0.001^(r / L) (the authors' default scheduler), both 0 from round L
-    on. The authors' L is 10% of the rounds (16 of their 160); mu = 0.1. PFLlib uses the
-    cosine over L * rounds with lambda mu / 2 as the weight (a gradient
-    lambda mu (p - p_0)). Default "cosine": PFLlib's, the implementation behind the
-    FedALA table this project reproduces (the paper's text was not at hand here to
-    check which shape its own tables used).
-  * Learning rates: the authors train the core model at 0.01 and p at 0.001, both by SGD
-    with momentum 0.9. Here both take the run's optimizer (--lr, --momentum,
-    --weight_decay), p at `p_lr_scale` times its step (0.1, the authors' ratio): p is
-    trained as p_start + sqrt(scale) q from q = 0, so a step on q moves p by scale times
-    the run's step, momentum included, and weight decay pulls p towards where it started
-    the round. The own core model's gradient is p_ii grad CE, so with N clients it moves
-    about 1/N as fast as a FedAvg model; PFLlib multiplies its step by N,
-    `core_lr_scale` (default 1, the authors') scales that gradient. PFLlib also takes
-    p's gradient as a mean over parameter tensors instead of the sum (`p_gradient`).
-  * Downloads: `num_models` = M > 0 lets each client refresh only M other core models a
-    round, keeping stale copies of the rest (memory: N copies per client); 0 (default,
-    the authors' --limit_downloaded_models 10000, and what a small N calls for) refreshes
-    all of them. In the first round all are downloaded. Which M (the authors'
-    get_download_which): core models the client has never downloaded first, at random,
-    then at random with probability proportional to base^{|p_ij|}, base =
-    max(1.5, r M / N). (The authors' code never marks a model as downloaded, so there
-    every choice is uniformly random; `download="random"` does that.)
-  * Core models start from the run's shared initial model (PFLlib); the authors
-    initialise each client's core model independently, `core_init="independent"` (each
-    parameter tensor's entries shuffled, a fresh draw of the same initialiser).
-Partial participation: only the sampled clients train and download; the authors' and
-PFLlib's clients all train every round (cross-silo).
+Departures: schedule "cosine" (PFLlib's; "exponential" is the authors'); the run's optimizer
+trains the core and p; the cores start shared (core_init="independent": the authors'); only
+sampled clients train; PFLlib's form behind p_start, p_gradient, upload and lambda_round.
 
-PFLlib's form (TsingZ0/PFLlib clientapple.py, its check (a) row in docs/verification.md),
-four options, each off by default:
-  * `p_start="uniform"`: p starts at 1/N while p_0 stays the size shares (its ps, p0).
-  * `p_gradient="pfllib"`: p_ij's gradient is the mean over the parameter tensors t of
-    mean(grad_t * w_c^j_t), read after the own core's step (it steps the core first);
-    the own core's term is the gradient at the step's start plus the step's share, which
-    reads the step the core took: (p_lr_scale / core_lr_scale) mean_t mean(dw_t^2) / p_ii
-    under plain SGD (its hand-written step). Its proximal gradient lambda mu (p - p_0) is
-    ours at half its mu.
-  * `upload="mixture"`: the client's w_p from the start of its last local step (its
-    self.model, built before the step) is uploaded as its core model and scored; its
-    trained core is dropped ("recover self.model_cs[self.id]", then model_c = a copy of
-    self.model).
-  * `lambda_round="previous"`: lambda of the round before (its client sets lambda after
-    training; 1 in the first two rounds). Its L is int(args.L * rounds).
+Details (every option, the departures, measurements): docs/algorithms/apple.md.
 """
 
 from typing import Any, NamedTuple

@@ -7,88 +7,15 @@ Learning." AAAI 2024 (Proceedings of the AAAI Conference on Artificial Intellige
 38(15), pp. 17069-17077). Equation numbers below are the paper's. No public code of the
 paper was available to us.
 
-Notation: N clients, L layers (fedora_jax.algorithms.layers: flax top-level modules, a
-Dense layer's kernel and bias together, input to output), w_j^l client j's parameters of
-layer l. The relation cube R [N, L, N] (Eq. 3-4) holds r_ij^l, client i's weight on
-client j at layer l, for every j including i itself.
+Each round the server takes r_steps steps on the relation cube R [N, L, N] (Eq. 10-12) and
+sends client i s_i^l = sum_j r_ij^l w_j^l (Eq. 14); a sampled client trains its own w_i on
+f_i(w_i) + lam ||w_i - s_i||^2 (Eq. 15-16) and uploads it; it is scored with w_i.
+CoachingConfig: lam 1, beta 0.01, r_steps 1, r_init "random", lr_r_rule "lipschitz".
 
-  Client objective (Eq. 5): f_i(w_i) + lambda sum_l f_s(sum_j r_ij^l w_j^l, w_i^l)
-                            + beta/2 sum_{j,l} (r_ij^l - 1/N)^2,
-  with f_s the coaching loss, for which the paper "adopts l_2-norm". We read it as the
-  squared distance f_s(a, b) = ||a - b||^2: only then is Eq. 6 (one f_s of the stacked
-  layers) equal to Eq. 5 (a sum of f_s over layers), and H is L-smooth as Assumption 2
-  requires. The word read literally, f_s(a, b) = ||a - b|| per layer, is fs="norm"
-  (below): R's gradient is then <s_i^l - w_i^l, w_j^l> / ||s_i^l - w_i^l||, bounded by
-  ||w_j^l||, and the client's pull lambda (w_i^l - s_i^l) / ||w_i^l - s_i^l|| is a unit
-  vector per layer, so the set-up's eta_r = 0.01 cannot blow up as it does on the square.
-  Relation update (Eq. 10-12), with the clients' parameters W^k fixed, per client i:
-        r_i <- r_i - eta_r (lambda grad_{r_i} f_s(r_i W^k, w_i^k) + beta (r_i - 1/N)),
-        grad_{r_ij^l} f_s = 2 <s_i^l - w_i^l, w_j^l> = 2 (sum_k r_ik^l G_l[k, j] - G_l[i, j])
-  from the per-layer Gram matrices G_l[a, b] = <w_a^l, w_b^l> (so nothing larger than
-  [N, N] per layer is built). A plain gradient step: R is not constrained (rows need not
-  be non-negative nor sum to 1), and r_ii is learned like any other entry. Eq. 11 is
-  taken per client without the m_i/m of Eq. 8's G(R) and H (Eq. 10 drops them).
-  Coaching model (Eq. 14):  s_i^l = sum_j r_ij^l w_j^l.
-  Client update (Eq. 15-16): client i trains its own w_i, from where it stopped, with the
-        run's local SGD (E epochs) on  f_i(w_i) + lambda ||w_i - s_i||^2.
-The order is Algorithm 1's: each round the server first takes E_r (`r_steps`) gradient
-steps on R at the clients' current models W^k (lines 5-8), then sends s_i = r_i W^k
-(lines 9-10). Here the steps of round k+1 are taken at the end of round k (in
-`aggregate`, at the models just trained), and those of round 1 in `init` at the initial
-models, which is the same sequence. R starts random (Algorithm 1, line 2; the paper
-gives no distribution: each row r_i^l is drawn uniformly from the probability simplex,
-Dirichlet(1, ..., 1), so that every s_i starts as a convex combination of models of the
-clients' scale). A client's personalised model is its own w_i (line 14).
+Departures: eta_r = 1/L_r (Theorem 1), as the set-up's 0.01 (lr_r_rule="fixed") diverges;
+f_s read as the squared distance (fs="norm"); R steps every row under client selection.
 
-Under client selection (--participation < 1, the paper's Table 2) the engine trains the
-round's sampled clients only (rounds.py); the others keep their w_i, which s_i and R's
-step read as part of W^k ("the parameters of all clients in the server", after Eq. 14).
-R's step covers every row each round (Eq. 9's whole cube); Algorithm 1's loop over
-clients, read for selection, would step only the sampled clients' rows. With the default
-step R barely moves in a round there, so the two readings nearly agree (measured:
-docs/coaching.md, "Under client selection", with the reason coaching trails LOCAL there).
-
-Defaults are the paper's where it states them: E_r = 1 ("the local epochs for W and R
-are set to 5 and 1 ... the learning rates for W and R are both set to 0.01"; E and the
-client learning rate are the run's --local_epochs and --lr). For eta_r the paper states
-two things that disagree: 0.01 in its set-up and 1/L_r in its Theorem 1. The default is
-Theorem 1's (lr_r_rule="lipschitz", below), because 0.01 diverges on real models;
-lr_r_rule="fixed" with lr_r = 0.01 is the set-up's value. It does not
-state the lambda and beta behind its Tables 1-2; its Figure 3 sweeps lambda around 1
-(with beta / (2 lambda) = 0.005 at Dirichlet alpha 0.1 and 0.5 at alpha 0.3) and beta
-around 0.01 (alpha 0.1) and 1 (alpha 0.3) at lambda = 1. Defaults: lambda = 1 and
-beta = 0.01, the centre of its alpha = 0.1 sweeps; use beta = 1 for alpha = 0.3.
-
-The step size, and the deviations (off by default), behind config fields:
-  * r_constraint="simplex_others": after each step, project every row r_i^l onto the
-    probability simplex over the OTHER clients (r_ij^l >= 0, sum_{j != i} r_ij^l = 1,
-    r_ii^l = 0), so that s_i is a convex combination of the others' models. Not in the
-    paper; it was this module's earlier behaviour. On that simplex the paper's
-    beta/2 ||r - 1/N||^2 and a ridge beta/2 ||r||^2 give the same projected steps.
-  * r_init="uniform": R starts at 1/N everywhere (the regulariser's target; 1/(N-1) over
-    the others under simplex_others) instead of randomly.
-  * lr_r_rule="lipschitz" (default): eta_r = 1 / L_r with L_r = beta + 2 lambda
-    lambda_max(G_l), per layer, recomputed at every step: the step the paper's Theorem 1
-    assumes ("eta_r = 1/L_r"); "fixed" takes the 0.01 its experiments state. The two disagree on
-    real models: all clients start from one model, so G_l is close to ||w^l||^2 times the
-    all-ones matrix and f(r_i^l) has curvature ~2 lambda N ||w^l||^2 along the all-ones
-    direction (the rows' sum); with ||w^l||^2 in the tens (a 784x128 dense layer at
-    PyTorch's initialisation: ~43) and N = 10 that is ~10^3, far past 2 / 0.01. The fixed
-    step then multiplies any error in a row's sum by |1 - 0.01 L_r| (~8) every round
-    until R and the losses are NaN (measured: docs/coaching.md). The lipschitz step
-    stays stable.
-  * lr_r_rule="exact": R set each round to Eq. 10's minimiser at the current models
-    (closed form for the squared f_s: relation_minimiser), the point E_r -> infinity
-    steps converge to; block coordinate descent with an exact R block. A deviation: it
-    asks what a learned R gives, where one step of 1/L_r leaves R at its random start.
-  * fs="norm": f_s the l_2 norm itself, not its square (see f_s above); it is not smooth
-    at s = w, so it has no L_r and runs with lr_r_rule="fixed" (the set-up's 0.01).
-The earlier defaults (r_steps = 10, lambda = 0.5, a ridge penalty beta ||R||^2 with beta
-= 1, R uniform over the others) are  r_constraint="simplex_others", r_init="uniform",
-r_steps=10, lam=0.5, beta=2.
-
-The relation cube is saved with the results (relation_cube.npy) and drawn, as the paper's
-Figure 2, for one client (plots.py, relation.png).
+Details (every option, the departures, measurements): docs/algorithms/coaching.md.
 """
 
 from typing import Any, NamedTuple
@@ -118,7 +45,7 @@ class CoachingConfig(NamedTuple):
   r_init: str = "random"      # Algorithm 1 line 2; "uniform" is a deviation
   r_constraint: str = "none"  # Eq. 11's plain step; "simplex_others" is a deviation
   # Theorem 1's eta_r = 1/L_r; "fixed" (eta_r = lr_r, the set-up's 0.01) diverges on real
-  # models, see the module docstring.
+  # models, see docs/algorithms/coaching.md.
   lr_r_rule: str = "lipschitz"
   # f_s, the paper's "l_2-norm": its square (Eq. 6 = Eq. 5 and Assumption 2 need it) or,
   # read literally, the norm itself ("norm", with lr_r_rule="fixed": it has no L_r).

@@ -6,74 +6,16 @@ Personalized Federated Learning." AAAI 2025 (39(21): 22875-22883).
 https://doi.org/10.1609/aaai.v39i21.34449  (code: github.com/StuZheng/ConFREE, ConFREE.py,
 built on PFLlib; equation numbers are the poster's, ../shared/papers/confree_poster.txt)
 
-Let theta be the server's shared parameters before the round, S the clients that took
-part in it (|S| = N; all K clients at full participation) and g_i = theta_i - theta client
-i's update of them. The server replaces the weighted mean of the g_i by:
+Each client's update g_i of the shared part is projected off the updates it conflicts with
+(`projection_order` "sequential"); the server takes their uniform mean g0, then the step
+within c ||g0|| of g0 that most improves the worst client (`c` 0.4, CAGrad's), whose dual
+on the simplex over the round's clients it solves by FISTA (`solver_steps` 300).
 
-  1. Conflict-free projection (Eq. 3's inner sum). Two forms, `projection_order`:
-     * "sequential" (default; PCGrad's surgery, as the authors' code `cal_guid`): g_i is
-       projected one conflicting update at a time, each test and coefficient against the
-       partially projected g_i':
-         for j in S, ascending, j != i:  if g_i' . g_j < 0:
-             g_i' <- g_i' - (g_i' . g_j / ||g_j||^2) g_j
-       The authors shuffle the order per i each round; a fixed order keeps runs
-       reproducible without a key in the server step. One lax.fori_loop over j,
-       vectorised over all i.
-     * "eq3" (Eq. 3 as printed): every term from the original g_i,
-         g_i' = g_i - sum_{j in S, j != i, g_i . g_j < 0} (g_i . g_j / ||g_j||^2) g_j.
-     They coincide while g_i meets at most one conflict along the way; after a first
-     projection the later coefficients, and even which g_j still conflict, differ
-     (tests/test_confree.py has a 2-D example). The default is the sequential form: the
-     authors' code, which produced the paper's tables, projects that way.
-  2. Guidance vector (Eq. 3): g0 = (1/N) sum_{i in S} g_i'  (uniform, as the poster and
-     the authors' code: the round's sample-size weights only say who is in S).
-  3. Worst-client improvement near g0: the direction d maximising min_{i in S} g_i . d
-     subject to ||d - g0|| <= c ||g0|| has the dual (Eq. 4-5)
-        w* = argmin_{w in simplex over S} g_w . g0 + c ||g0|| ||g_w||,  g_w = sum_i w_i g_i
-     (the original, unprojected g_i, as in CAGrad and the authors' code; the poster's
-     "d . g_w" in Eq. 5 is g0 . g_w, as in its Eq. 4 at d = g0), and
-  4. d* = g0 + (c ||g0|| / ||g_w*||) g_w*,   theta <- theta + d*.
+Departures: the dual by FISTA, not SLSQP; a fixed projection order, not shuffled. Options
+for the authors' code: projection="code", granularity="leaf", rescale=True;
+projection_order="eq3" is Eq. 3 as printed.
 
-c is the poster's c: the ball's radius is c ||g0|| (the authors' `co_alpha`, their
-`c = alpha * c0_norm`). Neither the poster nor the repository states its value (co_alpha
-comes from a PFLlib command line the repository does not include); the default 0.4 is
-CAGrad's recommended c, whose constraint ||d - g0|| <= c ||g0|| has the same form. (Before
-2026-11-26 the flag was c^2: radius sqrt(c) ||g0||; those runs' c = 0.4 is c = 0.632 now.)
-
-Partial participation: the engine hands `aggregate` every client's upload, zero weight
-for the clients outside S (their uploads are meaningless). Only S enters: the projection
-(j in S), the mean over S, the simplex (w_i = 0 outside S) and d*. The authors' server
-does the same with the uploaded models of the selected clients only.
-
-The simplex problem is convex (a linear term plus a norm of a linear map) over at most K
-weights. The authors solve it with scipy's SLSQP. Here: accelerated projected gradient
-(FISTA, Beck and Teboulle 2009) with a backtracking step size, gradient-test restarts
-(O'Donoghue and Candes 2015) and the exact Euclidean projection onto the simplex over S
-(Held et al. 1974's sort), `solver_steps` iterations from the uniform weights on S: all
-in jnp on the K x K Gram matrix. Its d* against SLSQP with exact gradients in float64,
-and the mirror descent's it replaces: docs/confree.md (scripts/confree_solver.py).
-
-Hosts (those declaring `Algorithm.shared_part`): the part ConFREE moves is the host's
-shared model, the poster's theta_g (Algorithm 1: each client keeps its head h_i and
-uploads theta_i). For FedAvg,
-APFL, FedPer, LG-FedAvg, FedRep, FedRoD and FedALA that is the server's whole state. Two
-hosts keep more on the server (their `SharedPart` says where theta_g sits):
-  * FedCP: theta_g is the feature extractor f. Its global head h_g and conditional
-    policy network are still the FedAvg of the uploads (and still go to the round's
-    clients), as in the authors' FedCP host (StuZheng/ConFREE server/servercp.py:
-    aggregate_parameters_conflicts over the uploaded `model.model.base`, global_head()
-    and global_cs() the weighted means);
-  * FedPAC: theta_g is the feature extractor; the class prototypes and the per-client
-    classifier combination stay FedPAC's (server/serverpac.py: the conflict-free step
-    over the uploaded `model.base`, the heads by the quadratic program).
-
-Options where the authors' code departs from the above (the paper's math is the default,
-except the projection order, whose printed form is the option):
-  * projection="code": g_i' <- g_i' - min(g_i' . g_j, 0) g_j, without dividing by
-    ||g_j||^2 (the code's `normalized_grad_vec` is never normalised);
-  * granularity="leaf": the whole procedure per parameter tensor (the code loops over
-    `parameters()`), instead of once over the shared model as one vector;
-  * rescale=True: d* / (1 + c^2) (the code's rescale=1 divides by 1 + alpha^2).
+Details (every option, the departures, measurements): docs/algorithms/confree.md.
 """
 
 from typing import Any, NamedTuple

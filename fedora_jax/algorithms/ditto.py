@@ -4,52 +4,17 @@ Li, Hu, Beirami, Smith. "Ditto: Fair and Robust Federated Learning Through
 Personalization." ICML 2021. https://arxiv.org/abs/2012.04221
 (code: github.com/litian96/ditto, HEAD 26d9b29; flearn/trainers_MTL/ditto.py)
 
-Ditto solves, per client k,  min_v  F_k(v) + lambda/2 ||v - w*||^2  with w* the global
-FedAvg solution (the paper's Eq. 2). Its solver (Algorithm 1), every round t:
-  1. the server sends w^t;
-  2. client k updates the global model as FedAvg's local solver would (here the run's
-     local SGD from w^t) and uploads the result;
-  3. client k updates its personal model v_k with SGD on
-     F_k(v) + lambda/2 ||v - w^t||^2, i.e. steps v -= lr (grad F_k(v) + lambda (v - w^t)),
-     anchored at the w^t it received (not at its own update of it; the code's
-     `self.global_model`);
-  4. the server averages the uploads (weighted by training-set size) into w^(t+1).
-v_k lives in the stacked client state and is the personalised model (the code evaluates
-`local_models`). It starts from the shared initial model (the code copies `latest_model`)
-and trains for the run's local epochs with the run's optimizer and lr, like the global
-update: the code gives both models the same `local_iters` steps at the same
-`learning_rate` every round (on the same mini-batch, step by step; here each model
-draws its own shuffle of the client's data). Round metrics report the personal model's
-training; `global_train_loss` is the global update's.
+Each round a sampled client trains the global model w^t by the run's local SGD and uploads it
+(the server averages the uploads, weighted by training-set size), and trains its personal
+model v_k on F_k(v) + lambda/2 ||v - w^t||^2 for the same epochs; it is scored with v_k.
+lambda_selection "per_client" (default) takes, each round, the lambda of lambdas "0.1,1,2"
+with the lowest validation loss; "fixed" uses lam (1); "per_step" chooses at every step.
 
-lambda (`lambda_selection`):
-  - "fixed": one lambda, `lam`, for every client. The authors' released runs
-    (run_fashion_clean_ditto_lam1.sh, run_vehicle_clean_ditto_lam1.sh: --lam=1
-    --dynamic_lam=0) use lambda = 1.
-  - "per_client" (default): the paper's per-device lambda (Appendix C: "For each device, we select
-    lambda locally based on its local validation data", from {0.1, 1, 2} when there is
-    no strong attack; a device with fewer than 4 validation samples keeps a fixed
-    lambda = 1). Every round, client k trains its personal model once per candidate in
-    `lambdas` (the candidates vmapped, all from the same v_k with the same batches) and
-    keeps the one with the lowest loss on its validation split.
-  - "per_step": the authors' `--dynamic_lam=1`, which makes the same choice at every SGD
-    step instead of once a round: from one gradient g of F_k at v, the candidate steps
-    v - lr (g + lambda (v - w^t)) for each lambda in the grid, keep the one with the lowest
-    validation loss. Here the data step is the run's optimizer step (momentum included)
-    and the proximal part lr lambda (v - w^t) is added after it, so `lr` (the run's client
-    lr) is a field; with plain SGD this is exactly the code's step.
-The code's validation data under --dynamic_lam is the last 10% of each device's training
-set (flearn/models/client.py); here it is the client's own validation split (FEDORA's
-Appendix B: 64 images a client on rotated MNIST).
+Departures: the default is the paper's per-client lambda, not the authors' released lam=1
+("fixed"); validation on the client's own split (the code: the last 10% of training); each
+model draws its own batches; per_step adds the proximal step after the run's optimizer step.
 
-With the run's momentum SGD, lambda = 1 drags the personal model a large part of the way
-to a global model that is still poor early on, so fixed learns slowly; per_client picks
-the grid's smallest lambda almost always and tracks LOCAL, and at the authors' code's 500
-rounds ends above fixed and near the FEDORA paper's Ditto row (measured:
-docs/measurements/2026-11-26-baselines.md, "Five low baselines", and
-docs/measurements/2026-11-26-fedora-table1.md). So
-"per_client", the rule the Ditto paper states, is the default;
-`--ditto_lambda_selection=fixed` is the authors' released setting.
+Details (every option, the departures, measurements): docs/algorithms/ditto.md.
 """
 
 from typing import NamedTuple
@@ -71,7 +36,7 @@ MIN_VAL_SAMPLES = 4
 
 class DittoConfig(NamedTuple):
   lam: float = 1.0  # pull of the personal model towards the global one (authors' runs)
-  lambda_selection: str = "per_client"  # fixed | per_client | per_step (docstring)
+  lambda_selection: str = "per_client"  # fixed | per_client | per_step (docs/algorithms/ditto.md)
   lambdas: str = "0.1,1,2"  # the candidate grid (Appendix C, and the code's dynamic_lam)
   lr: float = 5e-3  # per_step's proximal step size: the run's client lr (train field)
 

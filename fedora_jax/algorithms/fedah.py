@@ -6,37 +6,16 @@ Zhou, He, Zhai, Gao, Chen, Qin, Zhang, Guo. "FedAH: Aggregated Head for Personal
 Federated Learning." arXiv 2024. https://arxiv.org/abs/2412.01295
 (code followed: the authors' heyuepeng/FedAH, system/flcore/clients/clientah.py and
 servers/serverah.py, a PFLlib fork, and FL-bench's src/client/fedah.py /
-src/server/fedah.py, KarhouTam/FL-bench; both GPL: read, not run or copied. The paper's
-full text is not on disk, so this module follows the code and names no equation
-numbers. The PFLlib under ../shared/references has no FedAH, so there is no
-verification row: the unit tests check the weight step and the round by hand.)
+src/server/fedah.py, KarhouTam/FL-bench; both GPL: read, not run or copied)
 
-Client i keeps its model theta_i (extractor and head h_i) and element-wise weights W_i
-shaped like the head (ones at first). Sampled, it receives the global model Theta
-(extractor Theta_b, head Theta_h) and
+A sampled client learns W_i in h_hat = h_i + (Theta_h - h_i) * W_i, trains the head h_hat
+(both for plocal_epochs = 1; W's step eta = 1), then the extractor for the run's local epochs,
+uploads the whole model to the server's mean, and is scored with Theta_b under h_hat.
 
-  1. learns W_i for `plocal_epochs` epochs over its training data, one step a batch:
-       h_hat = h_i + (Theta_h - h_i) * W_i,
-       W_i <- clip(W_i - eta * grad_{h_hat} L(Theta_b, h_hat) * (Theta_h - h_i), 0, 1),
-     (the gradient of L with respect to W_i; h_hat is recomputed after each step);
-  2. trains the head h_hat for `plocal_epochs` epochs, the extractor Theta_b fixed;
-  3. trains the extractor for the run's local epochs, the head fixed;
-and uploads the whole model, which it also keeps as theta_i. The server's Theta is the
-weighted mean of the uploads (FedAvg: extractor and head). A client's personalised
-model, the one scored, is Theta_b with h_i + (Theta_h - h_i) * W_i, its weights from its
-last round. In the first round h_i is the shared initial head, Theta_h - h_i = 0 and
-W_i stays at ones.
+Departures: only sampled clients learn W_i (the authors': every client every round, scored
+before training); the run's optimizer, fresh for each phase (the codes: their own SGD).
 
-Defaults: eta 1 (the authors' code, FL-bench's --eta), plocal_epochs 1 (both). The head
-is the model's top Dense layer. Where the code differs: the authors' send_models runs
-step 1 for every client every round, sampled or not, and scores the clients after it,
-before they train; FL-bench, like this module, runs it on the round's clients only
-(the engine gives no client step outside the round, as ALA: fedora_jax/algorithms/ala.py).
-Both codes train with their own SGD (PFLlib: no momentum, the head and the extractor
-each with its own); here the run's optimizer, fresh for each phase. Each epoch
-reshuffles the client's samples (the engine's batches). BatchNorm: the running
-averages stay the client's own in h_hat (the codes set parameters only), as in ALA.
-Plug-ins (ALA, ConFREE, DP, robust aggregation) are not offered.
+Details (every option, the departures, measurements): docs/algorithms/fedah.md.
 """
 
 from typing import Any, NamedTuple

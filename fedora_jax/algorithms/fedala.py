@@ -7,14 +7,14 @@ Personalized Federated Learning." AAAI 2023. https://arxiv.org/abs/2212.01197
 The paper's Algorithm 1: the server averages the uploaded local models (FedAvg, weighted
 by training-set size over the round's sampled clients); each sampled client builds
 theta_hat from the received global model and its own previous local model by ALA (see
-ala.py for the equations, what --participation < 1 does, and the departures from the
+docs/algorithms/ala.md for the equations, what --participation < 1 does, and the departures from the
 authors' code), trains theta_hat with the run's local SGD, keeps the result as its local
 (personalised) model and uploads it.
 
 Hyperparameters are ALA's and share the --ala_* flags with the --ala plug-in. Defaults
 are the authors': s = 80 (rand_percent), eta = 1.0, threshold 0.1 over 10 losses, and
 p = 1 layer (their layer_idx=2 counts the head's weight and bias tensors); their sample
-and convergence loss are --ala_sample=slice --ala_epoch_loss=last (ala.py).
+and convergence loss are --ala_sample=slice --ala_epoch_loss=last (docs/algorithms/ala.md).
 
 Evaluation: each client's local model as it ends the round (trained from theta_hat).
 The authors evaluate after the next round's ALA, i.e. theta_hat of the next round before

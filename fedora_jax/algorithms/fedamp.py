@@ -3,54 +3,17 @@
 Huang, Chu, Zhou, Wang, Liu, Pei, Zhang. "Personalized Cross-Silo Federated Learning on
 Non-IID Data." AAAI 2021. https://arxiv.org/abs/2007.03797
 
-FedAMP minimises sum_i F_i(w_i) + lambda sum_{i<j} A(||w_i - w_j||^2) with the
-attention-inducing A(x) = 1 - exp(-x / sigma), alternating every round:
-  1. the server sends client i its cloud model u_i = sum_j xi_ij w_j with
-       xi_ij = alpha_k A'(||w_i - w_j||^2) = alpha_k exp(-||w_i - w_j||^2 / sigma) / sigma
-     for j != i and the self weight xi_ii = 1 - sum_{j != i} xi_ij;
-  2. client i trains on F_i(w) + lambda / (2 alpha_k) ||w - u_i||^2.
-`attention="cosine"` is the paper's heuristic for deep networks (HeurFedAMP): xi_ii is a
-hyperparameter and the others share 1 - xi_ii by a softmax of sigma_cos * cos(w_i, w_j).
-A client's personalized model is its own w_i.
+The server sends client i its cloud model u_i = sum_j xi_ij w_j, with attention weights from
+the distances between the clients' models (`attention` "distance"; "cosine": HeurFedAMP);
+client i trains w_i on its loss plus lambda / (2 alpha_k) ||w - u_i||^2 and is scored with
+w_i. Defaults `alpha_k` = `lam` = `sigma` = 1 (PFLlib's).
 
-The attention matrix [K, K] is computed in `aggregate` from the round's trained models
-(which are exactly what the next broadcast sees) and kept in the server state, so it is
-saved as an artifact; distances are taken row by row (memory O(K d), never [K, K, d]).
+Departures: the message-passing step is clipped to sigma / (K - 1) so that xi_ii >= 0
+(`clip_step` True; False is PFLlib's); under partial participation, which the paper leaves
+open, the attention reads every client's stored model (`attention_from` "all";
+"uploaders" is PFLlib's).
 
-Defaults (alpha_k = lambda = sigma = 1) are those of PFLlib's FedAMP
-(github.com/TsingZ0/PFLlib), which also starts local SGD from the client's own model;
-the paper minimises the proximal objective, whose minimiser does not depend on the start.
-
-Step bound (`clip_step`). The paper's analysis needs xi_ii >= 0, i.e. a cloud model that
-is a convex combination of the clients' models; since A'(d) <= 1 / sigma this holds for
-any distances when alpha_k <= sigma / (K - 1). PFLlib's alpha_k = 1 breaks it for any
-K > 1 + sigma: at K = 36 the first round's xi_ii is 1 - 35 = -34, every cloud model
-extrapolates far past the others, and the proximal term drags each client there
-(Acc 0.491 at 500 rounds against the FEDORA paper's 0.787; docs/measurements/). With
-`clip_step=True` (the default) the message-passing step in xi is
-min(alpha_k, sigma / (K - 1)); `clip_step=False` uses alpha_k as given (PFLlib's
-behaviour; `init` then warns when the first round extrapolates, and the per-client
-metric `self_weight` shows xi_ii). The proximal weight stays lambda / (2 alpha_k) of the
-configured values, i.e. lambda is scaled with the clipped step: clipping it too (the
-paper's coupling, 1 / (2 / 35) = 17.5 at the defaults) holds every client so close to
-its cloud model that it barely trains (Acc 0.210 after 100 rounds against LOCAL's
-0.752, docs/measurements/). PFLlib's FedAMP since 2023-03-01 (commit 45ae9f5) builds the
-regulariser from `p.data` (detached), so the term has no gradient and it trains like
-LOCAL: its numbers cannot show the extrapolation. The version behind the FedALA paper's
-table (a41f7ba, 2022-11-30) had the gradient, but built u_i from xi_ii times the client's
-previous cloud model u_i, not its own w_i (fixed 2023-04-08, 0998c54).
-Partial participation (`attention_from`). The paper's clients all take part every round
-(cross-silo), so it does not say which models build the attention when some sit a round
-out. `"all"` (the default) reads every client's stored model, a stale one for a client
-that sat out; `"uploaders"` reads only the models uploaded in the round (weight > 0 in
-`aggregate`), PFLlib's serverAMP.send_models: xi_ij is 0 for a j that did not upload,
-and client i's own w_i keeps 1 - sum_j xi_ij whether or not it uploaded. The step clip
-stays sigma / (K - 1), which bounds xi_ii >= 0 for any set of uploaders. The authors'
-code is not public (no repository found).
-The FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so the
-settings behind the FEDORA paper's row are not known. docs/measurements/2026-11-26-baselines.md
-("FedAMP's hyperparameters") has a sweep of alpha_k, lambda and sigma and of HeurFedAMP on rotated
-MNIST.
+Details (every option, the departures, measurements): docs/algorithms/fedamp.md.
 """
 
 import logging

@@ -9,42 +9,14 @@ FL-bench's src/server/fedap.py, KarhouTam/FL-bench, GPL: read, not run or copied
 has no FedAP, so there is no verification row: the unit tests check the core step by
 hand.)
 
-Similarity (the paper's section on adaptive weights; the authors' get_weight_preckpt).
-Under a pretrained model in inference mode, client i's training data give, at the input
-of every BatchNorm layer l, a per-channel mean mu_il and variance s2_il (over samples and,
-for convolutions, positions). Two clients' distance is the sum over layers of the
-2-Wasserstein distance between diagonal Gaussians,
+After warmup (0.5 of the rounds) of FedAvg, a client receives sum_j w_ij theta_j with its own
+BatchNorm layers (batch_norm "all"), trains it, and the server stores it: w_ii = model_momentum
+0.5, w_ij from 1/d_ij, d the distance of the clients' BatchNorm inputs; scored: the mixture.
 
-  d_ij = sum_l sqrt(||mu_il - mu_jl||^2 + ||sqrt(s2_il) - sqrt(s2_jl)||^2),
+Departures: FedAvg's warm-up pretrains the model (the authors: on pooled data); the variance
+is exact over a client's samples; without BatchNorm every distance is zero (a warning).
 
-and the weights are w_ij = (1 - m) (1/d_ij) / sum_{k != i} 1/d_ik for j != i, w_ii = m,
-with m the model momentum (0.5; a zero distance weighs 1e14, the code's).
-
-A round: client i receives sum_j w_ij theta_j over every client's stored model, with its
-own BatchNorm layers (`batch_norm`="all": scale, shift and running averages, the paper's
-"each client keeps its own BatchNorm" and the authors' code, which copies every entry but
-those named "bn"; "statistics": the running averages only, FL-bench's, which mixes the
-trainable BatchNorm scale and shift), trains it, and the server stores it. The authors
-score the mixture (their server mixes after training, then evaluates: `score`="mixed");
-FL-bench scores the trained model ("trained").
-
-The pretrained model. The authors pretrain a copy of the initial model centrally on all
-clients' pooled data (150 epochs) and then run FedAP from the initial model with fixed
-weights; a simulator of federated clients holds no pooled set. As FL-bench's f-FedAP, the
-first T_w rounds (`warmup`: a fraction in [0, 1] of the run's rounds, or a count > 1; 0.5,
-FL-bench's) are FedAvg, every parameter averaged, and its model at their end is the
-pretrained one: every client's stored model becomes it. Each client measures its
-statistics under the model it receives; the server keeps those of a client's first round
-from T_w on, when that is still the pretrained model (a client not yet sampled keeps its
-stored model and an identity row). Weights are over the clients measured so far, each
-new one adding its row and column (at full participation all from round T_w on, the
-authors' fixed matrix).
-
-Departures, named: the variance is the exact one over all of a client's samples (the
-authors pool per-batch unbiased variances, n/(n-1) apart per batch); a model without
-BatchNorm layers has no statistics, so every distance is zero and each client mixes
-itself (m) with the uniform mean of the others (the authors' code does the same); the run
-logs a warning saying so.
+Details (every option, the departures, measurements): docs/algorithms/fedap.md.
 """
 
 import logging

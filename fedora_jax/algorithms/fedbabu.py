@@ -5,26 +5,14 @@ Oh, Kim, Yun. "FedBABU: Towards Enhanced Representation for Federated Image
 Classification." ICLR 2022. https://arxiv.org/abs/2106.06042
 (code: github.com/jhoon-oh/FedBABU)
 
-The model is a body (every layer below the classifier: fedora_jax.algorithms.layers) and a
-head (the top layer). Each round (the paper's training procedure):
-  1. the server sends the global model: the averaged body theta_ext under the head
-     theta_cls fixed at the run's initial model (all clients share it);
-  2. client i trains the body alone on its cross-entropy for the run's local epochs, the
-     head frozen (the authors' code: head_lr = 0), and uploads the body;
-  3. the server averages the bodies, weighted by training-set size (over the round's
-     sampled clients). The head never changes.
-Personalisation (the paper's evaluation): each client fine-tunes the global model on its
-own training data for tau epochs, the whole model (body and head, one learning rate: the
-authors' analysis.ipynb) by default, or the head alone (finetune_part="head"), with the
-run's optimizer and learning rate. tau = 5 (the paper's and notebook's
-personalization_epoch).
+Each round a sampled client trains the body under the frozen initial head (the top layer)
+for the run's local epochs and uploads it; the server averages the bodies (weighted by
+training-set size). A client is scored with the global model fine-tuned on its training
+data for finetune_epochs = 5 epochs (tau), the whole model by default (finetune_part "full";
+"head": the head alone). The fine-tuning runs in the client update, so the paper's protocol
+is evaluated every round; an unsampled client keeps its last fine-tuned model.
 
-How it runs here: personalized_params sees no data, so the fine-tuning is computed in the
-client update, from the global model the client received (as fedavg_ft does): round t's
-personalised model of a sampled client is "FedBABU for t - 1 rounds, then tau epochs of
-fine-tuning", the paper's protocol evaluated every round, at the cost of tau more epochs
-per client and round. A client not sampled this round keeps its last fine-tuned model.
-finetune_epochs = 0 evaluates the global model itself (the paper's "initial" accuracy).
+Details (every option, the departures, measurements): docs/algorithms/fedbabu.md.
 """
 
 from typing import Any, NamedTuple

@@ -4,31 +4,15 @@ Li, Jiang, Zhang, Kamp, Dou. "FedBN: Federated Learning on Non-IID Features via 
 Batch Normalization." ICLR 2021. https://arxiv.org/abs/2102.07623
 (code: github.com/med-air/FedBN)
 
-Algorithm 1 of the paper: every client trains its model locally; then "for each layer l:
-if layer l is not BatchNorm, w^(l) <- (1/K) sum_k w_k^(l)", while each client keeps its
-own BatchNorm layers. Kept local are a BatchNorm layer's scale and shift and its running
-mean and variance (the authors' code skips every state_dict entry with "bn" in its name
-when averaging, running statistics included). Here: every leaf of a flax module named
-BatchNorm_<n>, and the running averages the engine folds in beside them
-(engine/batch_stats.py `is_batch_norm`).
+Client k trains the whole model for the run's local epochs under its own BatchNorm layers
+(scale, shift and running statistics) and uploads the rest; the server averages the uploads
+and client k is scored with them under its own BatchNorm layers. On a model without
+BatchNorm FedBN is FedAvg (a warning is logged); resnet18 and coaching_cnn_bn have it.
 
-A round: the server sends the averaged shared parameters; client k puts them under its
-own BatchNorm parameters, trains the whole model for the run's local epochs, and uploads
-the shared part; the server averages the uploads; client k is evaluated with the new
-shared parameters under its BatchNorm layers.
+Departures: clients weighted by their n_k training samples (`weighting` "samples", as
+FedAvg); "uniform" is Algorithm 1's 1/K.
 
-Weighting (`weighting`): "samples" (default) weights client k by its n_k training
-samples, as this project's FedAvg, and as the parameter-coaching paper (Zhi et al., AAAI
-2024) describes the FedBN it compares with ("aggregates other layers by weighted
-averaging"); "uniform" is Algorithm 1's 1/K (and the authors' code's client_weights). In
-the FedBN paper's experiments every client holds equally many samples, where the two
-coincide. Over the sampled clients under --participation, as FedAvg.
-
-On a model without BatchNorm (mlp, cnn, coaching_cnn, fedavg_cnn) nothing is kept local
-and FedBN is FedAvg exactly (weighting="samples"; tests/test_fedbn.py); the run logs a
-warning saying so rather than refusing. The models with BatchNorm are resnet18 and
-coaching_cnn_bn (coaching_cnn with FedBN's own placement of BatchNorm layers, which the
-coaching tables' FedBN row runs on MNIST and Fashion-MNIST).
+Details (every option, the departures, measurements): docs/algorithms/fedbn.md.
 """
 
 import logging

@@ -10,30 +10,13 @@ argzoo's fedcac configs; PFLlib's clientcac.py / servercac.py, which the verific
 runs beside this module. The paper's full text is not on disk: this module follows that
 code, and names no equation numbers.)
 
-Client i trains its model theta_i (local SGD on cross-entropy) from theta_i^0 and marks,
-in every parameter tensor, the top tau fraction of the sensitivities
-|(theta_i - theta_i^0) * theta_i| as critical (evaluate_critical_parameter: the threshold
-is the int(tau n)-th largest value; where it is <= 1e-10, the smallest sensitivity above
-1e-20). The server, in round t (from 0), over the round's clients S:
+Each round a sampled client trains, marks the top tau 0.5 of each tensor's sensitivities as
+critical and uploads; the server averages the models into w and, per client, those whose masks
+overlap above a threshold rising over beta 100 rounds into u_i. Scored: c_i u_i + (1 - c_i) w.
 
-  global model  w = the FedAvg of the trained models (weights n_i)
-  overlap       o_ij = 1 - |c_i - c_j|_1 / (2 |c_i|_1)  (c the 0/1 critical masks, i != j)
-  threshold     o_avg + (t + 1) / beta * (o_max - o_avg)  (mean, max over the pairs of S)
-  customised    u_i = the plain mean of theta_j over j = i and every j with o_ij >= it
+Departure: a partial last batch trains; first_round "initial" is PFLlib's round 0.
 
-and every client starts its next round from theta_i = c_i * u_i + (1 - c_i) * w, the
-model it is scored with. As t grows, the threshold rises to o_max and the clients
-collaborate on their critical parameters less. A client that sat the round out keeps
-its mask and its u_i and takes the new w for its non-critical parameters (the
-reference's server sends to every client); before its first training it has no
-critical parameter (theta_i = w).
-
-Defaults: tau 0.5, beta 100 (the authors' CIFAR-10 config). first_round: "customized"
-(the authors' code: customised models from the first aggregation on); "initial" is
-PFLlib's, whose server builds no customised model in round 0 (its send_models skips
-them while its epoch counter is 0), so after it every client's critical parameters are
-those of the initial model.
-Departure: a partial last batch trains, as for every method (PFLlib's loader drops it).
+Details (every option, the departures, measurements): docs/algorithms/fedcac.md.
 """
 
 from typing import Any, NamedTuple

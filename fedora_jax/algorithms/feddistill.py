@@ -7,28 +7,15 @@ Federated Distillation and Augmentation under Non-IID Private Data." NeurIPS 201
 Workshop on Machine Learning on the Phone and other Consumer Devices.
 https://arxiv.org/abs/1811.11479
 (code: PFLlib's clientfd.py / serverfd.py ("FD"), which the verification runs beside
-this module. The paper's full text is not on disk: this module follows that code, and
-names no equation numbers.)
+this module)
 
-Client i's model F_i (never sent). A sampled client trains it for the run's local
-epochs, one step per batch, on
+A sampled client trains its own model F_i (never sent) on CE + lam * soft-label cross-entropy
+against the global logit of its label (target "softmax"; "raw": PFLlib's form), lam 1, and
+uploads its per-class mean logits; the server averages them per class; F_i is scored.
 
-  CE(F_i(x), y) + lam * soft-label cross-entropy of F_i(x) against the target of y
+Departure: a partial last batch trains and counts in the logits (PFLlib's loader drops it).
 
-while it records F_i(x) (each step's forward, before its step); it uploads, for every
-class c it holds, the mean L_ic of those logits over its samples of class c. The server's
-global logit of class c is the plain mean of the round's L_ic over the clients that
-uploaded c (PFLlib's proto_aggregation); a class none of them holds has none that round.
-Every client receives them. Client i is scored with F_i.
-
-target: "softmax" (default) distils as knowledge distillation does, the target the
-softmax of the global logit of y, for the samples whose label has one (the others add
-nothing); "raw" is PFLlib's: nn.CrossEntropyLoss with the raw global logit vector as
-the target's class weights, and a sample whose label has none targets its own (detached)
-logits; neither form distils before the first aggregation.
-
-Defaults: lam 1 (PFLlib's --lamda). Departure: a partial last batch trains and counts in
-the logits, as for every method (PFLlib's loader drops it).
+Details (every option, the departures, measurements): docs/algorithms/feddistill.md.
 """
 
 from typing import Any, NamedTuple

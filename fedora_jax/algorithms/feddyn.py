@@ -6,21 +6,15 @@ Regularization." ICLR 2021. https://arxiv.org/abs/2111.04263
 (code: github.com/alpemreacar/FedDyn; reference run beside it: PFLlib's serverdyn.py /
 clientdyn.py)
 
-Algorithm 1. Client k keeps g_k, the gradient of its loss at its last model (zeros at
-first). Sampled, it trains from the server model theta^{t-1} on
-  L_k(theta) - <g_k, theta> + alpha/2 ||theta - theta^{t-1}||^2
-with the run's optimiser, then sets g_k <- g_k - alpha (theta_k^t - theta^{t-1}) and
-uploads theta_k^t. The server, over the round's sampled clients P_t of all N:
-  h^t = h^{t-1} - alpha (1/N) sum_{k in P_t} (theta_k^t - theta^{t-1})
-  theta^t = (1/|P_t|) sum_{k in P_t} theta_k^t - h^t / alpha.
-Clients that sit a round out keep g_k and add nothing to h (the paper's 1/N). The global
-model theta^t is the one scored (the paper's).
+Client k trains from the server model on its loss - <g_k, theta> + alpha/2 ||theta -
+theta^{t-1}||^2, updates g_k and uploads its model; the server moves h by -alpha / N times
+the sum of the round's updates and sets theta^t to the mean of the uploads minus h / alpha.
+The global model is scored. `alpha` 0.01, the authors' code's alpha_coef.
 
-alpha: the paper tunes it in {0.1, 0.01, 0.001}; the default 0.01 is its code's
-alpha_coef. Departure options: `penalty` "squared" (the paper's alpha/2 ||.||^2) or
-"norm" (PFLlib's alpha/2 ||theta - theta^{t-1}||, not squared; its g_k update is the
-paper's); `server_mean` "uniform" (the paper's and PFLlib's 1/|P_t|) or "weighted" (the
-run's client weights).
+Departures, as options: `penalty` "norm" (PFLlib's unsquared distance; default "squared",
+the paper's); `server_mean` "weighted" (default "uniform", the paper's 1/|P_t|).
+
+Details (every option, the departures, measurements): docs/algorithms/feddyn.md.
 """
 
 from typing import Any, NamedTuple

@@ -9,34 +9,14 @@ KarhouTam/FL-bench, GPL: read, not run or copied. PFLlib has no FedEM, so there 
 verification row: the unit tests check the E-step, the weighted loss, pi's M-step, the
 server's average and the mixture's prediction by hand.)
 
-Each client k's data is a mixture of M distributions shared by all clients, with its own
-weights pi_k (the simplex, 1/M at the start); component m is modelled by h_m, a model of
-the run (M = 3, the paper's and authors' default). A round (Algorithm 1):
-  1. the server sends every client all M components theta_1..theta_M;
-  2. E-step: client k computes each training sample's responsibilities
-       q_m(x, y) = softmax_m(log pi_km - l(h_m(x), y)),
-     l the cross-entropy (the log-likelihood up to a constant), with the received models;
-  3. M-step: pi_k = the mean of q over its training samples; each component m trains on
-     the responsibility-weighted loss (1/B) sum_i q_m(x_i, y_i) l(h_m(x_i), y_i) for the
-     run's local epochs (the authors' fit_epochs with weights: sum over the batch / B);
-  4. the server sets theta_m to the sample-weighted mean of the clients' trained
-     theta_m (the run's client weights; the paper's n_k / n).
-A client's model is its mixture: p(y | x) = sum_m pi_km softmax(h_m(x))_y (the
-authors' evaluate: log of the clamped mixture into NLL). FL-bench's EnsembleModel
-mixes the logits instead, sum_m pi_km h_m(x): `prediction="logits"`.
+Each round a client takes the M = num_components (3) components, weighs each sample by its
+responsibilities (E-step), updates its weights pi_k and trains every component on its weighted
+loss; the server averages each component. Scored: sum_m pi_km softmax(h_m(x)) ("mixture").
 
-Vectorised form. The M components train as one stacked model [M, ...] under one
-optimizer: the loss is the sum of the M weighted losses, each reading only its own
-parameters, so every component's SGD (with momentum and weight decay, elementwise) is the
-one it would take alone. The responsibilities are fixed for the round (computed with the
-received models and the old pi); rather than one pass over the training set before
-training, each step recomputes its batch's q from the received models (the same
-numbers, no per-sample array carried by index), and pi is the mean of q over the samples
-the steps saw (every sample once an epoch; a straggler: those it reached).
-Initialisation: the M components must differ (equal ones get equal responsibilities
-and gradients forever); component 0 is the run's initial model, the others random
-re-draws of it (tree.initial_centers; the authors draw M independent models).
-Classification only (the E-step reads a class likelihood).
+Departures: the components start as re-draws of the run's initial model (the authors: M
+independent models); q is recomputed per batch (the same numbers).
+
+Details (every option, the departures, measurements): docs/algorithms/fedem.md.
 """
 
 from typing import Any, NamedTuple

@@ -4,36 +4,18 @@ clients' classifier heads, from which every client then learns beside its data.
 Zhu, Hong, Zhou. "Data-Free Knowledge Distillation for Heterogeneous Federated
 Learning." ICML 2021. https://arxiv.org/abs/2105.10056
 (code: PFLlib's servergen.py / clientgen.py, which the verification runs beside this
-module; the authors' zhuangdizhu/FedGen, read. The paper's full text is not on disk:
-the two objectives below are its server's and its users' as this module reads them.)
+module; the authors' zhuangdizhu/FedGen, read)
 
-A model is a body and a head g (its top Dense layer: logits of the representation z).
-The generator G_w(z | y) (models/generator.py) maps noise and a label to a
-representation. Each round:
+A sampled client trains the global model on CE on its data + CE of its head on generated
+representations z = G_w(noise, y'), y' ~ p(y); the server takes server_epochs Adam steps
+on the generator G_w against the uploaded heads' ensemble (ensemble "uniform" or "samples"),
+then averages the models (FedAvg); every client is scored with the global model.
+FedGenConfig: noise_dim 512, hidden_dim 512, generator_lr 0.005, server_epochs 1000.
 
-  client k (sampled), from the global model theta: the run's local epochs of SGD on
-    CE(theta_k(x), y) + CE(g(z; theta_k), y'),   y' ~ p(y), z = G_w(noise, y')
-  each step drawing a fresh generated batch of the run's batch size (G fixed);
-  server: `server_epochs` Adam steps on w, each on a fresh batch y' ~ p(y), of
-    CE(sum_k a_k g(z; theta_k), y'),             z = G_w(noise, y')
-  over the heads the sampled clients uploaded, then theta = FedAvg of their models.
+Departures: none of the authors' extra terms (the paper's two objectives, as PFLlib); a
+partial last batch trains (PFLlib drops it).
 
-p(y) is the federation's label distribution (its training samples per class, PFLlib's
-qualified_labels). Every client is scored with theta.
-
-ensemble: "uniform" (default) weighs the heads' logits a_k = 1/K over the round's K
-clients, the paper's ensemble (1/K) sum_k g(z; theta_k); "samples" weighs them by
-training samples, a_k = n_k / n (PFLlib's uploaded_weights). A head is affine, so the
-weighted logits are the logits of the weighted mean head, which is what the server
-computes.
-
-Defaults: PFLlib's --noise_dim 512, --hidden_dim 512, --generator_learning_rate 0.005
-(Adam, betas 0.9 / 0.999, eps 1e-8, its moments kept across rounds as both codes keep
-their optimiser) and --server_epochs 1000. The authors' code adds more than the paper's
-two objectives (a diversity loss on the generator, label-count weights per user and
-label, a latent-matching term and decaying weights on the users' side, no generated
-batches in round 0); neither the paper's objectives nor PFLlib have them, nor this
-module. Departure, as for every method: a partial last batch trains (PFLlib drops it).
+Details (every option, the departures, measurements): docs/algorithms/fedgen.md.
 """
 
 from typing import Any, NamedTuple, cast

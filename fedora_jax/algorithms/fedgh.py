@@ -7,23 +7,15 @@ Header." ACM Multimedia 2023. https://arxiv.org/abs/2303.13137
 module. The paper's full text is not on disk: this module follows that code, and names
 no equation numbers.)
 
-Client i keeps its feature extractor f_i (every layer below the top Dense layer; never
-sent). Each round every client receives the global header h (the top layer) in place of
-its own; a sampled client trains (f_i, h) on cross-entropy for the run's local epochs,
-then uploads its class prototypes P_ic = the mean of f_i(x) over its training samples of
-class c, for the classes it holds (collect_protos). The server trains h on the uploaded
-(P_ic, c) pairs: one epoch of plain SGD at server_lr on the cross-entropy of h(P_ic),
-shuffled batches of the run's batch size (train_head). Client i is scored with (f_i, h).
-A client that sat the round out uploads nothing and receives the new h.
+Client i trains its own feature extractor f_i under the global header h (the top layer) for
+the run's local epochs and uploads its class prototypes (mean features per class); the
+server trains h on them, one epoch of plain SGD at `server_lr` (1, PFLlib's), and sends it
+to every client. Client i is scored with (f_i, h). `server_head_start` "global"
+("first_client": PFLlib's).
 
-server_head_start: "global" starts the server's training from the header it sent; in
-PFLlib the server's header is client 0's own module (servergh: self.head =
-clients[0].model.head), so it starts from client 0's locally trained header when client
-0 trained this round ("first_client", for the verification).
+Departures: prototypes average every training sample; partial last batches train (PFLlib: dropped).
 
-Defaults: server_lr 1 (PFLlib's --server_learning_rate). Departures: prototypes average
-every training sample (PFLlib's loader drops a last partial batch); the engine's
-partial last batches train, as for every method.
+Details (every option, the departures, measurements): docs/algorithms/fedgh.md.
 """
 
 from typing import Any, NamedTuple

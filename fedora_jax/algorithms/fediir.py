@@ -11,32 +11,12 @@ so this module names no equation numbers. PFLlib has no FedIIR, so there is no
 verification row: the unit tests check the gradient, the penalty and the server's mean
 by hand.)
 
-With w the classifier (the top Dense layer) and R_k client k's mean cross-entropy, client
-k minimises, batch by batch,
+Clients train on CE + penalty (1e-3) ||grad_w CE - g||^2, w the classifier, g the server's
+running mean (ema 0.95) of their classifier gradients; FedAvg; scored: the global model.
 
-  R_k(batch) + gamma * || grad_w R_k(batch) - g ||^2
-
-(differentiated through the inner gradient: the authors' create_graph=True), where g is
-the server's running mean of the clients' classifier gradients:
-
-  g <- ema * g + (1 - ema) * (sum over the clients' batches of grad_w R(batch)) / batches,
-
-each batch gradient taken at the global model before training, over the round's sampled
-clients. The server averages the trained models as FedAvg (with the run's client
-weights; the authors' plain mean is --client_weights=uniform), and every client is
-scored with the global model.
-
-Defaults: the authors' hparams_registry: ema 0.95, gamma (`penalty`) 1e-3, their value for
-datasets other than the four they tune (RotatedMNIST 1e-2, VLCS 5e-3, PACS 1e-3,
-OfficeHome 5e-4). The authors' local optimiser (SGD, momentum 0.9) is the run's.
-
-Departures, from fitting the method into one pure round: a client computes its gradient
-at the global model it receives and uploads it with its trained model, so the g a round
-trains with holds the gradients up to the round before (the authors gather them at the
-round's own model before training: the first round's g is then 0.05 x its first mean,
-here 0). A client's gradient is its whole training split's mean gradient weighted by its
-ceil(n / B) batches (the authors' sum of per-batch mean gradients: the same but for the
-last partial batch). A round no client takes part in keeps g.
+Departures: g holds the clients' gradients up to the round before (taken at the model each
+received); a client's gradient is its split's mean, weighted by its batches.
+Details (every option, the departures, measurements): docs/algorithms/fediir.md.
 """
 
 from typing import Any, NamedTuple

@@ -3,66 +3,18 @@
 Wu, Bao, Ainsworth, He. "Personalized Federated Learning with Parameter Propagation."
 KDD 2023. https://doi.org/10.1145/3580305.3599464  (code: github.com/junwu6/FEDORA)
 
-The paper's equations (`variant="paper"`, FedoraConfig's field defaults):
-  1. client k uploads U_k, the top-p right singular vectors of Z_k = [X_k, onehot(Y_k)];
-  2. the server sets w_kk' = sum of the cosines of the principal angles of U_k, U_k'
-     (every pair, the diagonal included: w_kk = p);
-  3. every round it propagates the client models (Lemma 4.2, Eq. 6),
-     Theta_hat = (1 - kappa)(I - kappa D^-1 W)^-1 Theta, kappa = alpha / (1 + alpha);
-  4. client k sets lambda_k = max(eps, Lval_k(theta_k) - Lval_k(theta_hat_k)) (Eq. 8);
-  5. and trains E local epochs of SGD on CE + lambda_k ||theta - theta_hat_k||^2
-     (Eq. 7), starting from its own theta_k.
+Each client uploads its data subspace U_k once; the server builds the client graph W from
+their principal angles (or Table 4's `similarity`) and every round propagates the client
+models, Theta_hat = (1 - kappa)(I - kappa D^-1 W)^-1 Theta. Client k sets lambda_k from its
+validation losses of theta_k and theta_hat_k, trains its own theta_k pulled towards
+theta_hat_k, and uploads it; it is scored with theta_k. FedoraConfig's field defaults are
+the paper's equations (variant "paper"); the default run is variant "authors".
 
-The authors' public code (`variant="authors"`) departs from the paper in:
-  - weights exp(10 * cos) with a zero diagonal, each row keeping its top-2 neighbours
-    (so W is not symmetric);
-  - kappa = 0.8 (alpha = 4) instead of alpha = 1;
-  - lambda_k = exp(diff / 2) when diff = Lval(theta_k) - Lval(theta_hat_k) >= 0, else 0;
-  - no proximal term in the loss: after each SGD step the client is pulled towards
-    theta_hat_k by theta <- theta - lr * lambda_k * (theta_before_step - theta_hat_k),
-    outside the momentum buffer;
-  - Lval is the sum over validation batches of 64, in order, of each batch's mean loss
-    (ClientUpdate.get_loss), not the mean over the validation set: the same on rotated
-    MNIST's 64 validation images, about 16 times the mean (and so diff) on the ~1,000 of
-    the CIFAR-10 loader it ships (`val_loss="batch_sum"`, `authors_val_loss`). Not in
-    the "authors" preset: their code has no imbalanced setting, whose large client holds
-    17,760 validation images (278 batches), and there exp(278 diff / 2) overflows float32
-    as soon as diff > 0.64; the preset keeps the mean, which is their loss on rotated
-    MNIST, and `--fedora_val_loss=batch_sum` turns the code's sum on (CIFAR-10). On the
-    calibrated CIFAR-10 split (docs/datasets.md) the sum ran to round 32 (test Acc 0.7608
-    at round 20 against the mean's 0.7574) and then failed with a NaN loss at one client:
-    lambda is exp(8 diff) there, and the decoupled pull overshoots theta_hat_k once
-    lr * lambda > 2 (lambda > 400). Their code has no CIFAR-10 main to show what it did.
-Each difference is also a separate field of FedoraConfig, so they can be mixed.
+Departures: the "authors" variant is the public code's: exp(10 cos) weights with a zero
+diagonal and top-2 neighbours, kappa 0.8, lambda_k = exp(diff / 2), a pull after each step
+(pull="decoupled"); its validation loss stays the mean (the code's sum: val_loss="batch_sum").
 
-The paper's ablations (section 5.3), on top of either variant:
-  - Table 4, `similarity`: W from another client similarity in place of the principal
-    angles (step 2), each read from the work the paper cites for it (fedora_jax/
-    similarity.py): "random" (FedU [7]), "parameters" (cosine of the client models,
-    FedAMP [13]) or "gradients" (cosine of the client updates, clustered FL [31]).
-    Section 5.3.2 does not say when these are computed; the Remark of section 4.2.1 says
-    that [13, 31] "estimate the client similarity using local model parameters" and
-    "calculate the client similarity in every training round", so here "parameters" and
-    "gradients" are recomputed by the server after every round, from the models (and
-    updates) it then propagates; "random" is drawn once from the algorithm key. Before
-    the first round every client holds the same model, so any W propagates it to itself
-    (the initial "gradients" W is all ones). Each measure goes through the same graph
-    (weights, diagonal, top-k) as the principal angles. Cosines can be negative, which
-    the paper's weights="cosine" cannot take (W is a random walk's weights): it clips
-    them at 0; weights="exp" keeps their order. The paper is silent on all of this.
-    With partial participation a "gradients" cosine is refreshed only between two
-    clients that both trained this round; the others keep their last one.
-  - Table 5, `lambda_rule="constant"`: lambda_k = `lambda_value` for every client and
-    round, in place of Eq. (8), entering exactly where the selective lambda_k does (the
-    proximal weight of Eq. (7), or the authors' pull strength).
-
-The default variant (DEFAULT_VARIANT, and so `--algorithm=fedora` with no other flag) is
-"authors": on rotated MNIST it ends near the paper's Table 1, while the equations as
-printed end close to LOCAL (docs/measurements/2026-11-26-fedora-table1.md). The dense
-sum-of-cosines graph is what holds them back: every weight lies near 1, so theta_hat_k
-is about half the client's own model
-and half the plain mean of all clients, its validation loss is rarely below the
-client's, and lambda_k stays at its floor.
+Details (every option, the departures, measurements): docs/algorithms/fedora.md.
 """
 
 import math
@@ -114,7 +66,7 @@ PRESETS = {
 }
 
 
-# The variant whose numbers the paper reports (module docstring): the default run.
+# The variant whose numbers the paper reports (docs/algorithms/fedora.md): the default run.
 DEFAULT_VARIANT = "authors"
 
 # Help of the --fedora_<field> flags; each flag's help also gives its value in every preset.
@@ -208,7 +160,7 @@ class FedoraServer(NamedTuple):
 def _edge_weights(cosine_similarity: jax.Array, config: FedoraConfig) -> jax.Array:
   if config.weights == "exp":
     return jnp.exp(config.temperature * cosine_similarity)
-  # Weights must be >= 0; only Table 4's cosines can be negative (the module docstring).
+  # Weights must be >= 0; only Table 4's cosines can be negative (docs/algorithms/fedora.md).
   return jnp.maximum(cosine_similarity, 0.0)
 
 

@@ -6,59 +6,17 @@ Collaboration." ICLR 2023. https://arxiv.org/abs/2306.11867
 (code: github.com/JianXu95/FedPAC, methods/fedpac.py, running.py, tools.py; also
 TsingZ0/PFLlib clientpac.py / serverpac.py)
 
-Client i's model is the global body f (every layer below the head) under its own affine
-head g_i (the top layer), z = f(x) its features. A round, for the sampled clients:
+Client i trains its head g_i (body frozen, `head_epochs` 1), then the shared body with its
+features pulled to the global class prototypes (`lam` 1), and uploads body, head, prototypes
+and feature statistics. The server averages bodies and prototypes and gives client i a mix
+of the heads, weights from a QP on the simplex (FISTA, `qp_steps` 500, `min_weight` 1e-3).
+Client i is scored with the new body under its head.
 
-1. Statistics (before training, with the received body; authors' statistics_extraction):
-   with n_i training samples, n_ik of class k, p_ik = n_ik / n_i, mu_ik the class-k mean
-   of z,
-       h_i[k] = p_ik mu_ik                               [C, d]
-       V_i    = ( (1/n_i) sum_s ||z_s||^2 - sum_k ||h_i[k]||^2 ) / n_i
-   (the code's  sum_k p_k tr(F_k^T F_k / n_k) - p_k^2 ||mu_k||^2, divided by n_i).
-2. Local training (the paper's two-stage update, authors' local_training): the head
-   alone (body frozen) for `head_epochs` epochs on the cross-entropy, then the body
-   alone (head frozen) for the remaining epochs on
-       CE(g_i(f(x)), y) + lambda * MSE(f(x), c_y),
-   c_y the global prototype of class y (the local pre-training prototype mu_iy where no
-   sampled client held class y in the last round); no alignment before the first
-   global prototypes exist (the authors' round 0).
-3. Upload: the body, the head, the per-class feature sums and counts of the trained
-   model (its local prototypes), and (V_i, h_i) from step 1.
-Server:
-   * body: FedAvg of the sampled bodies (weights n_i);
-   * prototypes: c_k = sum_i n_ik mu_ik / sum_i n_ik over the sampled clients
-     (tools.protos_aggregation, weighted by class counts);
-   * classifier collaboration (the paper's bias-variance objective, tools.
-     get_head_agg_weight): for each sampled client i, over the sampled clients j,
-         alpha_i = argmin_{alpha in simplex}
-                     sum_j alpha_j^2 V_j + || sum_j alpha_j (h_i - h_j) ||^2
-                 = argmin  alpha^T (diag(V) + D^i) alpha,  D^i_jl = <h_i - h_j, h_i - h_l>,
-     and g_i <- sum_j alpha_ij g_j (the trained heads). The authors solve it with cvxpy;
-     here by accelerated projected gradient (FISTA, `qp_steps` iterations, step 1 / L
-     with L from power iteration) on the simplex restricted to the sampled clients, all
-     clients at once: with G = [<h_j, h_l>], the objective is
-     alpha^T (diag(V) + G) alpha - 2 G_i . alpha + G_ii on the simplex. Weights below
-     `min_weight` are zeroed and the rest renormalised (the authors' eps = 1e-3).
-     Clients that sat the round out keep their heads. The last round's weights are
-     saved with the results (combination_weights.npy).
-Evaluation: the latest global body under the client's head (the authors' accuracy
-"before local training", after the server step).
+Departures: the run's optimizer for both phases, one state through both
+(phase_optimizer=separate: the authors' fresh one), head epochs out of --local_epochs; the
+QP by FISTA, not cvxpy. PFLlib's form: `proto_mean`, `missing_proto`, `renormalize`.
 
-Departures: the authors train the head with lr 0.1 and the body with the run's lr
-(0.01), both SGD with momentum 0.5 and weight decay 5e-4; here both phases use the run's
-local optimizer. The authors build a new SGD for each phase over its trained part only;
-here one optimizer state runs through both phases by default, and the frozen body's
-momentum gathers its weight decay in the head's epochs (fedrep.py says how much):
-phase_optimizer=separate restarts the state when the body's phase begins, the authors'
-form (PFLlib's FedPAC: one plain SGD, no state to tell them apart). Their epochs are 1 (head) + E (body); here the head's `head_epochs`
-come out of the run's --local_epochs, as for FedRep. Equation numbers are not given: the
-paper's full text is not on disk; the equations above are the authors' code's.
-PFLlib's FedPAC (serverpac.py, clientpac.py) in three places, each behind an option (the
-authors' stays the default; verification row fedpac): its c_k the plain mean of the
-clients' mu_ik (proto_mean=clients, FedProto's proto_aggregation), a sample of a class
-without c_y not pulled (missing_proto=own: its target is its own feature), and the heads
-combined with the weights left as zeroed, not summing to 1 (renormalize=false).
-Defaults: lambda = 1 (authors' --lam), head_epochs = 1 (their epoch_classifier).
+Details (every option, the departures, measurements): docs/algorithms/fedpac.md.
 """
 
 from typing import Any, NamedTuple

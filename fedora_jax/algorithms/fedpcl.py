@@ -6,41 +6,17 @@ Tan, Long, Liu, Zhou, Lu, Jiang, Zhang. "Federated Learning from Pre-Trained Mod
 Contrastive Learning Approach." NeurIPS 2022. https://arxiv.org/abs/2209.10083
 (code: PFLlib's clientpcl.py / serverpcl.py, which the verification runs beside this
 module, and the authors' github.com/yuetan031/FedPCL, read for its temperature and
-inference. The paper's full text is not on disk; the losses below are PFLlib's, which
-its prototype-wise contrastive terms take; no equation numbers.)
+inference. The paper's full text is not on disk; the losses (docs/algorithms/fedpcl.md) are
+PFLlib's, which its prototype-wise contrastive terms take; no equation numbers.)
 
-The paper trains a small projection on frozen pre-trained backbones; the project has no
-pre-trained backbones, so here, as in PFLlib, the representation is the model's body
-output (the head layer's input, the head itself unused) trained from the run's initial
-model. r = h / max(||h||, 1e-12) is a sample's normalised representation; client i's
-prototype C_i^(c) is the mean r of its training samples of class c; the global prototype
-C^(c) the plain mean of the C_i^(c) of the clients that hold c; client j's set P_j holds
-its own C_j^(c) and, for a class it lacks, C^(c). A sampled client trains, one step per
-batch, on
+Each round a sampled client trains its body's normalised representation on contrastive losses
+(temperature tau 0.07) against the global prototypes and every client's prototype set, then
+uploads its class prototypes; the server averages them into the global ones. A client is
+scored by its nearest prototype (predict "similarity"); clip_norm 0 (none).
 
-  L_g + 1/K sum_j L_j,   L = -log softmax_c(<r, C^(c)> / tau)[y]
-
-(L_g over the global prototypes, L_j over P_j, all K clients' sets, its own included),
-then computes its prototypes with the trained model and uploads them. The server
-averages the sampled clients' into the global ones (a class none of them holds keeps its
-previous one) and rebuilds those clients' sets; the others keep theirs. A client is
-scored by its nearest prototype in P_i (predict="similarity": the largest <r, P_i^(c)>,
-PFLlib's) or, predict="distance", the nearest of its own classes' prototypes in squared
-distance (the authors' code, test_inference_twoway).
-
-The first prototypes come from the initial model on every client's training data, as
-the algorithm starts (PFLlib spends its first round on that, training nobody; the
-authors' first round trains on a zero loss): round r here is PFLlib's round r + 1.
-
-PFLlib's form, behind options (the verification runs it): tau=1 (its --tau default),
-clip_norm=10 (the gradient clipped to global norm 10 before each step). PFLlib stacks the
-prototypes of its dicts in insertion order, the order classes first appear in a shuffled
-loader, and scores column c as class c, so its contrastive targets are classes permuted at
-random; here column c is class c (the verification sorts PFLlib's dicts; see
-docs/verification.md). Defaults: tau 0.07 (the authors' code's temperature). Departures:
-with partial participation PFLlib's first round collects the sampled clients' prototypes
-only, and a class no sampled client holds breaks its round; a partial last batch trains,
-as for every method.
+Departures: the representation is the body's output, trained from the initial model (no
+pre-trained backbone); PFLlib's form behind tau=1, clip_norm=10; a partial last batch trains.
+Details (every option, the departures, measurements): docs/algorithms/fedpcl.md.
 """
 
 from typing import Any, NamedTuple

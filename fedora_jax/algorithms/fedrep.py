@@ -5,37 +5,16 @@ Collins, Hassani, Mokhtari, Shakkottai. "Exploiting Shared Representations for
 Personalized Federated Learning." ICML 2021. https://arxiv.org/abs/2102.07078
 (code: github.com/lgcollins/FedRep)
 
-Client i's model is the global body phi (every layer below the top `head_layers`) under
-its own head h_i. Each round (the paper's Algorithm 1):
-  1. the client takes the server's body;
-  2. with the body frozen, it trains its head for `head_epochs` epochs;
-  3. with the head frozen, it trains the body for the remaining local epochs;
-  4. it uploads the body; the server averages the bodies (weighted by training-set size,
-     full participation). The head never leaves the client.
-Evaluation: the latest global body under the client's own head.
+Each round a sampled client takes the server's body, trains its own head (the top
+head_layers = 1) for head_epochs = 4 epochs, the body frozen, then the body for the rest of
+--local_epochs, the head frozen, and uploads the body; the server averages the bodies
+(weighted by training-set size). A client is scored with the global body under its head.
 
-Both phases run in ONE pass of the run's local SGD (the run's --local_epochs in all): the
-trained pytree carries a step counter, the loss stops the gradient of the frozen part,
-and a post-step restores it exactly (a fresh optimizer state per round, as everywhere
-here). The frozen part's optimizer state is NOT untouched: its gradient is zero, but
-the optimizer still adds the weight decay lambda w to it, so with momentum beta its trace
-grows to lambda w (1 - beta^T) / (1 - beta) over the head's T steps, and the body's
-first step then moves it by that much more (tests/test_fedrep_fedrod.py measures it;
-with momentum 0, or weight decay 0, nothing carries over). phase_optimizer=separate
-starts the optimizer state afresh when the body's phase begins: an optimizer per phase,
-as FedPAC's authors build one (methods/fedpac.py) and as PFLlib's FedRep keeps one per
-part (clientrep.py, plain SGD: no state). The authors' FedRep code has one SGD (momentum
-0.5, weight decay 1e-4) over the whole model with requires_grad switched: the body has
-no gradient yet in the head's epochs and is skipped, the separate form; on its pinned
-torch 0.4.1, whose zero_grad zeroes a gradient rather than dropping it, the head keeps
-stepping on its momentum and decay through the body's epochs (read, not run), which
-neither form here does.
+Departures: both phases share one optimizer state, whose momentum gathers the frozen body's
+weight decay (phase_optimizer="separate" restarts it for the body, as the authors' code in
+effect does); head_epochs 4 of 5 keeps the authors' split (9 of 10 epochs on the head).
 
-head_epochs: the authors' code trains the head for local_ep - local_rep_ep = 9 of 10
-epochs and the body for 1; PFLlib trains the head for plocal_epochs = 1 epoch and then
-the body for local_epochs. With this project's 5 local epochs the default 4 keeps the
-authors' split (head first, one body epoch). It must be smaller than --local_epochs for
-the body to train at all.
+Details (every option, the departures, measurements): docs/algorithms/fedrep.md.
 """
 
 from typing import Any, NamedTuple

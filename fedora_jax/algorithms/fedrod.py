@@ -5,27 +5,15 @@ Chen, Chao. "On Bridging Generic and Personalized Federated Learning for Image
 Classification." ICLR 2022. https://arxiv.org/abs/2107.00778
 (code: github.com/hongyouc/Fed-RoD; also TsingZ0/PFLlib clientrod.py)
 
-Client i's model: body f (all but the top layer), generic head g (the top layer), both
-shared and averaged by the server (FedAvg, weighted by training-set size), and a
-personal head p_i of the same shape as g, kept on the client. Its personalised logits
-are g(f(x)) + p_i(f(x)). Every local step, on one minibatch:
-  * body and generic head descend the balanced softmax loss (BSM, Ren et al. 2020, the
-    paper's Eq. for the generic objective):
-        L_BSM = CE(g(f(x)) + log pi_i, y),   pi_i[c] = the client's count of class c,
-    i.e. cross-entropy with the client's log class prior added to the logits;
-  * the personal head descends CE(sg(g(f(x))) + p_i(sg(f(x))), y): the body and the
-    generic head are fixed for it (the residual).
-The two use the same optimizer settings (PFLlib: two SGDs of one learning rate); here
-one optimizer step does both, the loss being their sum with the stop-gradients above.
+Client i trains the shared body f and generic head g on the balanced softmax loss (its log
+class prior added to the logits) and its personal head p_i on the residual; the server
+averages body and generic head, weighted by training-set size. Client i is scored with
+g(f(x)) + p_i(f(x)). `personal_init` "copy" (PFLlib's; "zeros": p_i starts at zero).
 
-Because the head is an affine layer, logits add exactly when parameters add:
-g(z) + p(z) = (W_g + W_p) z + (b_g + b_p), and adding log pi to the logits is adding it
-to b_g. So both losses are the model's own cross-entropy (ClientTrainer.loss) on a model
-whose head parameters are summed / shifted; the head must be a layer with a "bias".
-A class the client has never seen gets log(1e-8) instead of -inf.
+Departures: one optimizer step on the sum of the two losses (PFLlib: two SGDs of one
+learning rate).
 
-personal_init: PFLlib starts p_i as a copy of the initial head ("copy", the default);
-"zeros" starts the personalised model as the generic one.
+Details (every option, the departures, measurements): docs/algorithms/fedrod.md.
 """
 
 from typing import Any, NamedTuple

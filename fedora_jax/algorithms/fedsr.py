@@ -11,39 +11,12 @@ paper's full text is not on disk, so this module names no equation numbers. PFLl
 no FedSR, so there is no verification row: the unit tests check the regularisers, the
 loss and the prediction by hand and numpy.)
 
-The run's model supplies the body (its output h, d features: the input of its top Dense
-layer) and the classifier (that layer). FedSR puts a map layer (Dense d -> 2d) between
-them: [mu, s] = M(h), sigma = softplus(s), z = mu + sigma * eps with eps ~ N(0, I) drawn
-afresh each local step (the reparameterisation), logits = classifier(z). A client
-minimises, batch by batch,
+A map layer after the body gives z ~ N(mu, sigma); each client trains on CE + l2r (1e-2) ||z||
++ cmi (5e-4) KL against a per-class reference (reference "local"); the server averages as
+FedAvg. Scored: the mean softmax over eval_samples 20 draws of z; map_relu False.
 
-  CE(classifier(z), y) + alpha_L2R * mean_i ||z_i||_2
-                       + alpha_CMI * mean_i sum_j KL(N(C mu_ij, (C sigma_ij)^2) ||
-                                                     N(r_mu[y_i]_j, softplus(r_s[y_i]_j)^2))
-
-the KL in closed form, log(r / (C sigma)) + ((C sigma)^2 + (C mu - r_mu)^2) / (2 r^2)
-- 1/2, with the reference r (r_mu [classes, d] from 0, r_s from 1) and the scale C
-(from 1) trained beside the model by the run's optimiser. The server averages the body,
-the map layer and the classifier as FedAvg (the run's client weights).
-
-Defaults: the authors' argument.py and FL-bench's: alpha_L2R 1e-2, alpha_CMI 5e-4 (the
-authors' README runs PACS with 1e-3), the prediction the mean softmax over 20 draws of
-z (num_samples 20; the log of that mean is what the run's loss scores).
-
-Where the authors' code and FL-bench's differ, both are offered:
-- `reference`: "local" (the authors': r and C are not in their communicated model, so
-  each client keeps its own, a client state) or "shared" (FL-bench's: parameters of the
-  model, averaged with it).
-- `map_relu`: False (the authors': their backbone's last layer emits [mu, s] directly,
-  mu unbounded) or True (FL-bench's: ReLU on the map layer's output, mu >= 0).
-- `eval_samples`: 20 (the authors' mean softmax over 20 draws), 1 (FL-bench's one draw),
-  or 0: the mean z = mu, a deterministic prediction neither uses.
-The L2R term is the mean L2 norm ||z||, not squared, as both codes compute it.
-
-Departures: the map layer starts as PyTorch's Linear (uniform +-1/sqrt(d)) from the run's
-seed, the same for every client. The evaluation's draws come from a key the server
-renews each round (the engine's evaluation takes none), the same for every client, for
-val and test, and for each chunk of a client's samples.
+Departures: the map layer starts as PyTorch's Linear; one evaluation key a round, for all.
+Details (every option, the departures, measurements): docs/algorithms/fedsr.md.
 """
 
 from typing import Any, NamedTuple

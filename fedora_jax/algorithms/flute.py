@@ -5,38 +5,16 @@ Liu, Shen, Yang. "Federated Representation Learning in the Under-Parameterized R
 ICML 2024. https://arxiv.org/abs/2406.04596 (code: github.com/RenpuLiu/flute, built on
 FedRep's; FL-bench's src/server/flute.py and src/client/flute.py read, not copied).
 
-Client i's model is the global body B under its own affine head W_i (the top layer; W_i
-is C x d, flax's kernel transposed). Its local loss on a batch is
+A sampled client trains its own head W_i under the server's frozen body B, then both for
+the last rep_epochs (1), on CE + lambda1 NC(W_i, u_i) (Gram towards a simplex ETF over its
+classes u_i) + lambda2 ||W_i||^2 [+ lambda3 ||B x||^2 when B trains], lambdas 0.25, 0.0025,
+0.0005; it uploads B, W_i, u_i; the server averages the bodies and steps the heads' NC loss
+once (server_lr 0.5). A client is scored with the global body under its (stepped) head.
 
-  CE(W_i B x, y) + lambda1 NC(W_i, u_i) + lambda2 ||W_i||_F^2 [+ lambda3 ||B x||_F^2]
+Departures: the authors' head epochs take no step (--flute_rep_epochs equal to
+--local_epochs is that form); the authors score before the server's NC step, here after.
 
-  NC(W, u) = || W W^T / ||W W^T||_F - (I - 11^T / C) * (u u^T) / sqrt(C - 1) ||_F
-
-with u_i in {0, 1}^C the classes present in the client's training split (* entrywise):
-the head's Gram matrix is pulled towards a simplex ETF over the client's own classes,
-absent classes' rows towards 0. ||B x||_F^2 sums the squared feature norms over the batch
-(both codes' torch.norm(features) ** 2, not a mean). Each round:
-  1. the client takes the server's body;
-  2. with the body frozen it trains its head for local_epochs - rep_epochs epochs on the
-     loss without the feature term;
-  3. it trains body and head together for the last rep_epochs epochs on the whole loss;
-  4. it uploads the body, its head and u_i; the server averages the bodies (weighted by
-     training-set size) and takes one SGD step (lr `server_lr`) on the round's heads of
-     the loss (1/S) sum_i NC(W_i, u_i) over its S clients, the stepped heads written back
-     to those clients (the authors' ServerUpdateNC2, FL-bench's update_neural_collapse).
-Evaluation: the latest global body under the client's own (server-stepped) head.
-
-Defaults are both codes' (FL-bench's get_hyperparams): lambda 0.25, 0.0025, 0.0005, one
-rep epoch, server lr 0.5. Both phases run in one pass of the local SGD (FedRep's step
-counter, fedrep.py); the frozen body is restored exactly after each head-phase step.
-Departures and the codes' differences:
-  - the authors' LocalUpdate computes the loss and steps only inside the rep epochs (the
-    head-epoch branch is nested under the rep-epoch condition), so their head epochs take
-    no step: `--flute_rep_epochs` equal to `--local_epochs` is that form (every epoch
-    joint); the default is the paper's and FL-bench's head-then-joint split.
-  - the authors score each round before the server's NC step, FL-bench and we after it.
-  - the paper's linear analysis has the server step the representation with the heads;
-    for neural networks both codes step only the heads, as here.
+Details (every option, the departures, measurements): docs/algorithms/flute.md.
 """
 
 import math

@@ -5,27 +5,17 @@ predictions (deep mutual learning); the server averages the memes.
 Shen, Zhang, Zhao, Wu, Wu, Yang, Liang, Wu. "Federated Mutual Learning." arXiv 2020.
 https://arxiv.org/abs/2006.16765
 (code: PFLlib's clientfml.py / serverfml.py, which the verification runs beside this
-module. The paper's full text is not on disk: the objectives below are deep mutual
-learning's as the paper's abstract and PFLlib state them; no equation numbers.)
+module. The paper's full text is not on disk: the objectives (docs/algorithms/fml.md) are
+deep mutual learning's as the paper's abstract and PFLlib state them; no equation numbers.)
 
-Client i holds its personal model w_i (never sent); it receives the meme model m and
-trains both for the run's local epochs, one step per batch, on
+Client i trains its personal model w_i and the received meme m together, each on CE and a KL
+to the other's fixed prediction (`alpha` = `beta` = 0.5 on CE); the server's meme is the
+mean of the trained memes (`server_mean` "weighted"). Client i is scored with w_i.
 
-  personal:  alpha CE(w_i) + (1 - alpha) KL(p_m || p_w)
-  meme:      beta  CE(m)   + (1 - beta)  KL(p_w || p_m)
+Departures: a partial last batch trains. PFLlib's form, as options: detach_peer=false,
+kl_reduction="mean", clip_norm=10, server_mean="uniform".
 
-p the softmax predictions; each KL takes the other model's prediction as a fixed target
-(detach_peer, the mutual-learning form). The server's meme is the mean of the trained
-memes (server_mean: the run's client weights; "uniform" is PFLlib's 1/|S|). Client i is
-scored with w_i; a client that sat the round out keeps it.
-
-PFLlib's form, behind options (the verification runs it): detach_peer=false (its two
-losses are back-propagated into both models, so each model also descends the other's
-KL), kl_reduction="mean" (nn.KLDivLoss's default: a mean over the batch and the C
-classes, i.e. the KL / C), clip_norm=10 (each model's gradient clipped to global norm 10
-before its step), server_mean="uniform".
-
-Defaults: alpha = beta = 0.5. Departure: a partial last batch trains, as for every method.
+Details (every option, the departures, measurements): docs/algorithms/fml.md.
 """
 
 from typing import Any, NamedTuple

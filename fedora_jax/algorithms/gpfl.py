@@ -10,37 +10,13 @@ PFLlib's clientgpfl.py / servergpfl.py, which the verification runs beside this 
 The paper's full text is not on disk: this module follows that code, and names no
 equation numbers.)
 
-Client i: the global feature extractor phi (every layer below the head; z = phi(x), d
-features), its own head h_i (the model's top Dense layer, never shared), copies of the
-GCE (an embedding E [C, d]) and of the CoV, and two conditional inputs, a generic g_i and
-a personalised p_i ([d] each, zero before its first aggregation). The CoV on features z
-with a context c (CoV.forward):
+Each round a sampled client trains the extractor phi, its head, the GCE and the CoV on CE +
+the GCE's angle loss + lam (0.01) ||CoV(z, g_i) - E[y]|| + weight decay mu (0.1) on the GCE and
+CoV; the server averages phi, the GCE and the CoV. Scored: h_i(CoV(phi(x), p_i)).
 
-  gamma = LayerNorm(ReLU(c W_g + b_g)),  beta = LayerNorm(ReLU(c W_b + b_b))
-  CoV(z, c) = ReLU(z * (gamma + 1) + beta)
-
-Local training, one step per batch, phi, h_i, E and the CoV together (clientgp.train):
-
-  CE(h_i(CoV(z, p_i)), y)                                   personalised task
-  + mean_b -log softmax_c(cos(CoV(z_b, g_i), E_c))[y_b]     GCE's angle-level loss
-  + lam * ||CoV(z, g_i) - E_frozen[y]||_2                   the batch's Frobenius norm
-  + mu / 2 (||E||^2 + ||CoV||^2)                            (the code: SGD weight decay mu)
-
-E_frozen the GCE the client last received. Server: phi, E and the CoV are each the FedAvg
-(weights n_i) of the sampled clients' uploads, and every client receives all three; each
-client first rebuilds its conditional inputs from the GCE it holds before receiving the
-new one (set_GCE): g_i = mean_c E_c, p_i = sum_c alpha_ic E_c with alpha_i its class
-shares. A sampled client holds the GCE it trained; a client that sat the round out holds
-the previous global GCE (the reference's server sends to every client; so here).
-
-Scoring: h_i(CoV(phi(x), p_i)) with the latest global phi and CoV (its own `evaluate`).
-Start: E ~ N(0, 1) (nn.Embedding), the CoV's Linear layers PyTorch's U(+-1/sqrt(d)),
-LayerNorm scale 1, offset 0, all clients alike. Defaults: lam 0.01, mu 0.1 (the
-authors' run_me.sh for the 4-layer CNN and 3-layer MLP; PFLlib's main.py: lamda 1, mu 0).
-
-Departures: the run's optimiser trains every part (the code: three plain SGDs of one
-learning rate); alpha_i counts every training sample (the code: those in full batches);
-a partial last batch trains (the code's loader drops it).
+Departures: the run's optimizer trains every part; alpha_i counts every sample; a partial
+last batch trains.
+Details (every option, the departures, measurements): docs/algorithms/gpfl.md.
 """
 
 from typing import Any, NamedTuple

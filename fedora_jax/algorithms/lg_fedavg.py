@@ -6,32 +6,15 @@ Globally: Federated Learning with Local and Global Representations." NeurIPS 201
 Workshop on Federated Learning (arXiv 2020). https://arxiv.org/abs/2001.01523
 (code: github.com/pliang279/LG-FedAvg)
 
-Client k's model is a local representation (its bottom `local_layers` layers under the
-default `local_side`, never sent) followed by the global layers theta^g (all the layers
-above). Each round the client overwrites its global layers with the server's, trains the
-whole model on its own data, and uploads only the global layers, which the server
-averages (weighted by training-set size, full participation). Evaluation uses the
-client's own local layers with the latest global ones. (The authors start LG-FedAvg from
-a FedAvg-trained model and keep each client's best local model by test accuracy; here,
-as for every method of this project, all start from the shared initial model and the
-last round is reported.)
+Each round a sampled client puts the server's global layers above its own local_layers
+(default 1, counted from local_side "input"; "output" counts from the top), trains the
+whole model and uploads the global layers; the server averages them (weighted by
+training-set size). A client is scored with its local layers under the latest global ones.
 
-local_layers and local_side. The authors' flag --num_layers_keep counts the layers kept
-global, taken from the end of each model's `weight_keys` list. For their MNIST MLP
-(784-512-256-256-128-10) that list runs from the input up, and the README's 3 keeps the
-top three global and the bottom two local: the paper's split. For their CIFAR-10 CNN
-(models/Nets.py, CNNCifar) the list is reordered to fc1, fc2, fc3, conv2, conv1, so the
-README's --num_layers_keep 2 makes the two *convolutions* global and keeps the three
-dense layers local: a shared feature extractor under local top layers, FedPer's shape
-rather than the paper's "local representations". `local_side="input"` (the default)
-keeps the `local_layers` layers nearest the input local, the paper's split;
-`local_side="output"` keeps the `local_layers` nearest the output local, and with
-local_layers=3 on the CNN is the authors' CIFAR-10 run. Neither of their counts carries
-over to FEDORA's 3-layer MLP (784-128-128-10) without making everything global or
-everything local; the default 1 keeps the paper's split there: the input layer, most of
-the parameters (as in the authors' MNIST MLP), is the local representation and the small
-top layers are global. Either side's count stays valid on any model with at least two
-layers.
+Departures: all clients start from the shared initial model (the authors: a FedAvg-trained
+one) and the last round is reported (the authors: each client's best by test accuracy).
+
+Details (every option, the departures, measurements): docs/algorithms/lg_fedavg.md.
 """
 
 from typing import NamedTuple

@@ -12,53 +12,11 @@ full text is not on disk: this module follows the authors' code and names no equ
 numbers. PFLlib has no MetaFed, so there is no verification row: the unit tests check
 the loss, the adaptive weight, the stages and one client's round by hand.)
 
-Client i's loss on a batch, with teacher model T (fixed, BatchNorm in inference mode):
+After a warm-up (`warmup_epochs` 30) client i copies, or above `threshold` 0.6 distils (`lam` 1),
+its ring predecessor's model, the last round the last client's; each is scored with its own.
 
-  CE(f_i(x), y) + lambda * mean_{b, d} (z_i(x)_bd - z_T(x)_bd)^2
-
-z the input of the top (classifier) layer, the authors' get_sel_fea with their default
-plan 1 (the last hidden layer's output), the mean over the real samples and features
-(F.mse_loss). A client whose flag is False ("copy") instead starts from T's parameters
-and trains on CE alone; its flag turns True once its model's accuracy on its validation
-split exceeds `threshold` (the authors' update_flag: once True, it stays). The rounds:
-  1. warm-up: every client trains its own model alone for `warmup_epochs` local epochs
-     (the authors' init_model_flag: 30), then sets its flag;
-  2. common knowledge accumulation: client i's teacher is its predecessor i - 1 (client
-     0's: the last client), copied or distilled from by i's flag (lambda = `lam`); after
-     training, i's flag is updated from its trained model's validation accuracy;
-  3. personalisation, the last round: every client's teacher is the last client's model
-     (the authors' csort[-1]); with a the validation accuracy of the client's own model,
-     a_T the teacher's on the client's validation split,
-       lambda = 0                                   if a_T <= a and a_T < personal_threshold
-       lambda = lam * 10^min(1, 5 (a_T - a)) / 10   otherwise,
-     and the client copies (flag False) or distils with that lambda (flag True).
-Each client is scored with its own model.
-
-One hop a round. The authors' accumulation round is a sequential pass around the ring:
-client i trains after i - 1 and distils from i - 1's model of the SAME round, so a pass
-carries knowledge K - 1 hops. The engine trains every sampled client of a round at once
-(vmapped, in chunks, on several devices), so here client i's teacher is i - 1's model as
-the previous round left it: the pass becomes K rounds, a hop each, every client training
-every round (a ring of K models passed on and trained, where flags say copy). With
-partial participation a client that sat the previous round out hands on its older model.
-The personalisation round is the authors' exactly: its teacher is fixed (their deepcopy
-of the last client's model), so their sequential pass and this one round agree.
-
-The warm-up counts in the run's rounds: its first ceil(warmup_epochs / local epochs)
-rounds, at most rounds - 2 (one accumulation round and the personalisation round always
-remain; the authors run it before their `iters`, which take one accumulation round off
-for the personalisation). The flags are set after the warm-up's last round and updated
-after every accumulation round.
-
-Defaults, the authors' main.py: lam 1.0 (--lam), threshold 0.6 (--threshold), the
-personalisation's 0.5 (their thes for every dataset but VLCS and PACS, 0.4), a warm-up of
-30 epochs. Departures: the run's optimizer, created afresh each round (the authors' plain
-SGD per client, lr 1e-2, kept across rounds); the client is scored with its latest model
-(the authors report the test accuracy of the round with the best mean validation
-accuracy). FL-bench's form differs and is not offered: its flags are measured afresh each
-round (not kept once True) on 20 % of the training split held out, its distilled features
-are taken before the last ReLU, and its accumulation distils from its client worker's
-`teacher`, which only its personalisation loads.
+Departures: one hop a round (i's teacher is i - 1's model of the round before); the run's optimizer.
+Details (every option, the departures, measurements): docs/algorithms/metafed.md.
 """
 
 import math

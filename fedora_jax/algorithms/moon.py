@@ -3,42 +3,15 @@
 Li, He, Song. "Model-Contrastive Federated Learning." CVPR 2021.
 https://arxiv.org/abs/2103.16257  (code: github.com/QinbinLi/MOON)
 
-The server is FedAvg's: the weighted mean of the uploaded local models (weights: training-
-set sizes of the round's sampled clients). Client i, given the global model w^t and its
-own previous local model w_i^{t-1}, trains w (initialised at w^t) on (Section 3.3):
+Each round a sampled client trains the global model on cross-entropy + mu * l_con, l_con
+contrasting its representation with the global model's (positive) and its previous local
+model's (negative) at temperature tau; the server averages the models as FedAvg. Defaults:
+mu 5 (CIFAR-10's), tau 0.5; evaluate "global" scores the global model, "local" each
+client's latest local model.
 
-  z = R_w(x),  z_glob = R_{w^t}(x),  z_prev = R_{w_i^{t-1}}(x)      (representations)
-  l_con = -log( exp(sim(z, z_glob) / tau) /
-                (exp(sim(z, z_glob) / tau) + exp(sim(z, z_prev) / tau)) )
-        = softplus( (sim(z, z_prev) - sim(z, z_glob)) / tau )
-  l     = l_sup(w; x, y) + mu * l_con,
+Departures: z is the body's output (the classifier's input), not a projection head's.
 
-sim the cosine similarity (PyTorch's: <a, b> / max(|a| |b|, 1e-8)), l_sup the
-cross-entropy, both averaged over the minibatch. w^t and w_i^{t-1} are fixed, and on
-models with BatchNorm they run in inference mode (their running averages; the authors'
-code's eval()), only w in train mode.
-
-Representations: MOON's networks are a base encoder, a projection head (a 2-layer MLP) and
-an output layer, z being the projection head's output. Here z is the body's output, the
-input of the classifier (fedora_jax.algorithms.layers.apply_with_representation); on the
-project's MLP and CNNs the last hidden dense layers play the projection head's part (as in
-PFLlib's MOON, whose z is its model's `base` output).
-
-The previous local model (the authors' model_buffer_size = 1): in the first round there
-is none, the loss has no negative pair and l_con = -log(1) = 0, as in the authors' code,
-whose pool of previous models is empty in round 0 and holds every party's model from
-then on. So after the first round every client has one: the model it last trained, or,
-for a client not yet sampled, the shared initial model.
-
-Hyperparameters (Section 4.1): tau = 0.5; mu tuned from {0.1, 1, 5, 10}, best 5 on
-CIFAR-10 and 1 on CIFAR-100 and Tiny-ImageNet. The paper has no MNIST-like dataset; the
-default is CIFAR-10's mu = 5. The paper's local training (the run's flags): SGD lr 0.01,
-momentum 0.9, weight decay 1e-5, batch 64, 10 local epochs.
-
-Evaluation (`evaluate`): "global" (default), the global model on each client's data, as
-the paper and its code report MOON; "local", each client's latest local model (trained
-from the global model with the contrastive loss: the fine-tuned view a pFL comparison
-such as the parameter-coaching paper's Tables 1-2 implies, where MOON is far above FedAvg).
+Details (every option, the departures, measurements): docs/algorithms/moon.md.
 """
 
 from typing import Any, NamedTuple

@@ -5,47 +5,17 @@ McLaughlin, Wang, Wang, Ma, Lin. "Personalized Federated Learning via Feature
 Distribution Adaptation." NeurIPS 2024. https://arxiv.org/abs/2411.00329
 (code followed: the authors' cj-mclaughlin/pFedFDA, clients/client_fedfda.py and
 servers/server_fedfda.py; FL-bench's src/client/pfedfda.py, KarhouTam/FL-bench, GPL: both
-read, not run or copied. The paper's full text is not on disk, so this module names no
-equation numbers. PFLlib has no pFedFDA, so there is no verification row: the unit tests
-check the Gaussians, the LDA head and the cross-validated beta by hand.)
+read, not run or copied)
 
-z = f(x) is the extractor's output (the top Dense layer's input, d features), C classes.
-The server keeps the extractor and the global Gaussians (mu^g [C, d], one covariance
-Sigma^g [d, d] shared by the classes; initially mu^g ~ U[0, 1), Sigma^g = I, as the
-authors' server). A round, client k with priors pi_k (its label shares + eps, renormalised):
+A sampled client trains the extractor under the frozen LDA head of the global Gaussians,
+fits its own Gaussians on the trained features, interpolates them with the global ones by
+betas chosen by folds-fold cross-validation, and uploads extractor and Gaussians to the
+server's mean; it is scored with its interpolated LDA head. Defaults: betas "two", folds 2.
 
-  1. its head is the LDA classifier of (mu^g, Sigma^g, pi_k), frozen;
-       S = (1 - eps) Sigma + eps tr(Sigma) / d I,   W = S^-1 mu^T  [d, C],
-       b_c = -1/2 mu_c . W_c + log pi_c,            logits = z W + b;
-  2. it trains the extractor alone (cross-entropy, the run's local epochs and optimiser);
-  3. from the trained extractor's features of its training set it estimates its own
-     Gaussians: mu_c the class mean where the class has more than `folds` samples (else
-     mu^g_c), Sigma = sum_i (z_i - mu_{y_i})(z_i - mu_{y_i})^T / (N - 1) + eps 1 1^T + I
-     (the authors' form: eps added to every entry and the identity; positive definite, so
-     the codes' cov_nearest projection changes nothing and is not run);
-  4. beta = (beta_mu, beta_Sigma) in [0, 1]^2 by `folds`-fold stratified cross-validation
-     on those features (classes with fewer than `folds` samples left out): the summed
-     fold-mean cross-entropy of the LDA classifier of
-       mu = beta_mu mu^local + (1 - beta_mu) mu^g,  Sigma = beta_S Sigma^local + (1 - beta_S) Sigma^g
-     fitted on the other folds; no sample left: beta = 0 (the codes' fallback);
-  5. uploads its extractor and its interpolated Gaussians; the server averages the
-     models and the Gaussians, weighted by training-set size.
-A client is scored as the authors' server evaluates: the new global extractor, steps 3
-and 4 on its training split, and the LDA head of its interpolated Gaussians.
+Departures: beta minimises the cross-validation loss over `grid` values (the codes: L-BFGS
+from 0.5); the statistics come from the trained extractor's features.
 
-`betas`: "two" (default, the authors' and FL-bench's default: one for the means, one for
-the covariance), "single" (their --single_beta) or "local" (--local_beta: beta = 1).
-Departures: the codes minimise the cross-validation loss by L-BFGS from 0.5 (10
-iterations, then clipped to [0, 1]); here it is minimised over a grid of `grid` values a
-beta (0, 0.1, ..., 1 by default; the first minimum), which needs no solver and is the
-same on every client. The authors' training-time statistics (step 3 and 4 in training)
-are computed over the batches' features collected during the local epochs (a moving
-extractor, each sample once an epoch); here over the trained extractor's features, the
-form both codes use when they score. The folds are drawn from the round's key, a class's
-samples dealt to the folds in turn (sklearn's StratifiedKFold deals them likewise, from
-its own shuffle). FL-bench fits a client's scoring Gaussians and betas on its test
-split's features (labels included); that form is not offered: here, as the authors', on
-the training split.
+Details (every option, the departures, measurements): docs/algorithms/pfedfda.md.
 """
 
 from typing import Any, NamedTuple

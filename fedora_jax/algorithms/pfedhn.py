@@ -3,39 +3,16 @@
 Shamsian, Navon, Fetaya, Chechik. "Personalized Federated Learning using Hypernetworks."
 ICML 2021. https://arxiv.org/abs/2103.04628  (code: github.com/AvivSham/pFedHN)
 
-The server holds a hypernetwork h(.; phi) and one learned embedding v_k per client;
-client k's model is theta_k = h(v_k; phi). Every round:
-  1. the server sends theta_k = h(v_k; phi) to each client;
-  2. client k trains it locally (the engine's local SGD) to theta~_k and uploads
-     delta_k = theta_k - theta~_k;
-  3. the server treats delta_k as the gradient of client k's loss w.r.t. theta_k and
-     back-propagates it: grad(phi, v) = sum_k (d theta_k / d(phi, v))^T delta_k, one
-     jax.vjp through the vmapped hypernetwork; each v_k gets only its own client's term.
-     Then one step of the paper's server optimiser (gradient-norm clipping, SGD with
-     momentum 0.9 and weight decay, embeddings at the same learning rate).
-A client's personalized model is h(v_k; phi).
+The server's hypernetwork makes client k's model theta_k = h(v_k; phi) from its learned
+embedding v_k; client k trains it locally and uploads delta_k = theta_k - theta~_k, which the
+server back-propagates through h to step phi and the v_k. Client k is scored with
+h(v_k; phi). Defaults, the official trainer's: `embed_dim` 0 (e = 1 + K / 4),
+`hidden_dim` 100, `n_hidden` 3, `server_lr` 1e-2, momentum 0.9, weight decay 1e-3, clip 50.
 
-The paper's Algorithm 1 samples one client per server step; with all K clients in a
-round we take one step with the sum of their hypergradients, which is what K
-sequential one-client steps add up to to first order (server_steps="summed"). Its
-clipping, weight decay and momentum then act once a round, so the weight decay is K
-times weaker than the official trainer's, which steps once per client.
-server_steps="per_client" takes the trainer's steps: one optimiser step per sampled
-client, in client order, each with that client's hypergradient alone (taken at the
-round's start, where the hypernetwork made the model the client trained), clipped,
-decayed and with momentum as the trainer's step is. The trainer's one client a step is
-never stale; with many clients a round these steps are (50 at once diverged by round 4,
-docs/verification_departures.md): it is the trainer's at one client a round.
+Departures: one server step a round on the summed hypergradients (`server_steps` "summed");
+"per_client" takes the official trainer's step per client.
 
-Architecture (the official code's): v_k -> Linear(e, H) -> [ReLU -> Linear(H, H)] x n_hidden
--> a linear head per target parameter (head pytrees with the target model's structure).
-PyTorch initialisation: embeddings N(0, 1), Linear weights and
-biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)). The run's initial model only gives the target
-shapes, and the starting values of BatchNorm's running averages, whose heads start with
-zero weights and the initial values as bias (the paper's target networks have no
-BatchNorm; the averages are then learnt from the clients' deltas like any parameter).
-Defaults from the official trainer: e = 1 + K / 4 (embed_dim=0), H = 100, n_hidden = 3,
-lr 1e-2, weight decay 1e-3, clip 50.
+Details (every option, the departures, measurements): docs/algorithms/pfedhn.md.
 """
 
 import math

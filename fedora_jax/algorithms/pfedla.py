@@ -6,57 +6,16 @@ CVPR 2022. https://arxiv.org/abs/2205.03993
 (no official code; the public implementations are github.com/KarhouTam/pFedLA and its
 successor in KarhouTam/FL-bench, src/server/pfedla.py)
 
-Notation: N clients, L layers (fedora_jax.algorithms.layers: flax top-level modules, a
-Dense layer's kernel and bias together, input to output), theta_j^l client j's latest
-local model's layer l, kept by the server. Client i has an embedding v_i and a hypernetwork
-HN_i(.; phi_i) producing its aggregation weight matrix alpha_i = HN_i(v_i; phi_i) [L, N].
-Every round:
-  1. aggregation: theta_bar_i^l = sum_j alpha_ij^l theta_j^l / sum_j alpha_ij^l for every
-     layer l (weights normalised per layer; a layer whose weights are all 0 keeps the
-     client's own layer, as in both public implementations);
-  2. client i trains theta_bar_i with the run's local SGD to theta_i' and uploads it;
-  3. the server stores theta_i <- theta_i' and updates phi_i and v_i by the chain rule
-     through the aggregation:  grad(phi_i, v_i) = (d theta_bar_i / d(phi_i, v_i))^T
-     delta_i, delta_i = theta_bar_i - theta_i' standing for the gradient of client i's loss
-     at theta_bar_i (as pFedHN: the local update is a descent step), then one SGD step of
-     learning rate server_lr. One jax.vjp through the aggregation of all clients at once;
-     phi_i only reaches theta_bar_i, so each hypernetwork gets its own client's term, and a
-     client that sat the round out (weight 0) gets none and keeps its stored model.
-A client's personalised model is theta_bar_i from the updated hypernetworks and models
-(what the public code evaluates; `evaluate="aggregate"`, the default). `evaluate="local"`
-scores instead the model theta_i' the client last trained (the shared initial model
-before it first trains), the view under which the parameter-coaching paper's pFedLA row
-(Zhi et al., AAAI 2024, Table 1: 97.80 on MNIST alpha 0.1, above its LOCAL's 95.91) can
-be read, as its FedProx row is (fedprox.py).
+Client i receives theta_bar_i, each layer a mix of all clients' stored layers with weights from
+its hypernetwork on the server, trains it and uploads it; the server stores it and steps the
+hypernetwork and embedding by the chain rule on delta = theta_bar_i - theta_i' (server_lr
+5e-3, embed_dim = hidden_dim = 100). Scored: theta_bar_i (evaluate "aggregate").
 
-Hypernetwork (both public implementations): v_i -> [Linear(e, H), ReLU] x 3 -> one
-Linear(H, N) per layer, then ReLU: alpha_i^l = ReLU(W_l f + b_l), with W_l ~ U(0, 1) and
-b_l = 0 so that the weights start positive; the other Linear layers take PyTorch's
-default initialisation and the embeddings N(0, 1). Defaults are KarhouTam/pFedLA's: e =
-H = 100, server learning rate 5e-3, plain SGD (local training there: SGD lr 1e-2, 10
-local epochs, batch 32: the run's flags). Each client's models start from the run's shared
-initial model (KarhouTam/pFedLA draws one per client; FL-bench shares one).
+Departures: delta_sign "before_minus_after" is descent (the public codes ascend:
+"after_minus_before"); buffers "mix" mixes BatchNorm averages (the codes keep them: "own");
+the models start from one shared initial model (KarhouTam/pFedLA: one per client).
 
-delta_sign, derived by hand: local SGD at rate eta takes theta_i' = theta_bar_i - eta
-sum_s g_s, so delta = theta_bar_i - theta_i' is eta times the summed gradients of client
-i's loss, to first order eta T grad L(theta_bar_i). With J = d theta_bar_i / d phi_i, the
-loss's gradient in phi_i is J^T grad L, and the step phi_i -= lr J^T delta moves
-theta_bar_i by -lr J J^T delta (J J^T positive semi-definite): towards theta_i', the loss
-falls. Both public implementations (KarhouTam/pFedLA server/pFedLA.py
-update_hypernetwork, FL-bench) feed theta_i' - theta_bar_i (their client's p1 - p0) as
-grad_outputs and then subtract lr times the result: the same step reversed, theta_bar_i
-moved away from the trained model (tests/test_pfedla.py checks both against the distance
-to theta_i'). "before_minus_after" (the default) is the descent, the sign of pFedHN's
-code; "after_minus_before" gives the public codes' (the verification row runs it). The
-paper's text is not on disk to say which it writes.
-
-buffers: both public codes mix only the trainable tensors; every buffer (BatchNorm's
-running mean and variance) of theta_bar_i is client i's own stored one (their
-generate_client_model_parameters: a one-hot weight for a tensor without requires_grad),
-and none enters the chain rule: "own". "mix" (the default) mixes the running averages
-with their layer's weights, as the rest of the layer (engine/batch_stats.py folds them
-into it); the deltas of the mixed averages then enter the chain rule too.
-Not implemented: HeurpFedLA (the paper's variant that keeps the top-k layers local).
+Details (every option, the departures, measurements): docs/algorithms/pfedla.md.
 """
 
 from typing import Any, NamedTuple

@@ -2,44 +2,20 @@
 algorithm with a shared part (--aggregation=median|trimmed_mean|krum|multi_krum|
 centered_clip|norm_bound; ConFREE, confree.py, is the other aggregation plug-in).
 
-Let theta be the server's shared parameters before the round, S the clients that uploaded
-in it (weight > 0: at partial participation only the round's sampled clients; n = |S|),
-w_i their weights (training samples, or 1: --client_weights) and g_i = theta_i - theta
-their updates. The server moves theta by one of these in place of the weighted mean:
+Yin, Chen, Ramchandran, Bartlett. ICML 2018 (median, trimmed_mean). Blanchard, El Mhamdi,
+Guerraoui, Stainer. NeurIPS 2017 (krum, multi_krum). Karimireddy, He, Jaggi. ICML 2021
+(centered_clip). Sun, Kairouz, Suresh, McMahan. arXiv:1911.07963, 2019 (norm_bound).
 
-  * median: the coordinate-wise median of the g_i (Yin, Chen, Ramchandran, Bartlett.
-    "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates." ICML
-    2018), here the weighted median: per coordinate, the value where the sorted updates'
-    cumulative weight reaches half the total, the mean of the two middle values where it
-    reaches exactly half (the plain median at equal weights). Tolerates f < n / 2.
-  * trimmed_mean: per coordinate, the b = floor(beta n) largest and b smallest values
-    dropped, the rest averaged (Yin et al. 2018). Trimming counts values, not weight
-    (the definition is by count); the kept values are averaged with their weights (the
-    plain trimmed mean at equal weights). Tolerates f <= b.
-  * krum: the one update whose n - f - 2 nearest other updates (squared Euclidean
-    distance over the whole shared part) are nearest in sum (Blanchard, El Mhamdi,
-    Guerraoui, Stainer. "Machine Learning with Adversaries: Byzantine Tolerant Gradient
-    Descent." NeurIPS 2017). A selection: the weights cannot enter it. Needs n > 2f + 2.
-  * multi_krum: the m updates of lowest Krum score (computed once, as Blanchard et al.'s
-    multi-Krum), averaged with their weights; m = n - f by default.
-  * centered_clip: L steps of v <- v + sum_i w_i clip_tau(g_i - v) / sum_i w_i,
-    clip_tau(x) = x min(1, tau / ||x||), from v = the previous round's aggregate
-    (Karimireddy, He, Jaggi. "Learning from History for Byzantine Robust Optimization."
-    ICML 2021, their Eq. (CC) and Algorithm 2, whose server starts from its momentum;
-    start="zero": from no move). The paper's mean is uniform; the weights generalise it.
-  * norm_bound: each g_i scaled to norm at most M, then the weighted mean (Sun, Kairouz,
-    Suresh, McMahan. "Can You Really Backdoor Federated Learning?" 2019, arXiv:1911.07963).
+The server moves its shared parameters theta by a robust aggregate of the uploaders'
+updates g_i = theta_i - theta in place of their weighted mean; the host's training and
+the rest of its server are untouched. RobustConfig: rule "median", beta 0.1 (trimmed at
+each end), byzantine -1 (f from the --attackers fraction), m 0 (n - f), tau 1.0, iterations
+1, start "previous", bound 1.0; check_tolerance refuses a run a rule cannot tolerate.
 
-f, the Byzantine uploads a rule is built to tolerate, is `byzantine` times the round's n
-(rounded); byzantine=-1 takes the --attackers fraction (0 without attackers).
-`check_tolerance` refuses a run whose attackers a rule cannot tolerate, before any work.
+Departures: median, trimmed_mean, multi_krum and centered_clip take the clients' weights
+(the papers' rules are uniform; equal weights give them); Krum is a selection, unweighted.
 
-All of it is vectorised over the client axis: sorts along it (median, trimmed mean), one
-[K, K] distance matrix (Krum), sums over it (the rest). Clients outside S (weight 0,
-uploads meaningless) never count: they sort last, sit at infinite distance and weigh 0.
-n is read from the weights inside the round, so a round with fewer uploaders (dropouts)
-is aggregated over those it has. Only the shared part moves (as ConFREE: the host's own
-aggregate still runs for anything else its server keeps, then theta is replaced).
+Details (every option, the departures, measurements): docs/algorithms/robust.md.
 """
 
 from typing import Any, NamedTuple

@@ -4,26 +4,15 @@ Karimireddy, Kale, Mohri, Reddi, Stich, Suresh. "SCAFFOLD: Stochastic Controlled
 Averaging for Federated Learning." ICML 2020. https://arxiv.org/abs/1910.06378
 (reference run beside it: PFLlib's serverscaffold.py / clientscaffold.py)
 
-Algorithm 1 with option II. The server holds the model x and the control variate c,
-client i its own c_i (zeros at first). A sampled client starts at y = x and takes its K
-local steps on the gradient corrected by c - c_i (here the run's optimiser on the loss
-plus <c - c_i, y>, whose gradient is that correction: plain SGD takes the paper's
-y <- y - lr (g(y) - c_i + c)), then sets c_i+ = c_i - c + (x - y) / (K lr) and uploads
-(y - x, c_i+ - c_i). The server: x <- x + server_lr (1/|S|) sum_S (y_i - x) and
-c <- c + (1/N) sum_S (c_i+ - c_i): clients that sit a round out keep their c_i and add
-nothing, so c moves by |S|/N of the sampled clients' mean, as the paper writes.
+Option II of Algorithm 1: a sampled client takes its K local steps on the gradient
+corrected by c - c_i, sets c_i+ = c_i - c + (x - y) / (K lr) and uploads
+(y - x, c_i+ - c_i); the server moves x by `server_lr` (1) times their mean and c by 1/N of
+their sum. The global model x is scored.
 
-K is the client's real steps this round (the engine's partial last batch counts; PFLlib
-drops it); lr the run's client lr (a train field). The paper's runs use plain SGD. With
-the run's heavy-ball momentum beta (a train field; the optimiser starts afresh each
-round) K steps of a constant gradient g move y by lr g K_beta, K_beta = (K - beta (1 -
-beta^K) / (1 - beta)) / (1 - beta), so c_i+ divides by K_beta lr: the mean corrected
-gradient again, and the paper's K lr at beta = 0. (K lr with beta = 0.9 makes c_i about
-ten times the gradient; the corrections then grow round by round until the run is NaN:
-the project's MLP default, 20 rounds of MNIST pathological, NaN in round 5.)
-Not built: option I (c_i+ the full local gradient at x, one more pass over the data).
-Departure option: `server_mean` "uniform" (the paper's and PFLlib's 1/|S|) or
-"weighted" (the run's client weights).
+Departures: with the run's heavy-ball momentum beta, c_i+ divides by K_beta lr (K lr at
+beta = 0); K counts a partial last batch; `server_mean` "weighted" (default "uniform").
+
+Details (every option, the departures, measurements): docs/algorithms/scaffold.md.
 """
 
 from typing import Any, NamedTuple
