@@ -9,34 +9,14 @@ and names no equation numbers. PFLlib has no ADCOL, so there is no verification 
 unit tests check the client's KL term, the discriminator's step and the server's round
 by hand.)
 
-The server holds a discriminator D: representation z -> K logits, which client z came
-from. Client k trains its model on
+Client k trains and is scored with its own model (`model` "personal"; "fedavg" averages them)
+on CE + mu KL(U || softmax(D(z))), D the server's discriminator, trained on the z of 256 samples
+a client (`representations`). Defaults: mu 0.5, discriminator_lr 0.01, discriminator_epochs 3.
 
-  CE(model(x), y) + mu * KL(U || softmax(D(z(x))))     (z: the head's input)
+Departures: a fixed number of z a client, after training (FL-bench: all of the last epoch's);
+z is after the body's last activation (FL-bench's: before the ReLU its classifier applies).
 
-U the uniform distribution over the K clients, the KL a mean over the batch's samples,
-D fixed (its BatchNorm on its running averages, FL-bench's eval()). After training it
-uploads the representations of `representations` of its training samples (a random
-subset, drawn afresh each round) under its trained model. The server trains D on the
-round's uploads, each labelled with its client: cross-entropy, plain SGD (lr
-`discriminator_lr`), `discriminator_epochs` shuffled passes in batches of the run's
-batch size; the next round's clients receive it.
-
-The model (`model`): "personal" (default) is the paper's: "instead of adopting the widely
-used model-averaging scheme", each client keeps its own model and only representations
-and the discriminator travel; "fedavg" is FL-bench's: the server also averages the
-clients' models (FedAvg) and every client trains and is scored with the global one.
-
-D is FL-bench's: Linear(F, 512) -> BatchNorm -> ReLU -> Linear(512, 512) -> BatchNorm ->
-ReLU -> Linear(512, K), no biases, PyTorch's default initialisation and BatchNorm
-(momentum 0.1, eps 1e-5, unbiased running variance). Defaults: FL-bench's mu 0.5,
-discriminator lr 0.01 and 3 epochs.
-
-Departures: the uploaded representations are a fixed number a client (static shapes),
-computed after training by the trained model (FL-bench: all of them, recorded during
-the last local epoch by the model of each step); z is the head's input, after the
-body's last activation (FL-bench's: the base's output, before the ReLU its classifier
-applies); the KL's target is U itself (FL-bench's softmax of a constant 1/K, the same).
+Details (every option, the departures, measurements): docs/algorithms/adcol.md.
 """
 
 import math

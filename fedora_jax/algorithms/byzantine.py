@@ -1,40 +1,20 @@
 """Byzantine clients: a fraction of the clients upload malicious updates, as a plug-in on
 any algorithm whose server aggregates a shared part (--attackers=FRACTION --attack=...).
 
-Let theta be the server's shared parameters before the round, S the round's uploaders
-(weight > 0: sampled, and arrived), A the attackers among them (f = |A|, n = |S|), H = S \\ A
-the honest ones, and g_i = theta_i - theta the update client i trained. Every attacker
-in A uploads theta + b_i in place of theta + g_i, with b_i from the honest updates of the
-same round (an omniscient attacker, as in both papers below), all inside the jitted round:
+Baruch, Baruch, Goldberg. NeurIPS 2019 (alie). Xie, Koyejo, Gupta. UAI 2020 (ipm).
 
-  * sign_flip: b_i = -g_i, its own update reversed (e.g. blades' SignflippingClient).
-  * gaussian: b_i ~ N(0, std^2 I), drawn per attacker per round.
-  * alie: b = mu_H - z sigma_H, the honest updates' coordinate-wise mean and standard
-    deviation (sample std, n_H - 1) moved z deviations (Baruch, Baruch, Goldberg. "A
-    Little Is Enough: Circumventing Defenses For Distributed Learning." NeurIPS 2019,
-    Algorithm 3): z = Phi^-1((n - s) / n) with s = floor(n / 2 + 1) - f, the supporters
-    the attackers need for a majority, from the round's n and f (z given: that z). The
-    paper's Algorithm 3 moves every coordinate by z sigma; the sign that opposes the mean
-    is the common choice of implementations (blades' AlieClient), taken here.
-  * ipm: b = -epsilon mu_H, the inner-product manipulation (Xie, Koyejo, Gupta. "Fall of
-    Empires: Breaking Byzantine-tolerant SGD by Inner Product Manipulation." UAI 2020):
-    a small epsilon makes the aggregate's inner product with the true mean negative while
-    staying near the honest updates.
-  * label_flip: the attackers train on their labels y -> C - 1 - y (C classes) and upload
-    what that training gives; their validation and test labels stay true.
+Each round every attacker among the uploaders sends theta + b_i in place of its trained
+theta + g_i, b_i from the round's honest updates (an omniscient attacker): sign_flip -g_i;
+gaussian N(0, std^2 I); alie mu_H - z sigma_H; ipm -epsilon mu_H; label_flip uploads what
+training on labels C - 1 - y gives. AttackConfig: attack "sign_flip", fraction 0.2
+(round(fraction K) clients, one set from the run's seed; sampled: drawn each round),
+std 1.0, epsilon 0.5, z -1 (from n and f). Only the shared part is poisoned; the plug-in goes
+outermost, so a robust aggregator (robust.py) or ConFREE sees the poisoned uploads.
 
-The attackers: round(fraction K) of the K clients, a fixed set drawn from the run's seed
-(the algorithm's init key), or, with `sampled`, drawn anew each round from that key and
-the round. At partial participation an attacker attacks only in the rounds it uploads.
-mu_H and sigma_H are unweighted (the attackers' estimate of the honest distribution, as
-both papers); an attacker keeps its training-sample weight, which a mean gives it.
+Departures: alie takes the sign that opposes the mean (blades' AlieClient), where the
+paper's Algorithm 3 moves every coordinate by z sigma.
 
-Only the shared part is poisoned (the host's `SharedPart.replace_uploads`): what else a
-host uploads (FedCP's head and policy, FedPAC's prototypes) is the attacker's honest one.
-The plug-in goes outermost, so a robust aggregator (robust.py) or ConFREE sees the
-poisoned uploads; each client's role this round sits in its state (`attacker`, read by
-its training for label_flip and by the server), and the engine hands this plug-in the
-uploads in client order (uploads_unordered off).
+Details (every option, the departures, measurements): docs/algorithms/byzantine.md.
 """
 
 from typing import Any, NamedTuple

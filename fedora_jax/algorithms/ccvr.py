@@ -11,49 +11,12 @@ this module names no equation numbers. PFLlib has no CCVR, so there is no verifi
 row: the unit tests check the statistics, the global Gaussians and the calibration step
 by hand.)
 
-Training is FedAvg. For a calibration, client k computes with the global model's feature
-extractor f (every layer below the top Dense layer, the classifier g) on its training
-samples D_{c,k} of class c, N_{c,k} = |D_{c,k}|:
+Training is FedAvg; a calibrating client uploads its classes' feature means, covariances and
+counts, and the server trains the classifier alone on samples_per_class (100) draws from the
+pooled class Gaussians; scored: the global model. calibrate "last" (default) or "every".
 
-  mu_{c,k}    = 1/N_{c,k} sum_{x in D_{c,k}} f(x)
-  Sigma_{c,k} = 1/(N_{c,k} - 1) sum_{x in D_{c,k}} (f(x) - mu_{c,k})(f(x) - mu_{c,k})^T
-
-and uploads (mu_{c,k}, Sigma_{c,k}, N_{c,k}) for every class. The server forms the global
-Gaussian of class c, N_c = sum_k N_{c,k}:
-
-  mu_c    = sum_k N_{c,k} / N_c mu_{c,k}
-  Sigma_c = sum_k (N_{c,k} - 1)/(N_c - 1) Sigma_{c,k}
-            + sum_k N_{c,k}/(N_c - 1) mu_{c,k} mu_{c,k}^T - N_c/(N_c - 1) mu_c mu_c^T
-
-(the pooled sample covariance of all clients' features of class c), draws M_c virtual
-representations z ~ N(mu_c, Sigma_c) of each class with N_c >= 2, and trains g alone on
-them: cross-entropy, plain SGD, shuffled batches of the run's batch size.
-
-Where the sources differ, behind config fields:
-  * when (`calibrate`): "last" (default) is the paper's post-hoc calibration, once, after
-    the federated training; "every" is FL-bench's, which calibrates a copy of the global
-    model before each evaluation and keeps training the uncalibrated one.
-  * client covariance (`covariance`): "unbiased" (default, the 1/(N_{c,k} - 1) above that
-    the global formula's weights assume) or "biased" (FL-bench's cov(correction=0)).
-  * virtual counts (`sample_counts`): "equal" (default) draws M_c = samples_per_class of
-    every class, as the paper's experiments set M_c (100 on CIFAR-10, 500 on CIFAR-100,
-    1000 on CINIC-10; FL-bench 200); "proportional" deals the samples_per_class * C slots
-    by N_c / N, the paper's other reading ("could be determined by the fraction N_c/|D|
-    to reflect the inter-class distribution").
-
-samples_per_class 100 is the paper's CIFAR-10 M_c (ten classes, as MNIST's). The paper's
-calibration optimiser is not read here: calibration_epochs 1 and the calibration lr equal
-to the run's client lr are FL-bench's (one pass, optimizer.lr).
-
-Departures, from fitting a post-hoc step into one pure round: a client computes its
-statistics in the same round as it trains, on the global model it received, so a
-calibration recalibrates the global model the round started from (w_t), not the round's
-new average; the model scored after a calibrating round is that calibrated w_t (with
-calibrate="last" the last round's training is then not scored; with "every" the scores
-lag FedAvg's training by one round, as FL-bench's evaluation of the calibrated copy does
-not). Only the round's sampled clients send statistics (the paper asks every client).
-Every round's uploads carry the statistics, whether or not the server calibrates with
-them (the round's traffic counts them).
+Departures: it recalibrates the round's starting model; only sampled clients send statistics.
+Details (every option, the departures, measurements): docs/algorithms/ccvr.md.
 """
 
 from typing import Any, NamedTuple

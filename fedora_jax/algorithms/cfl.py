@@ -10,34 +10,13 @@ KarhouTam/FL-bench, GPL: read, not run or copied. PFLlib has no CFL, so there is
 verification row: the unit tests check the update norms, the cosine similarities, both
 bipartitions and a split round by hand.)
 
-Every client of a cluster c trains from the cluster's model theta_c and sends its update
-Delta_i = theta_i - theta_c. After a round, for every cluster (the authors' loop):
-  mean norm  ||sum_i w_i Delta_i / sum_i w_i||  over its clients of the round, and
-  max norm   max_i ||Delta_i||;
-when the mean is below eps1 (the cluster's FedAvg is near a stationary point) and the
-max above eps2 (some client is still far from its own), the cluster has more than
-`min_cluster_size` clients and `warmup_rounds` rounds have passed, it is split in two by
-the cosine similarities alpha_ij = <Delta_i, Delta_j> / (||Delta_i|| ||Delta_j||) of its
-clients (eps1 = 0.4, eps2 = 1.6, more than 2 clients, after round 20: the authors'
-notebook; FL-bench's defaults are the same). The bipartition (`bipartition`):
-  "optimal"  the paper's Algorithm 1, argmin over bipartitions of the largest similarity
-             across them: merge clients in order of decreasing similarity until two
-             groups are left (single linkage);
-  "complete" the authors' code and FL-bench: sklearn's complete-linkage agglomerative
-             clustering of -alpha into two.
-Then each cluster (the new ones included) takes the weighted mean of its clients'
-updates: theta_c += sum_i w_i Delta_i / sum_i w_i (the paper weighs by |D_i|, the run's
---client_weights=samples; the authors' code averages unweighted: --client_weights=uniform);
-a cluster none of whose clients took part keeps its model (a new one: its parent's).
-A client's model is its cluster's.
+Clients train from their cluster's model (the one they are scored with) and upload updates;
+the server averages them per cluster and splits one in two (`bipartition`) when the mean update's
+norm < eps1 (0.4), the largest > eps2 (1.6), after warmup_rounds (20), above min_cluster_size (2).
 
-Vectorised form: at most `max_clusters` clusters, the models [C, ...] and each client's
-cluster [K] in the server state, so every shape is static; a split with no free slot is
-not made (the paper has no bound; 10 is this port's). Partial participation: the norms
-and the similarities of a round come from its clients; the similarity of a pair is kept
-from the last round both took part in (0 before), and a split divides every client of
-the cluster by those stored values (the authors' code runs every client each round;
-FL-bench sets a pair not measured this round to 0).
+Departures: at most `max_clusters` (10) clusters; a pair's similarity is kept from its last round.
+
+Details (every option, the departures, measurements): docs/algorithms/cfl.md.
 """
 
 from typing import Any, NamedTuple

@@ -6,40 +6,15 @@ Models." ICLR 2018. https://arxiv.org/abs/1710.06963  (DP-FedAvg, Algorithm 1)
 Andrew, Thakkar, McMahan, Ramaswamy. "Differentially Private Learning with Adaptive
 Clipping." NeurIPS 2021. https://arxiv.org/abs/1905.03871  (adaptive clipping, Alg. 1)
 
-Each round, with theta the model the server sent (the host's `upload_mean`: `received`
-on the server, `sent` in a client's message) and S the round's cohort:
+Each round client k clips its update Delta_k = upload_k - theta to L2 norm C (clip_norm);
+the server adds N(0, (z C)^2 I) (noise_multiplier z, or from target_epsilon at delta) to
+the sum and divides by the expected cohort m; the host's aggregate then runs on uploads
+that all equal theta'. Every client counts 1; personal parts never leave the client.
+adaptive_clip_quantile gamma moves C towards that quantile of the update norms
+(clip_learning_rate 0.2, clipped_count_stddev m / 20); sampling "fixed" (default) or
+"poisson"; accountant "rdp" or "pld".
 
-  1. client k (in the vmapped client update) clips its update of what it uploads,
-     Delta_k = upload_k - theta, to L2 norm C:  Delta_k * min(1, C / ||Delta_k||)
-     (the norm over the whole upload, all leaves together), and sends that;
-  2. the server adds Gaussian noise of std z C to the sum over S and divides by the
-     expected cohort m (fixed, not the round's count: the "fixed-denominator" estimator,
-     whose sensitivity does not depend on who took part):
-       theta' = theta + (sum_{k in S} clip_C(Delta_k) + N(0, (z C)^2 I)) / m;
-  3. the host's own aggregate then runs on uploads that all equal theta' (their weighted
-     mean is theta' whatever the weights), so a host's server step after the mean
-     (FedBABU's fixed head put back on the body) is post-processing of the release.
-Every client counts 1 (the paper's flat weights): the sample-size weights of
---client_weights=samples would make the sensitivity depend on the data. A client's
-personal part (its state: Ditto's v_k, FedRep's head) never leaves it and is not noised;
-nothing but the clipped updates reaches the server.
-
-Adaptive clipping (adaptive_clip_quantile = gamma): each client also sends
-b_k = 1[||Delta_k|| <= C]; the server forms the noised fraction
-  b = (sum_{k in S} (b_k - 1/2) + N(0, sigma_b^2)) / m + 1/2
-(b_k - 1/2 has sensitivity 1/2) and moves C geometrically towards the gamma-quantile of
-the update norms: C <- C exp(-eta_C (b - gamma)). The two releases together cost what
-one Gaussian release of noise multiplier z costs: the update's noise multiplier is
-z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2 (the paper's Theorem 1), so 2 sigma_b > z is
-required. Defaults as the paper: eta_C = 0.2, sigma_b = m / 20.
-
-The cohort and the accounting (accounting.py): "fixed" (default) is the engine's own
-sampling, exactly M = round(f K) clients a round (--participation f), accounted under
-replace-one adjacency; "poisson" takes each client with probability q = the run's
---participation: the engine then trains every client each round and this plug-in keeps
-the update of those drawn (from its own key), restoring the others' state as if they had
-sat the round out (so Poisson costs K clients' training a round). `resolve` fixes m and,
-from a target epsilon, z; `epsilons` gives the ledger after each round.
+Details (every option, the departures, measurements): docs/algorithms/dp.md.
 """
 
 import math
@@ -292,7 +267,7 @@ def _sat_out(value: jax.Array, included: jax.Array) -> jax.Array:
 
 def with_dp(host: Algorithm, config: DpConfig, name: str | None = None) -> Algorithm:
   """The host with its server's mean replaced by DP-FedAvg's noised mean of clipped
-  updates (see the module docstring). `config`: resolved (a noise multiplier given)."""
+  updates (see docs/algorithms/dp.md). `config`: resolved (a noise multiplier given)."""
   config = validate(config)
   mean: UploadMean | None = host.upload_mean
   if mean is None:

@@ -10,28 +10,13 @@ of the paper's "parameter sensitivity", FL-bench's per-tensor one an option. PFL
 no Elastic aggregation, so there is no verification row: the unit tests check the core
 step by hand.)
 
-Client k keeps a sensitivity Omega_k (zeros at first). Sampled, it first passes over a
-`sample_ratio` share of its training data (the first int(ratio n) samples of a shuffled
-epoch, in the run's batches) at the received model theta, in inference mode, and after
-each batch's gradient g sets
+A sampled client tracks a sensitivity Omega_k (a mu 0.95 moving average of |grad| over a
+sample_ratio 0.3 share of its data), trains as FedAvg and uploads its update and Omega_k; the
+server scales the mean update element-wise by zeta in [tau, 1 + tau] (tau 0.5), less where the
+mean sensitivity is near its max. Scored: the global model. granularity "parameter" or "layer".
 
-  Omega_k <- mu Omega_k + (1 - mu) |g|         (granularity "parameter")
-  Omega_k <- mu Omega_k + (1 - mu) ||g_l||^2   (granularity "layer": one value a tensor)
-
-then trains from theta as FedAvg and uploads Delta_k = theta - w_k and Omega_k. The
-server, with p_k the round's client weights normalised over its clients S,
-
-  zeta = 1 + tau - (sum_k p_k Omega_k) / max_{k in S} Omega_k   (element-wise)
-  theta <- theta - zeta * sum_k p_k Delta_k
-
-so zeta runs from tau (a parameter every client's loss depends on alike) up to 1 + tau.
-A zero max counts as 1e-7 (the codes divide by it). Folded BatchNorm averages take the
-plain mean (zeta 1). theta is the model scored.
-
-Defaults: FL-bench's tau 0.5, mu 0.95, sample_ratio 0.3. Departures: the sensitivity's
-samples are trained on as well (FL-bench holds them out of training); "layer" takes the
-whole tensor's gradient norm (FL-bench's reads the first slice of each gradient,
-layer_grad[0]).
+Departures: the sensitivity's samples are trained on too; "layer" uses the whole tensor's norm.
+Details (every option, the departures, measurements): docs/algorithms/elastic.md.
 """
 
 from typing import Any, NamedTuple

@@ -12,27 +12,11 @@ has no FedADMM, so there is no verification row: the unit tests check the core s
 hand. Other algorithms of the same name, Wang, Marella, Anderson 2022 (FedDR's dual
 form) and Zhou, Li 2023 (exact and inexact ADMM), are not built.)
 
-Client i keeps its dual variable y_i (zeros at first). Sampled in round t, it receives
-theta^t, trains from it on
+Client i trains on L_i(w) + <y_i, w> + rho/2 ||w - theta||^2 and updates y_i; theta, the model
+scored, moves by eta times the uploads' mean. Defaults (the authors'): rho 0.01, server_lr 1, then
+late_server_lr 0.5 from late_round 60; `epochs` "random" (1..E) or "fixed"; `server_mean` "uniform".
 
-  L_i(w) + <y_i, w> + rho/2 ||w - theta^t||^2
-
-(the code adds y_i + rho (w - theta^t) to the gradient before its SGD-with-momentum
-step, the same gradient), sets y_i <- y_i + rho (w_i - theta^t) and uploads
-
-  Delta_i = (w_i - theta^t) + (y_i^new - y_i^old) / rho
-
-(the code's local_sum: the change of w_i + y_i / rho, its previous w_i being the theta^t
-it loaded). The server takes theta^{t+1} = theta^t + eta mean_{i in S_t} Delta_i over
-the round's clients, eta = `server_lr` (1) before round `late_round` (60) and
-`late_server_lr` (0.5) from it on (the code's eta, eta_2, target_round; rounds from 0).
-theta is the model scored. Clients that sit a round out keep y_i.
-
-Defaults: the authors' options.py: rho 0.01, eta 1, eta_2 0.5 from round 60. `epochs`:
-"random" (the code's default, fixed=0: each client draws its epochs uniformly from 1 to
---local_epochs every round, its system heterogeneity; a straggler's budget multiplies
-it) or "fixed" (fixed=1). `server_mean`: "uniform" (the authors' plain mean) or
-"weighted" (FL-bench's, the run's client weights).
+Details (every option, the departures, measurements): docs/algorithms/fedadmm.md.
 """
 
 from typing import Any, NamedTuple

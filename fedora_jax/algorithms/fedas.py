@@ -8,28 +8,15 @@ CVPR 2024. https://openaccess.thecvf.com/content/CVPR2024/papers/Yang_FedAS_Brid
 module. The paper's full text is not on disk: this module follows that code, and names
 no equation numbers.)
 
-Client i keeps its whole model theta_i (feature extractor f_i: every layer below the top
-Dense layer; head h_i: that layer). When sampled (set_parameters, train):
+A sampled client aligns the received extractor f to its own class prototypes (align_epochs
+1, align_lr 0.01, align_batch_size 16), trains (f, its head h_i) by the run's local training
+and uploads it with its Fisher trace F_i; the server averages the whole models weighted by
+F_i and sends only the extractor. Every client is scored with its own theta_i.
 
-  1. prototypes   P_c = the mean of f_i(x) over its training samples of class c, with
-                  its own model before the round;
-  2. alignment    the global model's extractor f takes align_epochs epochs of plain SGD
-                  (lr align_lr, batches of align_batch_size) on
-                  sum_{c in the batch} mean_{x in the batch of class c, k} (f(x)_k - P_c,k)^2
-                  (the code's MSELoss per class, summed over the batch's classes);
-  3. training     theta_i = (aligned f, h_i), the run's local training on cross-entropy;
-  4. Fisher trace F_i = sum over one epoch's batches of ||grad mean_batch NLL(theta_i)||^2,
-                  every parameter, the run's batch size.
+Departures: prototypes over every training sample, and partial last batches train and
+count in the trace (the code's loaders drop them).
 
-Server: w = sum_i F_i theta_i / sum_i F_i over the round's clients (whole models; only
-the extractor reaches the clients). A client that sat the round out receives nothing
-and keeps its model (the reference's server sends only to the sampled clients). Every
-client is scored with its own theta_i.
-
-Defaults: align_lr 0.01, align_epochs 1, align_batch_size 16 (the code's constants).
-Departures: the prototypes average every training sample (the code's loader of 16 drops
-a last partial batch), and partial last batches train and count in the trace, as for
-every method (the code's loaders drop them).
+Details (every option, the departures, measurements): docs/algorithms/fedas.md.
 """
 
 from typing import Any, NamedTuple

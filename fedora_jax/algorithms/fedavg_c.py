@@ -7,40 +7,14 @@ poster (../shared/papers/fedala_poster.txt) lists FedAvg-C and FedProx-C as its 
 fine-tuning-based pFL methods". Global training: McMahan et al., AISTATS 2017
 (fedavg.py).
 
-The definition, and what is uncertain. The FedALA paper's full text is not on disk, and
-neither its repository (TsingZ0/FedALA holds ALA only) nor PFLlib (TsingZ0/PFLlib, every
-version in its history) has code for FedAvg-C or FedProx-C; the poster names them
-fine-tuning-based and gives their cost (24.28 min per iteration against FedAvg's 1.59:
-fine-tuning every round, on every client). We read "-C" as "classifier": each client
-fine-tunes the classifier head of the received global model on its own training data,
-the feature extractor (body) frozen, and uses global body + fine-tuned head as its
-personalised model. Not pinned down by any source we hold: that only the classifier is
-fine-tuned (rather than the whole model, which is fedavg_ft), the number of fine-tuning
-epochs (here the run's --local_epochs; the poster's 15x cost over FedAvg suggests the
-authors fine-tune for longer), and its optimizer (here the run's local SGD).
+Each round a client trains the global model as FedAvg does and, alongside, fine-tunes the top
+head_layers (1) layers of the received global model for the run's local epochs, the body
+frozen; that copy is its personalised model, the one it is scored with. The server's
+trajectory is FedAvg's. fine_tune "head" (default) or "model" (the round's local model).
 
-How it is done (as fedavg_ft.py, whose `with_fine_tuning` this reuses): the server
-trajectory is FedAvg's, untouched. In round t client k trains the global model w^(t-1)
-as FedAvg does and, alongside, trains only the top `head_layers` layers of w^(t-1) on its
-cross-entropy for the run's local epochs with its round key (the body held fixed, so the
-optimizer sees the head alone). That copy, w^(t-1)'s body under the fine-tuned head, is
-kept in the client state and is its personalised model: "FedAvg for t - 1 rounds, then
-the classifier fine-tuned". Before round 1 it is the shared initial model. A client that
-sits a round out keeps its last fine-tuned copy.
-
-head_layers: PFLlib's (and the authors') models split off `fc`, the last Linear layer,
-as the head; 1 is that layer here.
-
-The other reading (`fine_tune="model"`). The only code that names FedAvg-C is a comment
-in PFLlib's `serveras.py` (copied in 2025 from FedAS, github.com/xiyuanyang45/FedAS,
-whose `serveravg.py` reads "# FedAvg-C, test the personalized model then train"): each
-client is scored, before the next global model arrives, on the model its last local
-training left, i.e. the whole received global model trained for the round's local
-epochs. That is the client's own upload, kept as its personalised model: for FedAvg-C the
-same computation as fedavg_ft, for FedProx-C FedProx's proximal local model (as
-`--fedprox_evaluate=local`). The FedALA paper's own definition would settle which one its
-tables report; its text is not reachable here, so "head" stays the default and "model"
-is one flag away (`--fedavg_c_fine_tune=model`, `--fedprox_c_fine_tune=model`).
+Not pinned down by any source (the paper's text is not on disk; no code defines FedAvg-C):
+"-C" read as "classifier"; the fine-tuning's epochs and optimizer are the run's.
+Details (every option, the departures, measurements): docs/algorithms/fedavg_c.md.
 """
 
 from typing import NamedTuple

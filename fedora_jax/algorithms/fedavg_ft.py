@@ -8,19 +8,13 @@ standard personalisation baseline evaluated e.g. by Wang, Mathews, Kiddon, Eichn
 Beaufays, Ramage, "Federated Evaluation of On-device Personalization", arXiv 2019,
 https://arxiv.org/abs/1910.10252 , and a standard baseline of pFL comparisons.
 
-How it is done here, and why. A fine-tuned variant only touches local training after the
-last round, so the server trajectory must stay exactly the base method's. The
-personalised model of client k after round t is its local training of the global model
-it received, w^(t-1), with plain SGD on its own cross-entropy for the run's local epochs
-(E) and its round key. For FedAvg that is exactly the model the client uploads anyway,
-so fine-tuning costs nothing: the upload is kept in the client state. Round t's
-personalised models therefore equal "FedAvg for t - 1 rounds, then E epochs of local
-fine-tuning", the usual FT protocol, with the fine-tuning computed alongside training
-rather than after it (`personalized_params` sees no data, so it cannot train).
-Before round 1 the personalised model is the shared initial model.
+The server trajectory is FedAvg's. Client k's model in round t is its local training of the
+global model w^(t-1) it received (the run's E local epochs, its round key), the model it uploads
+anyway, kept in the client state: "FedAvg for t - 1 rounds, then E epochs of fine-tuning",
+computed alongside training. It is scored with it (before round 1, the initial model).
+`with_fine_tuning` wraps any base method this way (fedprox_ft uses it too). No config fields.
 
-`with_fine_tuning` wraps any base method this way (fedprox_ft uses it too); the base's
-server state, broadcast, uploads and aggregation are untouched.
+Details (every option, the departures, measurements): docs/algorithms/fedavg_ft.md.
 """
 
 from typing import Any, Callable, NamedTuple

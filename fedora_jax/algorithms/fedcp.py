@@ -5,47 +5,18 @@ Zhang, Hua, Wang, Song, Xue, Ma, Guan. "FedCP: Separating Feature Information fo
 Personalized Federated Learning via Conditional Policy." KDD 2023.
 https://arxiv.org/abs/2307.01217
 (code: github.com/TsingZ0/FedCP, system/flcore/clients/clientcp.py and
-servers/servercp.py; the same files in TsingZ0/PFLlib. This module follows that code,
-cited by function name below; the paper's full text is not on disk, so no equation
-numbers are given.)
+servers/servercp.py; the same files in TsingZ0/PFLlib. The paper's full text is not on disk.)
 
-Client i holds the global feature extractor f (every layer below the head; z = f(x),
-d features), its personal head h_p (the model's top layer), its copy of the global head
-h_g, its copy of the conditional policy network (CPN) and a context vector c_i. For a
-sample (Ensemble.forward, Gate, ConditionalSelection):
+A sampled client trains the global extractor f, its head h_p and the policy network (CPN)
+on CE(h_p(z * r) + h_g(z * s), y) + lam MMD(f(x), f_g(x)), (r, s) the CPN's Gumbel-softmax
+split of z = f(x), then uploads f, h_g <- (h_p + h_g) / 2 and its CPN; the server averages
+each (weights n_i). Each client is scored with its own forward, noise-free (its own
+`evaluate`). FedCpConfig: lam 5.0 (the authors' MNIST script), temperature 1.0.
 
-  gate input   z * normalize(c_i)                                  (c_i's L2 norm)
-  CPN          a = ReLU(LayerNorm(Linear_{d -> 2d}(gate input)))   reshaped [2, d]
-  policy       (r, s) = gumbel_softmax(a, over the 2, tau)         r + s = 1 per feature
-  output       h_p(z * r) + h_g(z * s)
+Departures: evaluation without Gumbel noise (the authors draw it at test time too); the
+last partial batch trains (the authors' loader drops it).
 
-Local training (train_cs_model), the run's local SGD on f, h_p and the CPN together
-(h_g and a frozen copy f_g of the received extractor held fixed):
-
-  CE(output, y) + lambda * MMD(f(x), f_g(x))
-
-MMD the biased estimate with the RBF kernels exp(-||u - v||^2 / (2 a)), a in
-{10, 15, 20, 50} (the code's MMD(..., 'rbf')), over the batch's real samples. Gumbel
-noise is drawn afresh every step. Then (generate_upload_head) the client sets
-h_g <- (h_p + h_g) / 2 and uploads f, that h_g and its CPN.
-
-Server (servercp.py): f, h_g and the CPN are each the FedAvg (weights n_i) of the
-sampled clients' uploads. Every client's f is the new global f; the sampled clients
-also receive the new h_g and CPN (set_head_g, set_cs) and recompute their context
-c_i = sum over classes of h_p's weight rows (the head's kernel summed over its outputs).
-A client that sat the round out keeps its copies of h_g, the CPN and c_i.
-
-Evaluation: the global f with the client's h_p, h_g copy, CPN copy and c_i, through the
-forward above with the policy's Gumbel noise set to zero (r, s = softmax(a / tau)): the
-engine's evaluation takes no key, and a noise-free policy makes it deterministic. (The
-authors' F.gumbel_softmax draws noise at test time too.) This is the one algorithm here
-whose personalised model is not a model of the run, so it brings its own `evaluate`.
-
-Start: every client gets the same CPN (PyTorch Linear init, LayerNorm scale 1, offset
-0), h_g and h_p equal to the initial head, and c_i ~ U[0, 1)^d of its own
-(torch.rand). Defaults: lambda = 5 (the authors' run_me.sh for MNIST; their main.py
-default is 0), tau = 1 (Ensemble.tau). Departures: the authors' DataLoader drops the
-last partial batch (drop_last=True); here it trains, as for every method.
+Details (every option, the departures, measurements): docs/algorithms/fedcp.md.
 """
 
 from typing import Any, NamedTuple

@@ -8,34 +8,14 @@ Multi-Model Cross-Aggregation." ICDE 2024. https://arxiv.org/abs/2210.08285
 this module. The paper's full text is not on disk: its Algorithm 1 as this module reads
 it.)
 
-Each round M clients are sampled and middleware model w_i (slot i < M) is dealt to the
-i-th of them in a random order; each trains it for the run's local epochs into v_i (a
-slot whose client dropped keeps v_i = w_i). Then for every slot i
+Each round the M sampled clients each train one middleware model w_i; each trained v_i is
+mixed with a collaborator's, w_i = alpha v_i + (1 - alpha) v_co(i) (alpha 0.99; collaborator
+"lowest" similarity by default, "highest" or "in_order"; similarity "model" or "layers"). Every
+client is scored with the global model, the mean of the w_i (global_model "middleware";
+"uploads": PFLlib's); in the first first_stage_bound (0) rounds the w_i restart from it.
 
-  w_i = alpha v_i + (1 - alpha) v_co(i)
-
-with the collaborator co(i) != i chosen among the M trained models by `collaborator`:
-"lowest" similarity to v_i (default, PFLlib's strategy 1), "highest" (2), or "in_order",
-(i + r mod (M - 1) + 1) mod M in round r (0). Similarity is the cosine of two models'
-parameters (`similarity` "model"), or PFLlib's: the sum over layers of each layer's
-cosine, its last layer counted twice ("layers"; PFLlib's pairs of state_dict entries,
-which are the layers of a model whose layers each hold a weight and a bias).
-
-The global model, which every client is scored with, is generated from the middleware
-models (`global_model`): "middleware" (default), the uniform mean of the w_i after the
-cross-aggregation; "uploads", PFLlib's, the training-sample-weighted mean of the round's
-trained v_i before it. In the first `first_stage_bound` rounds every w_i restarts from
-the global model instead (PFLlib's first stage; its server compares the last client's
-index, which shadows the round's, with the bound, and its in-order offset reads that
-index too, so its strategy 0 always takes offset 1; both act as written here).
-
-Defaults: alpha 0.99, lowest similarity, no first stage (PFLlib's --fedcross_alpha,
---collaberative_model_select_strategy, --first_stage_bound). The server holds K
-middleware slots (a round deals out the first M), and the similarity is a [K, K] Gram
-matrix over them: cheap at the client counts of the paper and PFLlib (tens to
-hundreds), not at tens of thousands. Departures: exact ties between similarities go
-to the lower slot (PFLlib's scan starts from slot i + 1); "highest" never picks the
-slot itself (PFLlib's table holds 0 there and can).
+Departures: similarity ties go to the lower slot; "highest" never picks the slot itself.
+Details (every option, the departures, measurements): docs/algorithms/fedcross.md.
 """
 
 from typing import Any, NamedTuple

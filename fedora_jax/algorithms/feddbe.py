@@ -8,34 +8,15 @@ PFLlib's clientdbe.py / serverdbe.py, which the verification runs beside this mo
 The paper's full text is not on disk: this module follows that code, and names no
 equation numbers.)
 
-The model is a feature extractor f (every layer below the top one) and a head h (the top
-Dense layer); client i also holds a vector m_i of the representation's size (zeros at
-first, never sent). Its personalised prediction is h(f(x) + m_i) (PRBM).
+Before round 1 every client trains once to set the global mean g of representations. A round is
+FedAvg's; client i trains the model and its bias m_i (never sent) on CE(h(f(x) + m_i), y) +
+kl_weight * mean_k (r_k - g_k)^2 / 2, r the running mean of f(x) (mean_momentum); it is scored
+with the global model under its m_i. Defaults (run_me.sh): kl_weight 50, mean_momentum 1.
 
-Initialisation period (serverDBE.__init__): before the first round every client trains a
-copy of the initial model for the run's local epochs on plain cross-entropy, tracking the
-running mean r of its representations (below); the server sets the global mean
-g = sum_i n_i r_i / sum_i n_i and keeps it for the whole run. Those trained copies are
-dropped: round 1 starts from the initial model (the reference's send_models overwrites
-them).
+Departures: the run's optimiser trains m_i (the code: a plain SGD of the same learning rate);
+a partial last batch trains (the code's loader drops it).
 
-A round is FedAvg's (weights n_i) with this local objective, one step per batch B:
-  r <- (1 - momentum) r + momentum * mean_{x in B} f(x)    (r = 0 at the round's start;
-                                                            earlier batches' r constant)
-  CE(h(f(x) + m_i), y) + kl_weight * mean_k (r_k - g_k)^2 / 2
-m_i trained with the model (PRBM). The defaults are the authors' run_me.sh: momentum 1
-(r is the batch's own mean), kl_weight 50; PFLlib's main.py defaults are 0.1 and 0 (the
-regulariser off).
-
-Scoring: h(f(x) + m_i) with the latest global f, h; as h is affine, that is the model
-whose head bias is b + m_i W, which personalized_params returns (a model of the run).
-Under partial participation only the sampled clients train and move their m_i; every
-client is scored with the new global model and its own m_i (the reference's server sends
-the global model to all clients); the initialisation period trains every client.
-
-Departures: the run's optimiser trains m_i with the model (the code: a plain SGD of the
-same learning rate for m_i; the same under its plain SGD); a partial last batch trains,
-as for every method (the code's loader drops it).
+Details (every option, the departures, measurements): docs/algorithms/feddbe.md.
 """
 
 from typing import Any, NamedTuple

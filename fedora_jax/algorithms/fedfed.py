@@ -5,63 +5,18 @@ Yang, Zhang, Zheng, Tian, Peng, Liu, Han. "FedFed: Feature Distillation against 
 Heterogeneity in Federated Learning." NeurIPS 2023. https://arxiv.org/abs/2310.05077
 (code read, not run or copied: the authors' visitworld123/FedFed (basePS/client.py,
 basePSmanager.py, model/FL_VAE.py, configs/default.py) and FL-bench's src/server/fedfed.py
-and src/client/fedfed.py, KarhouTam/FL-bench, GPL. The paper's full text is not on disk:
-this module follows its abstract's protocol and the two codes, and names no equation
-numbers. PFLlib has no FedFed, so there is no verification row: the unit tests check the
-losses, the noise, the pool's draws and the mixed batch by hand.)
+and src/client/fedfed.py, KarhouTam/FL-bench, GPL. The paper's full text is not on disk.)
 
-Feature distillation, before the rounds (both codes run it before FL's rounds: here in
-`init`, so the run's --rounds are all FL rounds, and its traffic is not in their bytes).
-A generator G (models/feature_vae.py, a beta-VAE) splits x into the performance-robust
-x_r = G(x) and the performance-sensitive x_s = x - x_r. For `distill_rounds` rounds every
-client, from the averaged G and classifier f, runs `vae_epochs` times
-  1. an epoch of mixup on f: lam CE(f(x~), y) + (1 - lam) CE(f(x~), y'), x~ = lam x +
-     (1 - lam) x' with (x', y') the batch shuffled, lam ~ Beta(alpha, alpha);
-  2. an epoch on G of  re MSE(x_r, x) + kl KL(q(z|x) || N(0, I)) / (B 3 z);
-  3. an epoch on G and f together of that plus
-       ce (CE(f(x_s + n1), y) + CE(f(x_s + n2), y)) / 2 + x_ce CE(f(x), y),
-     n1, n2 noise of scale noise_std1, noise_std2 (the gradient reaches G through x_s);
-then the server averages G and f by training samples. Each client then shares x_s + n1
-and x_s + n2 of every training sample, x_r = G's mean reconstruction (running BatchNorm
-averages): the pool every client holds (engine/shared_pool.py). f and G step with the
-run's SGD and AdamW (lr 1e-3, weight decay 1e-6, each client's moments kept across the
-stage's rounds, as both codes keep them); the MSE is over the batch's real samples and
-every input dimension, the KL summed over them and the latent, "3" both codes' divisor.
+Before the rounds (in `init`), for distill_rounds 15 every client trains a beta-VAE G that
+splits x into x_r = G(x) and x_s = x - x_r, and a classifier f on the noised x_s, then
+shares x_s + n1 and x_s + n2 (noise_std1 0.15, noise_std2 0.25) of every training sample:
+the pool every client holds. The rounds are FedAvg (FedProx with mu > 0) on the client's
+data and pool rows (mix "batch", the authors', or "union"); the global model is scored.
 
-The rounds: FedAvg of the global model (FedProx's proximal term with mu > 0, the
-authors' --fedprox), each client training on its data and the pool:
-  mix "batch" (default, the authors'): every round the client draws n_k // C pool rows of
-    each class and the rest uniformly, once from the n1 features and once from the n2
-    ones; each local step takes B own samples and the B drawn rows of each set beside
-    them, loss the mean CE over the 3B (three forward passes);
-  mix "union" (FL-bench's): n_k rows drawn uniformly from the pool of both noise levels
-    join the client's data as one training set of 2 n_k samples.
-The global model is scored. The pool is held by every client, so the rows a round draws
-are not counted in its bytes down.
+Departures: no data augmentation, no curriculum (--fedfed_re=50 sets it) nor skew-adaptive
+weights; every client distils in every stage round; draws once a round, not once an epoch.
 
-Where the sources differ, behind config fields:
-  * classifier: "separate" (default, the authors': f is the VAE's own classifier, of the
-    run's model, dropped after the stage; FL starts from the initial model) or "model"
-    (FL-bench's: f is the global model, so FL starts from the stage's f);
-  * noise: "gaussian" (default) or "laplace" (scale noise_std), both codes'; noise_draw
-    "sample" (default: independent noise per sample, the paper's DP mechanism and
-    FL-bench's) or "batch" (the authors': one draw of a sample's shape added to the whole
-    batch; when sharing, to each pass of 256 samples, theirs of 64);
-  * architecture: the codes' residual conv VAE for images ("conv"), an MLP VAE for
-    feature vectors ("mlp", neither code's), "auto" picking by the input's shape.
-Defaults: distill_rounds 15 (both codes' VAE rounds), vae_epochs 1, vae_depth 32,
-mixup_alpha 2, re 5, kl 0.005, ce 2, x_ce 0.4, noise_std1 0.15, noise_std2 0.25 (the
-authors' configs/default.py and FL-bench's).
-
-Departures, for every form: no data augmentation (the authors' crops, flips, RandAugment
-and the mosaic images their step 2 trains on; FL-bench has none); the authors' curriculum
-(step 2's and 3's re x 10 in their first local epochs, which with one epoch a round is
-every round: --fedfed_re=50 sets it) and their "adaptive" loss weights by a client's skew
-are not taken; every client distils in every stage round (the authors' default samples all
-10 of 10; FL-bench samples --join_ratio); a classifier with BatchNorm runs on its running
-averages in step 3, and in the rounds normalises each third of a mixed batch by that
-third's statistics (three passes); the draws are made once a round, not once a local
-epoch.
+Details (every option, the departures, measurements): docs/algorithms/fedfed.md.
 """
 
 from typing import Any, NamedTuple

@@ -3,46 +3,16 @@
 Zhang, Sapra, Fidler, Yeung, Alvarez. "Personalized Federated Learning with First Order
 Model Optimization." ICLR 2021. https://arxiv.org/abs/2012.08565
 
-Every round (paper Algorithm 1):
-  1. the server sends client i the current models of M other clients, chosen
-     epsilon-greedily: with probability epsilon_t M random others, otherwise the M with
-     the largest affinity P[i, n] (the running sum of the weights i gave n);
-     epsilon_t = max(0, epsilon - decay * t);
-  2. client i weighs each downloaded model by its first-order benefit on i's validation
-     data, w_n = max(0, (L_val(theta_i) - L_val(theta_n)) / ||theta_n - theta_i||),
-     normalised to sum to 1 (all zero: no federated update);
-  3. it sets theta_i <- theta_i + sum_n w_n (theta_n - theta_i) and trains locally;
-  4. it returns the weights, which the server adds to row i of P.
-A client's personalized model is its own theta_i.
+Each round the server sends client i the models of num_models (M = 5) other clients, chosen
+epsilon-greedily by its affinity row P[i] (epsilon 0.3, less epsilon_decay 0.05 a round);
+client i weighs each by its first-order benefit on its validation data, moves its model by the
+weighted differences, trains locally and returns the weights, which the server adds to P[i].
+A client is scored with its own model.
 
-Defaults: M = 5 as in PFLlib's FedFomo (github.com/TsingZ0/PFLlib); epsilon = 0.3
-decayed by 0.05 per round is our reading of the paper's epsilon-greedy schedule (PFLlib
-drops the exploration and always takes the top M).
-
-PFLlib's form, each difference behind its own option (the paper's stays the default):
-candidates=self (P starts as the identity and the client's own model, the server's copy
-of its last upload, is a candidate), baseline=previous (losses and distances measured
-against the model the client started its previous round's training from, PFLlib's
-`old_model`, not its current one), validation=train_tail (the last 20 % of the training
-data validates, int(0.2 n), and the rest trains), affinity_update=raw (P adds the
-signed, unnormalised weights) and distance_eps=1e-5 (added to the distance). With
-epsilon 0 and M >= K these give PFLlib's serverfomo/clientfomo (docs/verification.md);
-its training loader is unshuffled, which ours is not.
-
-The official code (NVlabs/FedFomo, client.py get_federating_clients, server.py) draws
-explore or exploit for each download slot: sampling=slot (each slot takes the next
-client not yet chosen of a random order, or of the affinity order; ours: one draw a
-client for all M). Where the candidates come from, pool: all (any client's stored
-model, stale ones too), uploaders (the official code's: only last round's uploaders,
-none in the first round) or uploader_count (PFLlib's send_models: any stored model, but
-at most as many as last round's uploaders). A slot left without a candidate carries id
--1 and weighs 0.
-
-Memory: the message holds M models per client, [K, M, ...], never the [K, K, ...] of all
-pairs. A distance ||theta_n - theta_i|| of zero
-(identical models, e.g. everyone in round 1) gives w_n = 0. Validation loss is the
-split's full mean cross-entropy (the paper holds out part of the client's training
-data; here the client's own validation split serves).
+Departures: the epsilon schedule is our reading of the paper; validation on the client's own
+split; PFLlib's form (candidates, baseline, validation, affinity_update, distance_eps) and the
+official code's (sampling, pool) are options.
+Details (every option, the departures, measurements): docs/algorithms/fedfomo.md.
 """
 
 from typing import NamedTuple

@@ -8,28 +8,15 @@ module. The paper's full text is not on disk: this module follows that code, PFL
 form of the paper's face-recognition setting for classes that clients may share, and
 names no equation numbers.)
 
-Client k holds the classes C_k of its training data and a bias-free linear head
-W_k: one row (class embedding) per class of C_k; every other class is out of its
-softmax. Each round a sampled client receives the global body and its own head from
-the server, trains both for the run's local epochs on the cross-entropy over C_k, and
-uploads both. The server averages the bodies (FedAvg), keeps each uploaded head, and
-then takes one SGD step, at the run's client lr times `lam`, on every client's head
-(sampled or not) down the regulariser
+A sampled client trains the global body and its own bias-free head (a row per class it holds)
+on the cross-entropy over its classes and uploads both; the server averages the bodies, keeps
+the heads and takes one SGD step (the client lr times `lam`, default 1) on every head, pushing
+its rows away from the mean rows of the classes its client lacks. A client is scored with the
+global body and its head over its classes (a test sample of another class counts wrong).
 
-  Reg = sum_k sum_{c in C_k} -log( e^{e_c . e_c}
-                                   / (e^{e_c . e_c} + sum_{j not holding c} sum_{c' in C_j}
-                                      e^{W_jc' . e_c}) )
+Departures: a partial last batch trains, as for every method (PFLlib drops it).
 
-where e_c is the mean of the rows of class c over the clients holding it, held fixed
-(PFLlib takes it from the rows' .data): only the rows of the clients without class c
-move, away from e_c, the cross-client gradient that no client can compute. Client k is
-scored with the global body and its head, over its classes (a test sample of a class it
-does not hold is misclassified; its loss counts as if that class's logit were 200 below
-the client's top one).
-
-Here a head is the model's top Dense layer, all classes wide, its bias held at 0 and
-the columns of the classes a client lacks unused. Defaults: lam 1 (PFLlib's --lamda).
-Departure, as for every method: a partial last batch trains (PFLlib drops it).
+Details (every option, the departures, measurements): docs/algorithms/fedgc.md.
 """
 
 from typing import Any, NamedTuple

@@ -6,51 +6,17 @@ Wu, Wu, Lyu, Huang, Xie. "Communication-efficient federated learning via knowled
 distillation." Nature Communications 13, 2032 (2022).
 https://doi.org/10.1038/s41467-022-29763-x
 (code: the authors' github.com/wuch15/FedKD, run.py and model_bert.py, and PFLlib's
-clientkd.py / serverkd.py, which the verification runs beside this module. The paper's
-full text is not on disk: its abstract and Fig. 5 give the protocol (local gradients
-decomposed before upload, the aggregated global gradient decomposed before it is
-distributed); the loss and the energy schedule follow the authors' code. No equation
-numbers.)
+clientkd.py / serverkd.py, which the verification runs beside this module.)
 
-Client i holds its mentor t_i (the run's model, never sent; it is what the client is
-scored with), a copy of the mentee s (the same architecture here) and a map W_i [d, d]
-(no bias, never sent) between their representations h (the head's input). A sampled
-client trains all three, one step per batch, on the sum of the mentor's and the mentee's
-losses (both codes back-propagate that sum into every part, the adaptive denominators
-included)
+A sampled client trains its mentor t_i (the run's model, what it is scored with), the mentee
+s and a map W_i on CE_t + CE_s + (KL both ways + 2 MSE(h_t, h_s W_i)) / (CE_t + CE_s), and
+uploads the mentee's change as rank-k SVDs at energy T, rising from t_start 0.95 to t_end
+0.98; the server's mean (server_mean "uniform"), compressed again, moves the mentee.
 
-  CE_t + CE_s + (KL(p_s || p_t) + KL(p_t || p_s) + 2 MSE(h_t, h_s W_i)) / (CE_t + CE_s)
+Departures: the mentee has the mentor's architecture and the run's optimiser. PFLlib's form
+is behind compress, energy_round, rank_rule, conv_svd, kl_reduction and clip_norm.
 
-(MSE the mean over the batch and the d features). It uploads its mentee's change
-compressed; the server averages the uploads (server_mean: "uniform", both codes' 1/|S|;
-"weighted", the run's client weights) and adds that mean, compressed again, to the
-mentee every client receives. A client that sat the round out keeps its mentor and W_i.
-
-Compression at energy T: every kernel of more than one output (a conv kernel as the
-[inputs, outputs] matrix of its output channels) is replaced by its rank-k truncated SVD;
-biases travel whole, as does a kernel whose singular values are all zero. rank_rule
-"reach" (default): k is the smallest rank whose leading squared singular values hold at
-least T of their sum (our reading of the paper's energy threshold, whose text is not on
-disk: keep the leading singular values that hold T of the energy). In round r (0-based) of
-R (the run's rounds) T = t_start + (r + 1) / R (t_end - t_start) (the authors' run.py).
-
-PFLlib's form, behind options (the verification runs it): compress="parameters" (the
-client sends its compressed mentee, the server averages them and sends its average
-compressed), energy_round="current" (T = t_start + r / R: t_start in the first round),
-rank_rule="codes" (k the smallest rank below the full one whose leading squares exceed T
-of the sum, and 0 -- the matrix sent as zero -- when only the full rank does: both codes
-search one rank short, so a flat spectrum, e.g. a small head's, is dropped whole),
-conv_svd="spatial" (PFLlib's SVD of a conv kernel [out, in, kh, kw]: one SVD of each
-kh x kw filter, all cut to the one rank that the summed energies of their i-th singular
-values pick), kl_reduction="mean" (nn.KLDivLoss's mean over the classes too: the KL / C,
-in both codes), clip_norm=10 (mentor, mentee and W_i each clipped to global norm 10
-before their step), server_mean="uniform" (the default already).
-
-Defaults: t_start 0.95, t_end 0.98 (the authors' and PFLlib's). Departures: the mentee
-has the mentor's architecture (the paper's is smaller; PFLlib's is the same); it trains at
-the run's learning rate and optimiser (PFLlib: --mentee_learning_rate, by default the
-same 0.005; the authors: one Adam over both); W_i starts as PyTorch's Linear(d, d,
-bias=False) does, a draw per client; a partial last batch trains, as for every method.
+Details (every option, the departures, measurements): docs/algorithms/fedkd.md.
 """
 
 from typing import Any, NamedTuple

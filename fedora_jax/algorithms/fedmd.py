@@ -11,38 +11,12 @@ abstract's protocol and the authors' code, and names no equation numbers. PFLlib
 FedMD, so there is no verification row: the unit tests check the consensus, the digest
 loss and one client's round by hand.)
 
-The public set D_0 is a held-out slice of the training split that no client holds
-(fedora_jax/data/public.py; --public_size, default `public_size` below). A round, as
-the paper lists it:
-  1. communicate: each client scores an alignment set (A samples of D_0, drawn afresh
-     every round) with its model, f_k(x) the logits ("class scores"; the authors' model
-     with its softmax removed);
-  2. aggregate: the server's consensus is their plain mean over the clients that scored;
-  3. distribute: every client receives it;
-  4. digest: client k trains f_k towards the consensus on the alignment set for
-     `digest_epochs` passes, loss the mean absolute error over samples and classes
-     ("mae", the authors' Keras loss) or the mean squared error ("mse", FL-bench's);
-  5. revisit: it trains on its private data for the run's local epochs (cross-entropy).
-Client k is scored with f_k. The digest steps use the run's optimizer and batch size.
+Each round a client digests the consensus (the mean of the clients' logits on alignment_size
+5000 public samples) for digest_epochs 1 (loss "mae"), trains on its own data and uploads its
+logits on the next round's set; it is scored with its own model. public_size 5000.
 
-Fitted into one pure round: a trained client scores the NEXT round's alignment set
-with the model it ends the round with, and uploads those scores; the server averages
-the uploads of the round's clients into the consensus the next round's clients digest.
-With full participation that is the authors' order (scores of the current models);
-with partial participation the consensus is that of the previous round's clients
-(FL-bench's: of the current round's sampled clients' current models). The first round
-digests nothing (no scores yet; with the shared initial model the consensus would be
-each client's own logits). The public samples are held by every client from the start
-(only their indices travel), so they are not counted in the round's bytes down.
-
-Departures: no transfer-learning phase before the rounds (the authors pretrain each
-model on the public data, then on its private data; FL-bench skips it too); the
-optimizer is the run's SGD (the authors': Adam, lr 1e-3); the digest's batch is the
-run's (the authors' 256, FL-bench's 32).
-
-Defaults: alignment_size 5000 (the authors' N_alignment), digest_epochs 1 (their
-N_logits_matching_round), loss "mae"; public_size 5000 (the alignment set is then the
-whole public set, shuffled, each round).
+Departures: no transfer-learning phase; the run's optimizer and batch; the consensus lags.
+Details (every option, the departures, measurements): docs/algorithms/fedmd.md.
 """
 
 from typing import Any, NamedTuple

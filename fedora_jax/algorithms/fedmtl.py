@@ -8,35 +8,15 @@ module. MOCHA itself solves the convex problem's dual with local SDCA steps; lik
 PFLlib, this module descends the primal with the run's optimiser, which any model
 allows. The paper's full text is not on disk; no equation numbers.)
 
-The objective: sum_t L_t(w_t) + R(W), W = [w_1 .. w_m] the m = K clients' models, with
+A sampled client t trains and is scored with its own w_t, on its loss plus R(W) = lambda_1
+sum_t ||w_t - w_bar||^2 + lambda_2 ||W||_F^2 (`omega` "mean"), the other columns of W fixed; the
+server sends the models' mean and norms. lambda_1, lambda_2 = lam_mean, lam_norm (1) times s,
+lam_scale "digits": PFLlib's 10^-(digits of d + 1), d the parameter count; "one": s = 1.
 
-  R(W) = lambda_1 tr(W Omega W^T) + lambda_2 ||W||_F^2,
+Departures: every client is a column of W (PFLlib: the round's sampled ones); a partial last
+batch trains. PFLlib's form: regulariser_gradient=false (R moves nothing), omega="pfllib".
 
-and the mean-regularised task relation Omega = (I - 1 1^T / m)^2 (= I - 1 1^T / m), for
-which tr(W Omega W^T) = sum_t ||w_t - w_bar||^2, w_bar the models' mean: every task is
-pulled towards the mean task (MOCHA's own example of a fixed Omega; it also learns Omega
-in other settings, which this module does not). A sampled client t trains w_t on its
-batches' mean loss plus R, the other columns of W held at their values when the round
-started (the Jacobi form: every client of a round reads the same W), so the gradient of R
-is 2 lambda_1 (w_t - w_bar) + 2 lambda_2 w_t, w_bar moving with w_t. The server only
-gathers the models: it sends their mean w_bar_0, their spread sum_s ||w_s - w_bar_0||^2
-and sum_s ||w_s||^2, from which each client's R follows exactly (`regulariser`). Each
-client is scored with its own model; a client that sat the round out keeps it (and stays
-a column of W).
-
-lambda_1 = lam_mean s, lambda_2 = lam_norm s; lam_scale "digits" makes s PFLlib's factor
-10^-(f), f = the digits of d plus 1 (d the model's parameter count: 1e-7 for d of
-100,000 to 999,999), "one" makes s 1. MOCHA tunes lambda per data set and states no
-default; the defaults are PFLlib's factor on both terms, at which R is weak and FedMTL
-trains close to LOCAL.
-
-PFLlib's form, behind options (the verification runs it): regulariser_gradient=false
-(its W is built from state_dict() copies, which are detached: R adds to the reported loss
-and moves nothing, so its FedMTL trains as LOCAL), omega="pfllib" (its
-(I - 1 1^T / m)^2 is built from a matrix of ones, not the identity, and read at one
-entry: R = s (||W||_F^2 + (1 - 1/m)^2 ||sum_t w_t||^2)). Its W holds the round's sampled
-clients only (m = S); here every client is a column. Departure: a partial last batch
-trains, as for every method.
+Details (every option, the departures, measurements): docs/algorithms/fedmtl.md.
 """
 
 import math

@@ -7,51 +7,16 @@ We follow the authors' code, github.com/lxcnju/FedRepo, algorithms/fedphp.py and
 tools.py (mmd_rbf_noaccelerate); differences from PFLlib (TsingZ0/PFLlib clientphp.py)
 are noted.
 
-Client k, when sampled in round t (FedRepo's update_local):
-  1. it trains the received global model w^t with the run's local SGD on
-       (1 - lambda) CE(w; x, y) + lambda R(w, v_k; x),
-     v_k its HPM (a constant here), R the knowledge transfer from v_k to w:
-       "mmd": MMD^2 between the penultimate features h_w(x) and h_v(x) of a batch, with
-              FedRepo's kernel: the sum of 5 Gaussians exp(-||a - b||^2 / s_j),
-              s_j = s 2^(j-2), s the mean squared distance between the 2B pooled
-              features (not differentiated), and the biased estimate
-              mean(K_ww + K_vv - K_wv - K_vw) over the batch;
-       "kd":  -sum_c softmax(z_v / T)_c log softmax(z_w)_c, the cross-entropy of the
-              student's logits to the HPM's softened by T = 4 (FedRepo scales the
-              teacher's logits only);
-  2. it updates its HPM by a moving average of the model it trained:
-       v_k <- mu_k v_k + (1 - mu_k) w_k,    mu_k = min(mu_max * c_k / Q, mu_max),
-     c_k the rounds it took part in before this one, Q (`mu_participations`) the
-     participations over which mu_k ramps up (FedRepo: mu_max 0.9, Q the expected
-     participations c_ratio * max_round, 100 in its runs). The first time, mu_k = 0 and
-     v_k is the model just trained. PFLlib ramps mu with the global round instead,
-     mu = mu_max t / T;
-  3. it uploads w_k; the server averages the uploads (FedAvg, weighted by training-set
-     size over the round's sampled clients).
-The personalised model is the HPM v_k (FedRepo tests the HPM); PFLlib evaluates the
-trained local model w_k, `personal_model="local"`. PFLlib's MMD (clientphp.py, 'rbf')
-has fixed bandwidths instead of FedRepo's data-driven ones: the sum over a in
-10, 15, 20, 50 of exp(-||a - b||^2 / (2 a)), `mmd_kernel="pfllib"`; with full
-participation and Q the run's rounds, our mu_k is PFLlib's mu_max t / T. A client that
-sits a round out keeps its HPM. FedRepo also clips the gradient norm; here the run's
-optimizer is used as is.
+A sampled client k trains the received global model w^t by the run's local SGD on
+(1 - lam) CE + lam R(w, v_k) (lam 0.05), R the transfer from its HPM v_k (reg "mmd" on
+penultimate features, or "kd" on logits at temperature 4.0), sets v_k <- mu_k v_k +
+(1 - mu_k) w_k (mu_k ramps to mu_max 0.9 over mu_participations 100) and uploads w_k;
+the server averages (FedAvg). Each client is scored with v_k (personal_model "hpm").
 
-Defaults: mmd with lambda = 0.05, mu_max = 0.9, Q = 100: FedRepo's runs (train_lab.py
-tries KD at 0.05 and MMD at 0.1 and 0.05; PFLlib implements MMD only).
+Departures: FedRepo's gradient clipping is not taken. PFLlib's forms: personal_model
+"local", mmd_kernel "pfllib", teacher "global" (its a41f7ba FedPHP: the global teacher).
 
-PFLlib's FedPHP at commit a41f7ba (the code behind FedALA's table) is another algorithm,
-`teacher="global"`: the teacher is the global model the client receives, not an HPM.
-Client k, sampled in round t (0-based), starts from the mix
-  w <- (1 - mu_t) w^t + mu_t w_k,    mu_t = min(mu_max t / Q, mu_max)
-of the received model and its own last trained model w_k (its clientphp.set_parameters:
-mu_t = mu R / global_rounds, Q the run's rounds there), trains it on
-(1 - lambda) CE + lambda R(w, w^t) (its MMD on the representations, PFLlib's kernel as
-`mmd_kernel="pfllib"`), keeps it as w_k and uploads it. Scored: the model each client
-would start the next round from, (1 - mu_{t+1}) w^{t+1} + mu_{t+1} w_k (PFLlib's next
-evaluate() after send_models, at full participation; a client its selection leaves out
-it scores on w_k). Its main.py defaults mu 0 (every client starts from, and is scored
-on, the global model) and lambda 1, which leaves the CE term out: from w = w^t the MMD
-and its gradient are 0, so nothing trains. No ALA host (its teacher is the message).
+Details (every option, the departures, measurements): docs/algorithms/fedphp.md.
 """
 
 from typing import Any, NamedTuple
@@ -277,7 +242,7 @@ def mix(global_params: Params, own: Params, mu: jax.Array) -> Params:
 
 
 def _global_teacher(config: FedPhpConfig, trainer: ClientTrainer) -> Algorithm:
-  """PFLlib a41f7ba's FedPHP (the module docstring). A client's state keeps w_k in its
+  """PFLlib a41f7ba's FedPHP (docs/algorithms/fedphp.md). A client's state keeps w_k in its
   `hpm` field."""
 
   def init(context: InitContext) -> AlgorithmState:

@@ -5,59 +5,14 @@ Tan, Long, Liu, Zhou, Lu, Jiang, Zhang. "FedProto: Federated Prototype Learning 
 Heterogeneous Clients." AAAI 2022. https://arxiv.org/abs/2105.00243
 (code: github.com/yuetan031/fedproto)
 
-Notation: f_i(phi_i; x) is client i's representation (its body's output, the input of its
-classifier: fedora_jax.algorithms.layers.apply_with_representation), D_{i,j} its training
-samples of class j, N_j = sum_i |D_{i,j}| (equations numbered in the order printed).
-  Local prototype (Eq. 3):   C_i^(j) = 1/|D_{i,j}| sum_{(x, y) in D_{i,j}} f_i(phi_i; x).
-  Global prototype (Eq. 6):  C^(j) = sum_{i in N_j} |D_{i,j}| / N_j  C_i^(j)
-                             over the clients N_j that hold class j ("weighted", default).
-  Local objective (Eq. 7-8, and Appendix B's per-sample form):
-        L_S(F_i(x), y) + lambda * d(f_i(phi_i; x), C^(y)),
-  d the squared L2 distance, for the classes that have a global prototype (none in the
-  first round: no regulariser then, as in the authors' code).
-  Inference (Eq. 4):         y^ = argmin_j ||f(phi; x) - C^(j)||.
-Each client trains its own whole model for the run's local epochs and never uploads it;
-after training it computes its prototypes on its training split and uploads them with its
-class counts |D_{i,j}|. The server has no model.
+Each client trains its own whole model on cross-entropy + lam (1) times the distance of its
+representations to their class's global prototype (distance "mse"), then uploads its class
+prototypes and counts; the server averages them per class (aggregation "weighted"). A client
+is scored by the nearest global prototype among its own classes (inference "global_own").
 
-Where the printed equations and the authors' code differ, behind config fields:
-  * aggregation: Eq. 6 as printed also divides by |N_j|, which shrinks every prototype
-    shared by several clients towards 0 (the weights |D_{i,j}| / N_j already sum to 1),
-    contradicting its text ("aggregates the prototypes by averaging them"); "weighted"
-    (default) is the weighted mean without that factor, the form Appendix B's
-    C = sum_i q_i C_i uses. "mean" is the authors' proto_aggregation: the plain mean of
-    the clients' prototypes of class j, unweighted.
-  * distance: "mse" (default) is the authors' nn.MSELoss between f(x) and C^(y), the mean
-    over the batch AND the d representation dimensions, i.e. ||f(x) - C^(y)||^2 / d;
-    "squared" is Appendix B's lambda ||f(x) - C^(y)||^2. The default is the code's
-    because the paper's lambda values were tuned with it (with d = 128, "squared" is 128x
-    stronger at the same lambda).
-  * prototypes: "trained" (default) is Eq. 3, the trained model on the whole training
-    split, after training; "training" averages the representations the training steps
-    compute (each before its step, in the loss's forward pass) over the local epochs, as
-    PFLlib's clientproto.py does (the authors' code keeps the last epoch's: the same at
-    one local epoch).
-  * inference: "global_own" (default) is the authors' "with protos" accuracy: the nearest
-    global prototype among the classes the client holds (its training classes); "global"
-    is Eq. 4 over every global prototype; "local" uses the client's own prototypes; "head"
-    the client's classifier (the authors' "w/o protos" accuracy). The default is the
-    code's, whose accuracies the paper reports. A client never sampled has no classes
-    (nor prototypes) of its own yet: under "global_own" and "local" it is scored by every
-    global prototype, as under "global" (and as PFLlib scores every client); before any
-    prototype exists, by its own classifier.
-With partial participation the server averages the prototypes the round's sampled clients
-upload (weight-0 clients are ignored); a class none of them holds keeps its previous
-global prototype.
-
-Prototype inference as a model: -||z - C_c||^2 = 2 <z, C_c> - ||C_c||^2 - ||z||^2, and the
-last term is the same for every class, so the classifier with kernel 2 C^T and bias
--||C_c||^2 has the nearest prototype as its argmax and the softmax of the negative squared
-distances as its softmax (the same cross-entropy). The personalised model is the client's
-model with that head; a class without a prototype gets bias ABSENT_SCORE, never predicted.
-
-Hyperparameters (Appendix A): lambda = 1 on MNIST and FEMNIST, 0.1 on CIFAR-10 (default:
-MNIST's). The paper's local training (the run's flags): SGD lr 0.01, momentum 0.5, 1 local
-epoch, batch 8.
+Departures: Eq. 6 without its extra 1/|N_j| ("weighted"); the authors' code's MSE distance
+and "with protos" scoring are the defaults; prototypes "training" is PFLlib's.
+Details (every option, the departures, measurements): docs/algorithms/fedproto.md.
 """
 
 from typing import Any, NamedTuple

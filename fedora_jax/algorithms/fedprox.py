@@ -3,23 +3,16 @@
 Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith. "Federated Optimization in Heterogeneous
 Networks." MLSys 2020. https://arxiv.org/abs/1812.06127  (code: github.com/litian96/FedProx)
 
-Client k approximately minimises h_k(w; w^t) = F_k(w) + mu/2 ||w - w^t||^2 from the
-broadcast global model w^t (the paper's Eq. 2), here with the run's local SGD; the server
-averages the uploads as FedAvg does (weighted by training-set size, every client taking
-part each round, so FedProx's partial-work / straggler handling never comes into play).
+Client k trains the broadcast global model w^t with the run's local SGD on F_k(w) +
+mu/2 ||w - w^t||^2 (the paper's Eq. 2) and uploads it; the server averages the uploads as
+FedAvg (weighted by training-set size). mu 1, the paper's best on MNIST. `evaluate`: "global"
+(default, as the paper) scores the global model, "local" each client's latest local model.
+Under --ala the term pulls towards w^t (`ala_anchor` "global") or ALA's model ("theta_hat").
 
-mu: the paper tunes it per dataset from {0.001, 0.01, 0.1, 1} and reports mu = 1 as the
-best for MNIST (also for Synthetic and FEMNIST; 0.001 Shakespeare, 0.01 Sent140); its
-README says mu must be re-tuned for other settings. The default is the MNIST value.
+Departures: every sampled client runs its full local epochs, so FedProx's partial-work /
+straggler handling never comes into play.
 
-Evaluation (`evaluate`), as MOON's: "global" (default), the global model on each client's
-data, as the paper reports FedProx; "local", each client's latest locally trained model
-(the proximally regularised one it last uploaded; the shared initial model before it
-first trains). The parameter-coaching paper (Zhi et al., AAAI 2024, Tables 1-2) puts
-FedProx 8 to 67 points above FedAvg in every column (MNIST alpha 0.1: 97.93 against
-60.06) and at or above its own LOCAL row, which no global model trained alongside
-FedAvg's can be: its FedProx rows read as local models, and its `reproduce` tables run
-this view (docs/reproduce_other_papers.md).
+Details (every option, the departures, measurements): docs/algorithms/fedprox.md.
 """
 
 from typing import Any, NamedTuple

@@ -5,33 +5,17 @@ Learning with Laplacian Regularization." IEEE TNNLS 2022 (arXiv 2021, first titl
 A Unified Framework for Federated Multi-Task Learning with Laplacian Regularization").
 https://arxiv.org/abs/2102.07148  (code: github.com/CharlieDinh/FedU_FMTL)
 
-FedU solves min_Theta sum_k f_k(theta_k) + (lambda / 2) sum_k sum_l a_kl ||theta_k - theta_l||^2
-(a Laplacian regulariser over the client graph) by alternating, every round:
-  1. each client runs its local SGD on its own loss f_k;
-  2. every client takes one gradient step on the regulariser with the local step size,
-       theta_k <- theta_k - eta * lambda * sum_l a_kl (theta_k - theta_l).
-The experiments connect every pair of clients with a_kl = 1 (a_kk plays no role). On
-that graph sum_{l != k} (theta_k - theta_l) = K theta_k - sum_l theta_l, which costs one
-mean over clients instead of a K x K matrix. A client's personalized model is theta_k.
+Each round every client runs its local SGD on its own loss f_k, then takes one step on the
+Laplacian regulariser (lambda / 2) sum_k sum_l a_kl ||theta_k - theta_l||^2 of the paper:
+theta_k <- theta_k - eta lambda sum_l a_kl (theta_k - theta_l), a_kl = 1 for every pair
+(one mean over clients). Each client is scored with its theta_k. FedUConfig: lam 0.01 and
+eta 0.03 (the authors' MNIST commands), update "all", step "paper", graph "complete".
 
-eta and lambda default to the authors' MNIST settings (learning rate 0.03, L_k 0.01, in
-their README's commands). eta is the paper's local learning rate; it is its own field
-here because the engine's client optimizer may use another (--lr).
+Departures: the authors' code (FedU_FMTL@3e77db4) steps only the sampled users
+(update="sampled"), by 0.5 local_epochs eta lambda (step="code"), on a random graph
+(graph="random"), and one user after another in place (not offered).
 
-The authors' code (FedU_FMTL@3e77db4, the paper's time, users/userFedU.py and
-servers/serverFedU.py; since e449d68, 2022-05-22, its Laplacian loop is commented out and
-FedU trains as LOCAL) departs from the above in three ways, each behind a field (the
-defaults stay as above; the paper's text is not in the project to settle them):
-  `update="sampled"`: under partial participation only the round's selected users take
-    the step, and sum only over the other selected users (weight > 0 in `aggregate`);
-    ours by default steps every client over every client's stored model.
-  `step="code"`: the code's step is 0.5 * beta * local_epochs * eta * lambda per unit
-    a_kl (its beta 1 and 5 local epochs: 2.5 times ours).
-  `graph="random"`: its default K = 0 draws a_kl once, (B + B^T) / 2 with B ~ U(0, 1),
-    entries below 0.25 zeroed (similarity.random_similarity); ours a_kl = 1.
-Its users also step one after another in place, each reading the models of the users
-stepped before it; ours step together from the round's models (a difference of order
-(eta lambda)^2, not offered).
+Details (every option, the departures, measurements): docs/algorithms/fedu.md.
 """
 
 from typing import NamedTuple

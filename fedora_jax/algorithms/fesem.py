@@ -4,52 +4,16 @@ Long, Xie, Shen, Zhou, Wang, Jiang. "Multi-center federated learning: clients cl
 for better personalization." World Wide Web 26, 2023 (arXiv 2020).
 https://arxiv.org/abs/2005.01026  https://doi.org/10.1007/s11280-022-01046-x
 
-FeSEM minimises sum_k min_c ||theta_k - theta~_c||^2 (plus the clients' losses) over the
-client models theta_k and C centers theta~_c by alternating, every round:
-  E-step  assign each client to its nearest center by the L2 distance between its local
-          model and the centers, r_k = argmin_c ||theta_k - theta~_c||^2;
-  M-step  set each center to the mean of its clients' models (a center with no client
-          keeps its value);
-  local   send each client its center; the client trains from it on its own data.
-In this engine's round the local step comes first and E/M close the round (the same
-cycle): broadcast sends theta~_{r_k}, the client trains from it, and aggregate runs
-the E-step on the freshly trained models and the M-step. A client's personalized model
-is its center (its own local model while warming up, below).
+Each round a client trains from its center; the server reassigns every client to the nearest
+of num_clusters (4) centers by L2 (E-step) and sets each center to its clients' mean
+(M-step); a client is scored with its center. init "kmeans" (default): warmup_rounds 10 of
+local training, then k-means (kmeans_iterations 10) sets the centers; "random": the paper's.
+m_step "mean" (default) or "uploaders" (the authors' code's).
 
-Initialisation (`init`). The paper draws the centers at random (`init="random"`: cluster
-0 is the run's shared initial model, the others random re-draws of it by
-tree.random_models, and the first assignment is uniformly random, since every client
-starts from the same model and an E-step on it would put all clients in one cluster).
-On rotated MNIST that start never recovers: independently drawn centers lie
-~178 apart in squared L2 while a client moves < 1 in a round, so every E-step returns
-the client's random cluster, the assignment never moves, and each center is FedAvg over
-a random quarter of the rotations (Acc 0.625 at 500 rounds against the FEDORA paper's
-0.772, docs/measurements/).
-`init="kmeans"` (the default) starts the clusters from the data instead, as k-means
-based clustered FL does: for `warmup_rounds` rounds every client trains its own model
-(from the shared initial model, no communication; its personalized model is that local
-model), and the server then runs k-means on those local models (farthest-first seeds,
-Gonzalez 1985, the deterministic form of k-means++; then `kmeans_iterations` Lloyd
-steps, which are FeSEM's own E/M steps) to set the centers and the assignment.
-After it FeSEM's E/M steps run as above; the E-step re-clusters every round. On rotated
-MNIST at 100 rounds (LOCAL 0.752): random start 0.537, k-means after 1 local round
-0.630, after 10 (the default) 0.668 (docs/measurements/2026-11-26-baselines.md). The
-FEDORA authors' repository (github.com/junwu6/FEDORA) holds no baseline code, so which
-start the FEDORA paper's row used is not known; k-means is the default because the
-random start cannot separate the rotations at all.
-
-Partial participation (`m_step`). The M-step above sets a center to the plain mean of
-its clients' models; with some clients sitting a round out, `"mean"` (the default)
-reads every client's current model, a stale one for a client that sat out. The authors'
-code (github.com/mingxuts/multi-center-fed-learning@e206681, models/fedsem.py,
-TensorFlow 1) sets a center to the mean of the models its clients trained that round
-only, weighted by their sample counts (`Server.update_model_wmode`, its default mode):
-`"uploaders"` (weights > 0 in `aggregate`, the engine's --client_weights: sample counts
-by default, 1 with uniform; a center none of whose clients uploaded keeps its value).
-Both E-steps reassign every client by its current model (the code re-clusters its
-clients' last known models too). Not offered: the code samples clients within each
-cluster, not over the federation, and re-clusters by k-means every
-`update-center-every` rounds on one layer's weights.
+Departures: the k-means start (the paper draws the centers at random); the M-step's plain
+mean over every client's current model, stale ones included (the code: that round's trainers,
+sample-weighted); the code's per-cluster sampling and periodic re-clustering are not offered.
+Details (every option, the departures, measurements): docs/algorithms/fesem.md.
 """
 
 from typing import NamedTuple

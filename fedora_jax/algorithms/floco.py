@@ -10,35 +10,13 @@ tools, not run or copied. The paper's full text is not on disk, so this module n
 equation numbers. PFLlib has no Floco, so there is no verification row: the unit tests
 check the simplex projection, the energy, the PCA and the sampling by hand and numpy.)
 
-The run's model's top Dense layer (the classifier) becomes a simplex of M kernels
-W_1..W_M (each Xavier-normal; one shared bias): at a point alpha of the simplex the
-classifier's kernel is sum_m alpha_m W_m. Every local step draws its own alpha:
+The classifier becomes a simplex of `endpoints` (10) kernels; each local step trains at a random
+point, and the server averages all (FedAvg). After round `tau` (0.5: half the run) PCA of `signal`
+("update") gives client k a centre beta_k, its steps then within `rho` (0.3); it is scored there.
 
-- the first tau rounds, uniformly on the simplex (normalised Exp(1) draws);
-- then around the client's centre beta_k: beta_k + r u, u uniform in [-1, 1]^M scaled to
-  ||u||_1 = 1, r uniform in [0, rho] (the codes' _sample_L1_ball; it may leave the simplex).
+Departures: the signal is a client's update of its last round (the codes train all once more).
 
-The server averages everything (body, bias, the M kernels) as FedAvg with the run's client
-weights. At the end of round tau it places the clients: each client's signal is its
-update of the M kernels, received minus trained (the authors' pseudo-gradient), flattened;
-PCA (centred, M components, signs as scikit-learn's: each component's largest loading
-positive) gives kappa_k in R^M; for each z of linspace(1e-4, 1, 1000) every kappa_k is
-projected onto the simplex scaled by z and renormalised to sum 1, and the z whose points
-have the lowest log Riesz s-energy (s = 2, distances clamped at 1e-4) gives the centres
-beta_k. A client is scored at the simplex centre (1/M each) before, and at beta_k after.
-
-Defaults: the authors' Flower baseline conf (cifar10_dir_floco.toml): M = 10 endpoints,
-rho 0.3, tau at 250 of 500 rounds, here `tau` 0.5: half the run's rounds (a value > 1
-is a round count); FL-bench's rho 0.1 and tau 10 rounds are `--floco_rho=0.1
---floco_tau=10`. `signal`: "update" (the authors' Flower code) or "params" (FL-bench and
-the authors' fork: the trained kernels themselves, which PCA's centring turns into the
-negated update, so the points come out mirrored).
-
-Departures: the codes train every client once more in the projection round to collect
-the signals; here a client's signal is its update of the last round it trained (every
-client's at full participation), zero for one never sampled. With fewer clients than M
-the PCA's missing components are 0 (scikit-learn refuses). Floco+ (the personalised
-second model, `pers_epoch` > 0 in the codes, 0 by default) is not built.
+Details (every option, the departures, measurements): docs/algorithms/floco.md.
 """
 
 from typing import Any, NamedTuple

@@ -4,55 +4,18 @@ Ghosh, Chung, Yin, Ramchandran. "An Efficient Framework for Clustered Federated
 Learning." NeurIPS 2020. https://arxiv.org/abs/2006.04088
 (code: github.com/jichan3751/ifca, HEAD 61e44b8)
 
-The server keeps C cluster models theta_1..theta_C. Every round (Algorithm 1):
-  1. it sends all C models to every client;
-  2. client k evaluates each on its own training data and picks
-     j_k = argmin_j F_k(theta_j) (ties go to the lowest index);
-  3. it runs its local SGD starting from theta_{j_k} and sends back the result;
-  4. the server sets each theta_j to the plain mean of the models of the clients that
-     chose j (the paper's model averaging, as mnist/train_cluster_mnist.py's
-     global_param_update: unweighted by sample counts); a cluster nobody chose keeps its
-     model.
-A client's personalized model is the (updated) model of the cluster it chose by its
-training loss. (The authors' test accuracy re-picks each test machine's cluster by its
-loss on the test data itself, get_inference_stats(train=False); that reads the test
-labels, so it is not done here.)
+The server keeps C cluster models and sends all C to every client ([K, C, ...] messages);
+client k picks the one of lowest training loss, trains it by its local SGD and sends it
+back; the server sets each cluster model to the plain mean of those that chose it (one
+nobody chose keeps its model). A client is scored with its chosen cluster's model.
+IfcaConfig: num_clusters 12, init_draws 10 (restarts kept when every cluster is chosen by
+max(1, min_share K) clients), min_share 0.0.
 
-Initialisation. The paper and the MNIST code start the C models from independent random
-initialisations (one `SimpleLinear` per cluster). We keep the run's shared initial model
-as cluster 0 and draw the others by shuffling its entries within each layer
-(tree.random_models: same i.i.d. distribution, no initialiser needed). The first
-assignment then compares C untrained models whose training losses all sit near log(10)
-for ten classes: the argmin is decided by noise, and a cluster that no client picks in
-round 1 stays untrained and is never picked again (dead). The authors' CIFAR code
-(cifar/train_cluster_cifar_tf.py, find_good_initializer) redraws the random models until
-every cluster is the choice of at least a share of the machines (10% with 4 clusters,
-35% with 2); the paper's abstract and experiments speak of "random initialization with
-multiple restarts". Here `init_draws` candidate sets of C models are drawn at once
-(draw 0 is the single draw above), each client's first choice is computed for every
-draw, and the first draw in which every cluster is chosen by at least
-max(1, min_share * K) clients is kept (none passing: the draw whose least-chosen
-cluster has the most clients). `init_draws=1` is the single random draw of the paper's
-MNIST code.
+Departures: C = 12 chosen on validation for FEDORA's 36 angles (the paper's 4:
+--ifca_num_clusters=4); clusters other than 0 are the initial model's entries shuffled
+within each layer; no re-picking of a test cluster by test loss (that reads test labels).
 
-C (`num_clusters`). The IFCA paper's rotated MNIST has exactly 4 rotations (0, 90, 180,
-270 degrees; mnist/config.json p = 4), so C = 4 is its true number of clusters. FEDORA's
-rotated MNIST (Appendix B) has 36 clients at 36 angles 10 degrees apart: no true C.
-With C = 4 each cluster averages models over a 90-degree arc, and because the first
-assignment is noise every cluster starts as a random mix of angles that sorts itself
-into arcs only slowly (at round 100 of seed 0 one cluster still held 40-80 and 270-280
-degrees; Acc 0.725 against LOCAL's 0.752). C is then a hyperparameter, chosen here on
-the validation split (docs/measurements/2026-11-26-baselines.md, "Five low baselines";
-rotated MNIST, seed 0, 100 rounds, mean validation accuracy at round 100): C = 4 0.717, 9 0.784,
-12 0.791, 18 0.786. The default is 12 (three 10-degree neighbours a cluster on
-average); at it, test Acc 0.808 / 0.806 / 0.791 on seeds 0-2 at 100 rounds (LOCAL 0.752
-/ 0.758 / 0.754). Seed 0's first draw at C = 12 leaves one cluster empty for good; with
-`init_draws=1` it ends at test 0.795 / validation 0.793 (restarts: 0.808 / 0.791), so on
-this seed the restarts do not raise validation accuracy; they stay on as the authors'
-remedy for a model nobody trains. `--ifca_num_clusters=4` is the IFCA paper's value
-(the previous default here; with it the first draw passes and runs are unchanged).
-
-Messages are [K, C, ...]: every client really downloads all C models.
+Details (every option, the departures, measurements): docs/algorithms/ifca.md.
 """
 
 import math
@@ -69,7 +32,7 @@ from fedora_jax.errors import FieldError
 
 
 class IfcaConfig(NamedTuple):
-  num_clusters: int = 12  # C; chosen on validation (module docstring); the IFCA paper's 4
+  num_clusters: int = 12  # C; chosen on validation (docs/algorithms/ifca.md); the IFCA paper's 4
   init_draws: int = 10    # random initialisations to choose from (1: a single draw)
   min_share: float = 0.0  # a draw passes if every cluster is chosen by max(1, share K)
 

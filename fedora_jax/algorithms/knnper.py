@@ -9,37 +9,14 @@ both read, not run or copied. The paper's full text is not on disk, so this modu
 names no equation numbers. PFLlib has no kNN-Per, so there is no verification row: the
 unit tests check the kNN step and the interpolation by hand.)
 
-Training is FedAvg's, unchanged (the global model the server averages). kNN-Per acts
-where a client is scored: phi(x) is the global model's representation (the input of its
-top Dense layer), the datastore is the client's training set {(phi(x_i), y_i)}, and
+Training is FedAvg's. A client is scored with lambda p_kNN + (1 - lambda) softmax(global
+logits), p_kNN from the k (7) training samples nearest in the global model's representation
+(kernel scale 1); interpolation "validation" (default) picks lambda on its validation split
+from grid 101 values, "fixed" uses weight 0.5. mix "probabilities" (default) or "logits".
 
-  p_kNN(y | x) = sum_{i in N_k(x)} 1[y_i = y] s_i / sum_{i in N_k(x)} s_i,
-  s_i = exp(-||phi(x) - phi(x_i)||^2 / (F * scale)),
-  p(y | x) = lambda * p_kNN(y | x) + (1 - lambda) * softmax(global model's logits)(y),
-
-N_k(x) the k training samples nearest phi(x) in squared Euclidean distance (the codes'
-faiss IndexFlatL2), F the representation's size (the codes divide by it). The
-prediction is argmax_y p; the loss reported is -log p(y | x) (p floored at 1e-12).
-
-lambda: `interpolation` "validation" (default, the paper's per-client choice): every
-lambda of the grid 0, 1/(grid - 1), ..., 1 (the authors' 0.01 steps: grid 101) is scored
-on the client's validation split and the most accurate one (the smallest on a tie) is
-used on every split; "fixed": `weight` for every client (FL-bench's form, weight 0.5).
-
-Defaults: k 7 (the authors' paper_experiments scripts), scale 1 (their kernel length
-scale), the whole training set as the datastore (capacity 0; FL-bench: 500 samples
-drawn at random, here the same random subset at every evaluation). `mix`:
-"probabilities" (the paper's) or "logits": p_kNN added to the model's raw logits with the
-same weights, as both codes run (the authors' --interpolate_logits defaults to a truthy
-string, and FL-bench mixes its classifier's logits), the loss then the cross-entropy of
-the mixture's softmax. Departures: s_i is normalised as a softmax of -d / (F scale) over
-the k neighbours (equal to the codes' ratio, without its underflow to 0 / 0); a client
-whose datastore is empty is scored on the global model alone. FL-bench's features are
-its extractor's output before the classifier's ReLU; here the head's input as the model
-gives it.
-
-Plug-ins (ALA, ConFREE, DP, robust aggregation) are not offered: they rebuild the
-algorithm without its evaluation.
+Departures: the kernel weights are a softmax over the k neighbours; an empty datastore falls
+back to the global model; the features are the head's input.
+Details (every option, the departures, measurements): docs/algorithms/knnper.md.
 """
 
 from typing import Any, NamedTuple

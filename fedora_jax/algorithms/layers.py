@@ -1,26 +1,17 @@
 """Splitting a flax model into shared and personal layers, and the algorithm both
 LG-FedAvg (lg_fedavg.py) and FedPer (fedper.py) are built on.
 
-Layers are the top-level entries of `params["params"]` (Dense_0, Dense_1, ... for the
-MLP; Conv_0, Conv_1, Dense_0, Dense_1, Dense_2 for the CNN), ordered from input to output
-by module type (fedora_jax.models.LAYER_TYPE_ORDER: convolutions first) and then by the
-index flax gives each type in creation order. Every layer-wise method (LG-FedAvg, FedPer,
-FedRep, FedRoD, FedALA and --ala, coaching) takes its layers from `layer_names`, and the
-body / head split from `split_body_head`: the head is the top `head_layers` layers (the
-classifier, Dense_2 of the CNN at 1), the body everything below; FedPer's personal
-layers and LG-FedAvg's local layers are counted on the same list.
+Layers are the top-level entries of `params["params"]`, ordered from input to output by module
+type (convolutions first) and then by flax's index; every layer-wise method takes them from
+`layer_names` and its body / head split from `split_body_head` (the head: the top `head_layers`
+layers). `apply_with_representation` reads the body's output (the head's input) off the
+model's forward pass; `affine_head` applies a head of a method's own to such features.
 
-Representations (MOON, FedProto) are the body's output: the input of the head's layer,
-read off the model's own forward pass (`apply_with_representation`, a flax method
-interceptor), so every registered model has one without a method of its own.
+In a partial-sharing method the server holds only the shared layers; each client trains its
+whole model after taking the global shared layers, uploads its shared layers, and is scored
+with the latest global shared layers under its own personal ones.
 
-In a partial-sharing method the server holds only the shared layers; each client keeps
-its whole model in the stacked client state, trains it after overwriting its shared
-layers with the global ones, uploads its shared layers, and is evaluated with the
-latest global shared layers and its own personal ones.
-
-Methods that work on the features under the head (FedCP's policy, FedPAC's prototypes)
-apply heads of their own to them with `affine_head`.
+Details (every option, the departures, measurements): docs/algorithms/layers.md.
 """
 
 import math

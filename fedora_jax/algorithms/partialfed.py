@@ -6,48 +6,17 @@ Partial Initialization." NeurIPS 2021.
 https://openreview.net/forum?id=lgDP84byd5
 (no public code by the authors; none in PFLlib, whose history we searched)
 
-The method (the paper's Section 3, as far as the sources we hold state it): the server
-runs FedAvg over whole models. In round t client c receives the global model theta^t and
-initialises its local training with a layer-wise loading strategy A_t^c, one binary
-choice per layer l:
+The server runs FedAvg over whole models. Client c starts its round from the global model
+theta^t with the layers its strategy A_t^c does not load kept from its own last model,
+trains all layers and uploads the whole model. It is scored with the model it would start
+its next round from. PartialFedConfig: strategy "fix" (load every layer but the top
+local_layers 1: FedPer step for step) or "adaptive", with temperature 1.0.
 
-  theta_init^c[l] = theta^t[l]            if A_t^c[l] = 1   (load the global layer)
-                  = theta_{t-1}^c[l]      if A_t^c[l] = 0   (keep its own layer),
+Departures: no code exists and the paper's learning rule for PartialFed-Adaptive is not in
+any source held: "adaptive" is our reconstruction (per-layer Bernoulli loading, its logits
+learned by a straight-through Gumbel-sigmoid gradient during local training).
 
-trains all layers on its own data, and uploads the whole trained model, which becomes
-theta_t^c. Layers are this project's (layers.py: `layer_names`, input to output).
-
-Two strategies (`strategy`):
-  * "fix" (PartialFed-Fix, the default): a fixed, hand-chosen A for every client. The
-    paper's findings for classification: every partial loading beats loading everything
-    (FedAvg), loading the bottom layers and keeping the top ones beats the reverse, and
-    loading the classifier hurts (as does loading BatchNorm, which these models lack). So
-    A loads every layer but the top `local_layers` (default 1: the classifier stays
-    local). The server still averages the whole models, but the averaged top layers are
-    never loaded by anyone, so the run is FedPer's (fedper.py, same `local_layers`), step
-    for step; tests/test_partialfed.py checks that.
-  * "adaptive" (PartialFed-Adaptive): each client learns its own A. The paper's exact
-    learning rule (its estimator, schedule and learning rate) is not in any source we
-    hold, so this is our reconstruction of "a per-client, per-layer loading strategy
-    learned on the local objective": client c keeps logits pi^c [L] (0 at start: each
-    layer loaded with probability 1/2), and each round
-      1. draws A_l = 1[pi_l + g_l > 0], g_l ~ Logistic(0, 1) (a Bernoulli(sigmoid(pi_l))
-         sample, the binary Gumbel-max trick), and starts from theta_init as above;
-      2. trains theta and pi jointly with the run's local SGD. The model's value is
-         theta throughout; pi enters the loss through the straight-through term
-         (y - sg(y)) (theta^t - theta_{t-1}^c) on each layer, y_l =
-         sigmoid((pi_l + g_l) / temperature), which is zero in value and gives
-             dL/dpi_l = y_l' < grad_{theta[l]} L(theta), theta^t[l] - theta_{t-1}^c[l] >,
-         the first-order gain of loading more of the global layer (Gumbel-sigmoid
-         straight-through, Jang et al. 2017; Bengio et al. 2013), as ALA (FedALA, Eq. 3)
-         learns its element-wise weights from the same inner product;
-      3. keeps pi for the next round's draw.
-    A client's evaluated model uses its most likely strategy, A_l = 1[pi_l >= 0], with
-    the latest global model.
-
-Evaluation (both): theta_t^c with the layers its strategy loads replaced by the latest
-global model's, i.e. the model it would start its next round from (FedPer's and
-LG-FedAvg's evaluation here). A client that sits a round out keeps theta^c and pi^c.
+Details (every option, the departures, measurements): docs/algorithms/partialfed.md.
 """
 
 from typing import Any, NamedTuple

@@ -9,45 +9,14 @@ or copied. The paper's full text is not on disk, so this module names no equatio
 numbers. PFLlib has no PeFLL, so there is no verification row: the unit tests check the
 descriptor, its normalisation and the server's gradients by hand and against jax.grad.)
 
-The server holds the embedding network E(.; psi) and the hypernetwork h(.; phi) (pFedHN's:
-fedora_jax/algorithms/pfedhn.py). A round, client k:
-  1. computes its descriptor v_k = n(mean_{(x, y) in B_k} E(x, y; psi)) over B_k,
-     `embed_batches` batches of the run's batch size drawn from its training split (the
-     authors' 1), n the normalisation below;
-  2. receives theta_k = h(v_k; phi), trains it locally (the engine's local SGD) to
-     theta~_k and takes delta_k = theta_k - theta~_k as the gradient of its loss at theta_k;
-  3. the gradients of psi and phi are the chain rule through h and E:
-       g_phi = (d theta_k / d phi)^T delta_k,
-       g_psi = (d v_k / d psi)^T (d theta_k / d v_k)^T delta_k;
-     the client computes g_psi (it holds B_k) and uploads delta_k, v_k and g_psi; the
-     server forms g_phi from delta_k and v_k (one vjp of the vmapped hypernetwork);
-  4. the server averages the sampled clients' gradients, clips their global norm at
-     `grad_clip` and takes one Adam step (the authors' --optim adam, lr 2e-4, clip 50).
-A client is scored as the authors' evaluate() scores it: the descriptor of its whole
-training split, theta_k = h(v_k), and (`mask_absent`, the authors' default) the logits of
-classes absent from its training split multiplied by 0 (on MNIST's two-class pathological
-clients this carries most of the accuracy: docs/measurements/2026-12-04-pefll.md).
+The server holds an embedding network E and a hypernetwork h; client k's descriptor v_k (E's
+mean over embed_batches 1 batches, normalize "first") gives theta_k = h(v_k), which it trains
+and uploads delta_k with v_k and psi's gradient; the server takes one Adam step (server_lr
+2e-4, grad_clip 50). Scored: h(v_k) of its whole split, absent classes masked (mask_absent).
 
-Normalisation n (`normalize`): "first", the authors': (v - m) / s with m, s the mean and
-(unbiased) standard deviation of the entries of the first descriptor computed, fixed from
-then on (no gradient through them); "each", FL-bench's: every descriptor standardised by
-its own entries' mean and standard deviation (gradient through both). In the first round
-no descriptor has been computed yet, so under "first" each of its clients uses its own
-(as "each", without the gradient through m, s), and the server keeps the first sampled
-client's m, s.
-
-E (`embed_model`): "xy" (default), the authors' models.py MLP over the flattened x and
-one-hot y (hidden width `embed_hidden` 20, `embed_layers` 3: their --embed-hid,
---embed-nlayers); "labels", their --embed-model=mlp (one Linear layer on one-hot y). Their
-default, a LeNet on 32 x 32 images with y as extra channels, is not offered (the models
-here take any input). Defaults, the authors': e = 1 + K / 4, hypernetwork width 100, 3
-hidden layers; PyTorch's Linear initialisation.
-
-Departures: the local training is the run's (its epochs, optimiser and lr), not the
-authors' 50 inner SGD steps (lr 2e-3, momentum 0.9, weight decay 5e-5) with the local
-gradients clipped at 50 (FL-bench clips them too; the engine's trainer does not). As in
-FL-bench, a client receives both networks (the round's bytes down count them) rather than
-its model alone; the gradients are the same.
+Departures: the run's local training (the authors': 50 clipped SGD steps); a client receives
+both networks.
+Details (every option, the departures, measurements): docs/algorithms/pefll.md.
 """
 
 import math

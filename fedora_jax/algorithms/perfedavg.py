@@ -6,58 +6,17 @@ A Model-Agnostic Meta-Learning Approach." NeurIPS 2020. https://arxiv.org/abs/20
 (implementations compared against: the pFedMe authors' github.com/CharlieDinh/pFedMe,
 FLAlgorithms/users/userperavg.py, and TsingZ0/PFLlib, system/flcore/clients/clientperavg.py)
 
-Objective: min_w 1/n sum_i F_i(w), with F_i(w) = f_i(w - alpha grad f_i(w)): the loss of
-client i after one gradient step of size alpha from the global model w.
+A sampled client takes the paper's local steps from the global model w on batches D, D' (D''):
+w_tilde = w - alpha grad f_i(w; D), then w -= beta grad f_i(w_tilde; D') (`variant` "fo", the
+default) or its Hessian-free form ("hf"); the server averages the models (FedAvg). A client is
+scored with one step of size alpha from the global model it received on a training batch
+(`evaluation` "received"; "latest": from the new one; "test": PFLlib a41f7ba's test steps).
+Defaults: alpha 0.005, beta 0.001 (the pFedMe authors' Per-FedAvg runs).
 
-Local step of client i (the paper's Algorithm 1), from its copy w of the global model,
-on three independent batches D, D', D'' of its training data:
-  w_tilde = w - alpha grad f_i(w; D)                                       (inner step)
-  FO:  w <- w - beta grad f_i(w_tilde; D')                      (first-order MAML)
-  HF:  w <- w - beta (I - alpha hess f_i(w; D'')) grad f_i(w_tilde; D')   (Hessian-free)
-HF's Hessian-vector product is exact here, jax.jvp of grad f_i(.; D'') along
-grad f_i(w_tilde; D'); the paper approximates it by the finite difference
-(grad f_i(w + delta v; D'') - grad f_i(w - delta v; D'')) / (2 delta), whose delta -> 0
-limit this is. The steps are plain SGD steps of sizes alpha and beta (the paper's and
-both codes'); the run's --lr, --momentum and --weight_decay do not apply.
+Departures: HF's Hessian-vector product is exact (the paper: a finite difference); an epoch's
+chunks of 2B (3B for HF) samples are dealt to D, D' (D'') (PFLlib halves batches of 2B).
 
-Batches: every local epoch shuffles the client's samples and cuts them into chunks of
-2B (FO) or 3B (HF) samples, B the run's --batch_size; a chunk's samples are dealt in
-turn to D, D' (and D''), so each sample is used once per epoch and a partial last chunk
-still gives D' samples (PFLlib draws batches of 2B and splits them in halves). A step
-whose D or D' holds no real sample (a client of one sample) changes nothing.
-
-Server: FedAvg, the uploaded models averaged by training-set size over the round's
-sampled clients.
-
-Evaluation, as the paper and both codes do: the global model after one step of local
-adaptation, theta_i = w - alpha grad f_i(w; D_adapt), D_adapt one random batch of B of
-the client's training samples (PFLlib's train_one_step; the pFedMe authors' code adapts
-on test batches, a leak not offered here). The engine evaluates after the server step
-and `personalized_params` sees no data, so client i adapts the global model it received
-at the start of the round, alongside its training, and keeps theta_i in its state: the
-round's numbers are those of the model PFLlib evaluates in the same round (PFLlib adapts
-and evaluates right after sending the global model, before training). A client that sits
-a round out keeps the adaptation of the last global model it received
-(`evaluation="received"`, the default; the paper scores only its final model).
-
-The references re-adapt EVERY client from the latest global model before each evaluation
-(PFLlib's evaluate_one_step after send_models, which reaches all clients; the pFedMe
-authors' evaluate_one_step too), so under partial participation no client is scored on a
-stale adaptation. `evaluation="latest"` does that: after the server step each
-client's scored model is one step of size alpha from the new global model on a random
-training batch of B, drawn from the round's own key (`adaptation_keys`), the numbers of
-PFLlib's next evaluation. `evaluation="test"` is PFLlib's form at commit a41f7ba (the code
-behind FedALA's table, until its f8e3a80): the same, but two steps on two random test
-batches of B, alpha then beta from where the first left off (its train_one_step read
-load_test_data): a test-data leak, offered only to reproduce that table.
-
-variant: "fo" is the default, because it is what the comparisons run (the pFedMe
-authors' Per-FedAvg and PFLlib's, behind the FedALA paper's table, implement only the
-first-order step) and it costs two gradients per step against HF's three gradients and
-a Hessian-vector product; "hf" is the paper's more accurate approximation.
-Defaults alpha = 0.005 and beta = 0.001 are the Per-FedAvg runs of the pFedMe authors
-(README: --learning_rate 0.005 --beta 0.001, MNIST); PFLlib takes alpha = beta = the
-client learning rate.
+Details (every option, the departures, measurements): docs/algorithms/perfedavg.md.
 """
 
 from typing import Any, NamedTuple

@@ -6,51 +6,17 @@ NeurIPS 2020. https://arxiv.org/abs/2006.08848
 (authors' code: github.com/CharlieDinh/pFedMe, FLAlgorithms/users/userpFedMe.py,
 optimizers/fedoptimizer.py, servers/serverbase.py; also TsingZ0/PFLlib clientpFedMe.py)
 
-Objective (the paper's bi-level problem):
-  min_w 1/N sum_i F_i(w),   F_i(w) = min_theta { f_i(theta) + lambda/2 ||theta - w||^2 },
-the personalised model of client i being theta_hat_i(w) = prox_{f_i / lambda}(w), the
-argmin, and grad F_i(w) = lambda (w - theta_hat_i(w)).
+Each local iteration a client solves its personal model theta_i ~ argmin f_i(theta) +
+lam/2 ||theta - w||^2 on a batch by k gradient steps of size personal_lr, then moves its
+copy w <- w - eta lam (w - theta_i); it uploads w, and the server sets w <- (1 - beta) w
++ beta mean (weighted by training-set size). Each client is scored with theta_i.
+PfedmeConfig: lam 15, k 5, personal_lr 0.09, eta 0.005, beta 1 (the authors' MNIST run);
+every client trains each round (train_clients "all", as Algorithm 1).
 
-Client i, every round (the paper's Algorithm 1), from w_{i,0} = w^t the received global
-model, for r = 0 .. R-1 local iterations, each on its own minibatch D of B samples:
-  theta_i <- approximately argmin_theta h_i(theta; w_{i,r}, D)
-             = f_i(theta; D) + lambda/2 ||theta - w_{i,r}||^2,
-             by K gradient steps of size `personal_lr` on that batch,
-  w_{i,r+1} = w_{i,r} - eta lambda (w_{i,r} - theta_i)          (local update)
-and it uploads w_{i,R}. Server, over the round's sampled clients S (weighted by
-training-set size, as the authors' code):
-  w^{t+1} = (1 - beta) w^t + beta mean_{i in S} w_{i,R}.
-Who trains under partial participation: the paper's Algorithm 1 sends w^t to all N
-clients, all of them run the R local iterations, and only then does the server sample
-S^t, whose w_{i,R} it averages; the authors' serverpFedMe.py does the same ("do update
-for all users not only selected users"). So every client trains every round, its
-theta_i and w_{i,R} kept (`train_clients="all"`, the default: Algorithm.trains_unsampled),
-and the clients not sampled upload nothing. PFLlib's serverpFedMe.py trains only the
-selected clients (`train_clients="sampled"`; a client that sits a round out keeps its
-model). The two are the same at full participation; "all" costs every client's
-training each round.
-R is the run's local epochs times its batches per epoch (the authors' code takes
---local_epochs = R single batches; PFLlib, like this, every batch of every epoch). The
-solver of h_i starts from w^t at the start of a round and warm-starts from the previous
-theta_i at each later iteration (both codes). The steps are plain gradient steps of the
-stated sizes (paper and code); the run's --lr, --momentum and --weight_decay do not apply.
+Departures of the authors' code, both offered: an L2 term 0.001 theta in the inner steps
+(theta_l2, default 0), and the local model w scored (personal_model "local").
 
-The authors' code departs from the paper in two ways, both offered:
-  * its inner steps add mu theta to the gradient, mu = 0.001 (an L2 term the paper's h_i
-    lacks; PFLlib keeps it): `theta_l2` (default 0, the paper's h_i);
-  * the model it evaluates as personalised is not theta_i: the list it keeps as
-    theta_i aliases the model's parameters, which it then overwrites with w_{i,R}, so it
-    evaluates the local model w_{i,R} (issue CharlieDinh/pFedMe#5 notes the copy "is just
-    a copy of local_model"). `personal_model="local"` evaluates w_{i,R};
-    "theta" (default) evaluates theta_i, the personalised model the paper defines, at the
-    end of the client's last round. A client that sits a round out (train_clients
-    "sampled") keeps its model.
-
-Defaults: lambda = 15, K = 5, eta = 0.005, beta = 1 and personal_lr = 0.09: the authors'
-MNIST comparison with the non-convex model (README: --learning_rate 0.005
---personal_learning_rate 0.09 --beta 1 --lamda 15 --K 5 --model dnn, an MLP as here;
-0.09 is also main.py's default). Their Synthetic and CIFAR-10 runs, and PFLlib's default,
-take personal_lr = 0.01; their tuned MNIST runs take beta = 2.
+Details (every option, the departures, measurements): docs/algorithms/pfedme.md.
 """
 
 from typing import Any, NamedTuple

@@ -9,27 +9,12 @@ or copied. The paper's full text is not on disk, so this module follows that cod
 names no equation numbers. PFLlib has no pFedSim, so there is no verification row: the
 unit tests check the core step by hand.)
 
-Warm-up, rounds t < T_w: FedAvg (clients train the global model, the server averages the
-uploads with the run's weights). At its end every client's stored model is the global
-one. Personalisation, t >= T_w: client i receives
+FedAvg for warmup (0.5 of the run's rounds); then client i receives the mean of every client's
+stored body weighted by a_ij = -log(1 - s_ij), s_ij the classifiers' mean class-wise cosine,
+with its own classifier, trains the whole model and is scored with it.
 
-  body_i = sum_j a_ij body_j / sum_j a_ij,   a_ij = -log(1 - s_ij),  a_ii = -log(1 - 0.9999)
-
-over ALL clients' stored models (the body: every layer but the classifier, the top
-layer), with its own classifier, trains the whole model, and the server stores it as the
-client's model (the one it is scored with). After the round, for every pair i != j of
-the round's clients,
-
-  s_ij = max(0, mean over classes c of cos(W_i[:, c], W_j[:, c]))
-
-with W the classifier's kernel (features x classes; the code's classifier.weight,
-classes x features, read row by row); other pairs keep their last value, and s starts
-at 0 off the diagonal, so a client no one has been compared with keeps its own model.
-
-T_w (`warmup`, the code's warmup_round, default 0.5): a value in [0, 1] is the fraction
-int(warmup * rounds) of the run's rounds, a value > 1 a round count. Departure: s_ij is
-capped at 0.9999 (the self weight's) so that two identical classifiers weigh -log(1e-4),
-not infinity.
+Departure: s_ij is capped at 0.9999 so identical classifiers weigh -log(1e-4), not infinity.
+Details (every option, the departures, measurements): docs/algorithms/pfedsim.md.
 """
 
 from typing import Any, NamedTuple

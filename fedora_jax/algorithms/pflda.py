@@ -9,22 +9,14 @@ names are not on disk, see the DOI). https://doi.org/10.1080/00401706.2022.21578
 this module. The paper's full text is not on disk: this module follows that code, and
 names no equation numbers.)
 
-Client i holds its feature extractor f_i (every layer below the top Dense layer), its
-head h_i and a copy of the global head g (received every round). A sampled client runs
-(clientda.train), each phase the run's local epochs:
+A sampled client trains its head h_i on CE + lam ||g - h_i||_2 (lam 1), then its extractor f_i
+with the global head g (h_i fixed), and uploads g; the server averages the g (FedAvg) and sends it
+to every client. Client i is scored with (f_i, h_i); f_i is never sent.
 
-  1. its head alone, f_i fixed:       CE(h_i(f_i(x)), y) + lam ||g - h_i||_2
-  2. f_i and g together, h_i fixed:   CE(g(f_i(x)), y)
+Departures: the penalty is descended (`penalty_gradient` true; PFLlib's detached one moves
+nothing: false); a partial last batch trains, as for every method (PFLlib's loader drops it).
 
-and uploads the trained g; the server's g is their FedAvg (weights n_i), sent to every
-client. Client i is scored with (f_i, h_i); f_i is never sent.
-
-penalty_gradient: true (default) descends lam ||g - h_i||_2 as written (the gradient
-zero at g = h_i); PFLlib builds the penalty from detached tensors (p.data), so it moves
-nothing and its heads train like lam = 0 (false; the verification runs that).
-
-Defaults: lam 1 (PFLlib's --lamda). Departure: a partial last batch trains, as for every
-method (PFLlib's loader drops it).
+Details (every option, the departures, measurements): docs/algorithms/pflda.md.
 """
 
 from typing import Any, NamedTuple
