@@ -96,6 +96,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
         lambda: paper_gaps.fedora(_json("results/fedora3/rmnist/table.json")),
     "results/fedora4/rmnist/table.json":
         lambda: paper_gaps.fedora(_json("results/fedora4/rmnist/table.json")),
+    "results/fedora5/rmnist/table.json":
+        lambda: paper_gaps.fedora(_json("results/fedora5/rmnist/table.json")),
     "results/coaching1_offsets": _offsets,
     "results/coaching_eta_r": lambda: coaching_eta_r.table(_at("results/coaching_eta_r")),
     "results/coaching1_variants/fmnist_0.1/seed0": coaching_variants.table,
