@@ -475,8 +475,9 @@ def round_batches(name: str, reference, train_key: jax.Array, round_index: int,
     raise ValueError(f"{name}: check (a)'s loaders are for clients of one size and"
                      " LONG_LOADS has none for padded clients")
   keys = client_keys(jax.random.fold_in(train_key, round_index), data.num_clients)
-  if name in ALA_HOSTS:  # with_ala hands its host the second half of the client's key
-    keys = [jax.random.split(key)[1] for key in keys]
+  if name in ALA_HOSTS:
+    from verification import one_round  # pylint: disable=import-outside-toplevel
+    keys = [one_round.ala_host_key(key) for key in keys]
   sizes, padded = data.split_sizes("train"), bridges.padded_sizes(data)
   return [loads(keys[k], int(padded[k]), int(sizes[k]), epochs, batch_size)
           for k in range(data.num_clients)]

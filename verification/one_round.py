@@ -563,9 +563,14 @@ ALA_CONFIG = {"s": 80.0, "p": 1, "eta": 1.0, "batch_size": 10, "sample": "slice"
 ALA_ARGS = {"rand_percent": 80, "layer_idx": 2, "eta": 1.0}
 
 
-def _ala_keys(key: jax.Array) -> list[jax.Array]:
+def ala_host_key(key: jax.Array) -> jax.Array:
   """ala.with_ala hands its host the second of its client key's two halves."""
-  return [jax.random.split(key)[1]]
+  return jax.random.split(key)[1]
+
+
+def _ala_keys(key: jax.Array) -> list[jax.Array]:
+  """The keys of a client's trainings under ALA: its host's (ala_host_key)."""
+  return [ala_host_key(key)]
 
 
 def _ala_prepare(server, setting: Setting, clients: list[Client], threshold: float = 0.1
@@ -1922,11 +1927,10 @@ def _on_host(name: str, on: ala_hosts.AlaOn, received=lambda message: message,
   assert host.prepare is None and host.also_previous is False, name
   loads = None
   if host.loads is not None:
-    loads = lambda key, *rest, host_loads=host.loads: host_loads(jax.random.split(key)[1],
-                                                                 *rest)
+    loads = lambda key, *rest, host_loads=host.loads: host_loads(ala_host_key(key), *rest)
   return host._replace(
       algorithm=name, steps=(_ala_keep, *host.steps),
-      trainings=lambda key, trainings=host.trainings: trainings(jax.random.split(key)[1]),
+      trainings=lambda key, trainings=host.trainings: trainings(ala_host_key(key)),
       loads=loads, ala=ALA_CONFIG, rounds=3, scored_after_send=False,
       prepare=functools.partial(_ala_host_prepare, on=on, first_round=first_round),
       also=(functools.partial(_ala_host_ours, received=received,
