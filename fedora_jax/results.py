@@ -173,24 +173,6 @@ def communication_totals(result: RunResult) -> dict:
           "bytes_down": communication.run_total(history.bytes_down)}
 
 
-def resummarize(report: dict) -> dict:
-  """A results.json document (classification) with its summaries recomputed from its
-  per-client accuracies by the current metrics, so a row written before a metric changed
-  (the ties of metrics.ACCURACY_TIE, 2026-11-27) reads as a run would write it now. The
-  per-client values were rounded to 6 decimals, so the means may move in the 7th."""
-  if task_of(report) == "regression":
-    return report
-  clients = report["clients"]
-  final, best, r_final, r_best = _summaries(
-      *(np.array([c[name] for c in clients], np.float64)
-        for name in ("acc", "local_acc", "best_val_acc", "local_best_val_acc")))
-  return {**report, "r_acc": _rounded(final.r_acc), "ptr": _rounded(final.ptr),
-          "best_val": {**report["best_val"], "r_acc": _rounded(best.r_acc),
-                       "ptr": _rounded(best.ptr)},
-          "clients": [{**c, "r_acc": _rounded(r_final[k]), "best_val_r_acc": _rounded(r_best[k])}
-                      for k, c in enumerate(clients)]}
-
-
 def _build_regression_results(run_info: dict[str, Any], result: RunResult,
                                ours: ClientScores, local: ClientScores,
                                client_info: dict[str, np.ndarray]) -> dict:
@@ -237,30 +219,24 @@ def joined_machines(names) -> str:
   return " + ".join(dict.fromkeys(names))
 
 
-def machines(timing_record: dict, platform: str | None = None) -> str:
-  """The machines that trained a run, from its timing.json, in the order they did;
-  segments written before they named theirs count as `platform` (results.json's)."""
-  # timing.json written before 2026-11-28 say "1 cores"
-  named = [(s.get("machine") or platform or "unrecorded").replace(", 1 cores", ", 1 core")
-           for s in timing_record.get("segments", [])]
-  return joined_machines(named) or platform or "unrecorded"
+def machines(timing_record: dict) -> str:
+  """The machines that trained a run, from its timing.json, in the order they did."""
+  return joined_machines(s["machine"] for s in timing_record["segments"]) or "unrecorded"
 
 
-def run_cost(timing_record: dict, platform: str | None = None) -> dict:
-  """A table row's cost from its timing.json, over every process that trained it (files
-  written before timing.json had segments know only their own process). A run whose
-  every round was trained by processes stopped before they wrote timing.json costs NaN
-  seconds (printed "—"), not 0."""
-  if timing_record.get("resumed_from_round") and not timing_record.get("segments", True):
+def run_cost(timing_record: dict) -> dict:
+  """A table row's cost from its timing.json, over every process that trained it. A run
+  whose every round was trained by processes stopped before they wrote timing.json costs
+  NaN seconds (printed "—"), not 0."""
+  if timing_record["resumed_from_round"] and not timing_record["segments"]:
     return {"round_seconds": math.nan, "wall_seconds": math.nan,
             "machine": "untimed (trained by a stopped process)"}
-  return {"round_seconds": timing_record.get("round_seconds_all",
-                                             timing_record["round_seconds"]),
-          "wall_seconds": timing_record.get("seconds_all", timing_record["train_seconds"]),
-          "machine": machines(timing_record, platform)}
+  return {"round_seconds": timing_record["round_seconds_all"],
+          "wall_seconds": timing_record["seconds_all"],
+          "machine": machines(timing_record)}
 
 
-def timing(result: RunResult, earlier: dict | None = None, machine: str | None = None) -> dict:
+def timing(result: RunResult, machine: str, earlier: dict | None = None) -> dict:
   """timing.json: wall times, kept out of results.json so that the same flags and seed give
   a byte-identical results.json, resumed or not.
 
@@ -279,7 +255,7 @@ def timing(result: RunResult, earlier: dict | None = None, machine: str | None =
                      "compile_seconds": round(result.compile_seconds, 3),
                      "round_seconds": round(result.round_seconds, 5),
                      "train_seconds": round(result.total_seconds, 3),
-                     **({"machine": machine} if machine else {})})
+                     "machine": machine})
   rounds = [s["last_round"] - s["first_round"] for s in segments]
   return {"compile_seconds": round(result.compile_seconds, 3),
           "round_seconds": round(result.round_seconds, 5),
@@ -311,7 +287,7 @@ def write_timing(workdir: str, result: RunResult) -> None:
   trained = np.shape(result.history.test_score)[0] > result.resumed_from_round
   if trained or earlier is None:  # a rerun of a finished run keeps the times it measured
     with open(timing_path, "w") as f:
-      json.dump(timing(result, earlier, this_machine()), f, indent=2)
+      json.dump(timing(result, this_machine(), earlier), f, indent=2)
 
 
 def seconds_text(seconds: float, digits: int) -> str:

@@ -179,10 +179,10 @@ def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
     np.testing.assert_array_equal(got, want)
 
   # timing.json: one segment per process that trained rounds, summed over the run.
-  timing = results_lib.timing(first)
+  timing = results_lib.timing(first, "cpu x1")
   assert [(s["first_round"], s["last_round"]) for s in timing["segments"]] == [(0, 3)]
-  assert results_lib.timing(finished, timing)["segments"] == timing["segments"]
-  timing = results_lib.timing(extended, timing)
+  assert results_lib.timing(finished, "cpu x1", timing)["segments"] == timing["segments"]
+  timing = results_lib.timing(extended, "cpu x1", timing)
   assert [(s["first_round"], s["last_round"]) for s in timing["segments"]] == [(0, 3), (3, 5)]
   r1, r2 = (round(r.round_seconds, 5) for r in (first, extended))
   np.testing.assert_allclose(timing["round_seconds_all"], (3 * r1 + 2 * r2) / 5, atol=1e-5)
@@ -190,22 +190,18 @@ def test_resume_and_extend_match_an_uninterrupted_run(tmp_path):
       timing["seconds_all"], sum(r.compile_seconds + r.total_seconds
                                  for r in (first, extended)), atol=2e-3)
   # A fresh run (nothing resumed) starts its own record.
-  assert len(results_lib.timing(straight, timing)["segments"]) == 1
-  # Each segment names its machine; segments from before they did count as the platform.
-  timing = results_lib.timing(extended, results_lib.timing(first), "NVIDIA H200 x1")
-  assert results_lib.machines(timing, "cpu") == "cpu + NVIDIA H200 x1"
-  assert results_lib.machines({"train_seconds": 1.0}, "gpu") == "gpu"  # no segments at all
+  assert len(results_lib.timing(straight, "cpu x1", timing)["segments"]) == 1
+  # Each segment names its machine.
+  timing = results_lib.timing(extended, "NVIDIA H200 x1", results_lib.timing(first, "cpu x1"))
+  assert results_lib.machines(timing) == "cpu x1 + NVIDIA H200 x1"
   assert results_lib.this_machine().startswith("cpu x")
-  # One core is "1 core", in new records and in old ones read back.
-  old = {"segments": [{"machine": "cpu x1, 1 cores"}, {"machine": "cpu x2, 2 cores"}]}
-  assert results_lib.machines(old) == "cpu x1, 1 core + cpu x2, 2 cores"
   # write_timing twice for one result (when its rounds end, then with the other files)
   # writes the same record; a run whose rounds no finished process timed costs NaN ("—").
   results_lib.write_timing(str(tmp_path / "run"), first)
   once = (tmp_path / "run" / "timing.json").read_text()
   results_lib.write_timing(str(tmp_path / "run"), first)
   assert (tmp_path / "run" / "timing.json").read_text() == once
-  untimed = results_lib.run_cost(results_lib.timing(finished))
+  untimed = results_lib.run_cost(results_lib.timing(finished, "cpu x1"))
   assert np.isnan(untimed["round_seconds"]) and np.isnan(untimed["wall_seconds"])
   assert results_lib.seconds_text(untimed["round_seconds"], 3) == "—"
   assert results_lib.seconds_text(2.5, 3) == "2.500"

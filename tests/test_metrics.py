@@ -39,22 +39,6 @@ def test_the_same_count_rounded_two_ways_is_a_tie():
   assert s.r_acc == pytest.approx((-1 / 218) / 3, rel=1e-5)  # float32 counts
 
 
-def test_a_row_written_before_the_tie_rule_is_summarized_again():
-  # Client 0 tied with LOCAL (218 / 277 both, one bit apart before rounding) but was not
-  # counted; client 1 is 0.1 below its LOCAL 0.6: PTR 1/2, R-Acc (0 - 1/6) / 2.
-  stale = {"task": "classification", "acc": 0.643502, "r_acc": -0.083333, "ptr": 0.0,
-           "best_val": {"round": 3, "acc": 0.55, "r_acc": 0.1, "ptr": 1.0},
-           "clients": [{"id": 0, "acc": 0.787004, "local_acc": 0.787004, "r_acc": -1e-7,
-                        "best_val_acc": 0.6, "local_best_val_acc": 0.5},
-                       {"id": 1, "acc": 0.5, "local_acc": 0.6, "r_acc": -0.166667,
-                        "best_val_acc": 0.5, "local_best_val_acc": 0.5}]}
-  fresh = results.resummarize(stale)
-  assert fresh["ptr"] == 0.5 and fresh["acc"] == stale["acc"]
-  assert fresh["r_acc"] == pytest.approx(-1 / 12, abs=1e-6)
-  assert [c["r_acc"] for c in fresh["clients"]] == [0.0, pytest.approx(-1 / 6, abs=1e-6)]
-  assert fresh["best_val"] == {"round": 3, "acc": 0.55, "r_acc": 0.1, "ptr": 1.0}
-
-
 def test_zero_local_accuracy_is_left_out_of_r_acc():
   s = metrics.summarize(np.array([0.5, 0.2]), np.array([0.0, 0.1]))
   assert np.isclose(s.r_acc, 1.0)

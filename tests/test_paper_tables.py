@@ -265,6 +265,15 @@ def test_best_round_accuracy_by_hand():
     metrics.accuracy_per_round(test_acc, n_test, "median")
 
 
+def _write_timing(directory, seconds):
+  """timing.json of a row one process trained in `seconds`."""
+  segment = {"first_round": 0, "last_round": 2, "compile_seconds": 0.0,
+             "round_seconds": 1.0, "train_seconds": seconds, "machine": "cpu x1, 1 core"}
+  (directory / "timing.json").write_text(json.dumps(
+      {"resumed_from_round": 0, "segments": [segment], "round_seconds_all": 1.0,
+       "seconds_all": seconds}))
+
+
 def test_a_round_s_mean_over_its_sampled_clients_by_hand(tmp_path):
   test_acc = np.array([[0.5, 1.0, 0.2], [0.9, 0.4, 0.6]])
   n_test = np.array([30, 10, 20])
@@ -280,8 +289,7 @@ def test_a_round_s_mean_over_its_sampled_clients_by_hand(tmp_path):
            local_steps=np.where(sampled, 5, 0))
   (tmp_path / "results.json").write_text(json.dumps(
       {"clients": [{"n_test": int(n)} for n in n_test]}))
-  (tmp_path / "timing.json").write_text(json.dumps({"round_seconds": 1.0,
-                                                    "train_seconds": 2.0}))
+  _write_timing(tmp_path, 2.0)
   every = sweep.read_row_run(str(tmp_path), sweep.BestRound("mean", 1))
   only_sampled = sweep.read_row_run(str(tmp_path), sweep.BestRound("mean", 1, "sampled"))
   np.testing.assert_allclose(every.per_round, [1.7 / 3, 1.9 / 3])
@@ -299,8 +307,7 @@ def test_a_row_without_every_round_s_test_scores_is_refused(tmp_path):
   np.savez(tmp_path / "history.npz", test_acc=test_acc)
   (tmp_path / "results.json").write_text(json.dumps(
       {"clients": [{"n_test": 10}, {"n_test": 30}]}))
-  (tmp_path / "timing.json").write_text(json.dumps({"round_seconds": 1.0,
-                                                    "train_seconds": 3.0}))
+  _write_timing(tmp_path, 3.0)
   with pytest.raises(ConfigError, match="test was not scored every round"):
     sweep.read_row_run(str(tmp_path), sweep.BestRound("mean", 1))
 

@@ -157,11 +157,14 @@ def test_paper_data_has_every_row_of_every_table_with_finite_numbers():
 
 
 @pytest.mark.parametrize("table", fedora_tables.TABLES)
-def test_every_row_of_every_table_prints_the_papers_numbers(table):
+def test_every_row_of_every_table_prints_the_papers_numbers(table, tmp_path):
+  results = tmp_path / "results.json"
+  results.write_text(json.dumps({"best_val": {"acc": 0.6}}))
   for dataset in fedora_tables.load_paper_tables()[table]["datasets"]:
     paper = fedora_tables.load_paper_rows(table, dataset)
     runs = {row: [sweep.RowRun(acc=0.5, r_acc=0.01, ptr=0.5, round_seconds=0.1,
-                               wall_seconds=1.0, machine="cpu x1, 1 cores", results="r")]
+                               wall_seconds=1.0, machine="cpu x1, 1 core",
+                               results=str(results))]
             for row in fedora_tables.check_rows([], table)}
     summary = fedora_tables.table_summary(table, runs, paper)
     markdown = fedora_render.format_markdown("T", "settings", summary)
@@ -340,10 +343,14 @@ def test_seeds_give_mean_and_population_std_beside_the_paper(tmp_path):
 
 
 def test_table_csv_has_a_line_per_row_with_ours_the_papers_and_timing(tmp_path):
+  for name, best_val_acc in (("a", 0.72), ("b", 0.82)):
+    (tmp_path / name).write_text(json.dumps({"best_val": {"acc": best_val_acc}}))
   runs = [sweep.RowRun(acc=0.70, r_acc=0.01, ptr=0.5, round_seconds=0.2,
-                       wall_seconds=10.0, machine="NVIDIA H200 x1", results="a"),
+                       wall_seconds=10.0, machine="NVIDIA H200 x1",
+                       results=str(tmp_path / "a")),
           sweep.RowRun(acc=0.80, r_acc=0.03, ptr=1.0, round_seconds=0.4,
-                       wall_seconds=30.0, machine="cpu x2, 2 cores", results="b")]
+                       wall_seconds=30.0, machine="cpu x2, 2 cores",
+                       results=str(tmp_path / "b"))]
   paper = fedora_tables.load_paper_rows("fedora1", "rmnist")
   rows = fedora_tables.table_summary("fedora1", {"local": runs, "fedora_paper": runs}, paper)
   fedora_render.write_csv(str(tmp_path / "table.csv"), rows)
@@ -351,10 +358,11 @@ def test_table_csv_has_a_line_per_row_with_ours_the_papers_and_timing(tmp_path):
   assert lines[0] == ("algorithm,seeds,acc,acc_std,r_acc,r_acc_std,ptr,ptr_std,best_val_acc,"
                       "best_val_acc_std,paper_acc,paper_r_acc,paper_ptr,round_seconds,wall_seconds,machine,"
                       "paper_row,paper_source")
-  assert lines[1] == ("local,2,0.75,0.05,0.02,0.01,0.75,0.25,,,0.7642,,,0.3,40.0,"
+  assert lines[1] == ("local,2,0.75,0.05,0.02,0.01,0.75,0.25,0.77,0.05,0.7642,,,0.3,40.0,"
                       '"NVIDIA H200 x1 + cpu x2, 2 cores",LOCAL,"Table 1, LOCAL row,'
                       ' Rotated MNIST"')
-  assert lines[2] == ("fedora_paper,2,0.75,0.05,0.02,0.01,0.75,0.25,,,0.8251,0.0806,1.0,0.3,"
+  assert lines[2] == ("fedora_paper,2,0.75,0.05,0.02,0.01,0.75,0.25,0.77,0.05,0.8251,0.0806,"
+                      "1.0,0.3,"
                       '40.0,"NVIDIA H200 x1 + cpu x2, 2 cores",FEDORA,"Table 1, FEDORA row,'
                       ' Rotated MNIST (ours: not a paper row)"')
 

@@ -95,9 +95,8 @@ FLAG_HELP = {
     "val_batch_size": "Batch of the code's validation loss (--fedora_val_loss=batch_sum)",
 }
 PRESET_HELP = ("authors (default): the public code's graph, kappa, lambda rule and pull,"
-               " whose numbers the paper reports (rotated MNIST: Acc 0.816 against the"
-               " paper's 0.825); paper: the equations as printed, which end near LOCAL"
-               " (0.761; see fedora_jax/algorithms/fedora.py)")
+               " whose numbers the paper reports; paper: the equations as printed, which"
+               " end near LOCAL (docs/algorithms/fedora.md, docs/results.md)")
 # A field that only acts when another holds a value (a flag given without it is refused).
 ONLY_WITH = {"lambda_value": ("lambda_rule", "constant"), "temperature": ("weights", "exp"),
              "val_batch_size": ("val_loss", "batch_sum")}

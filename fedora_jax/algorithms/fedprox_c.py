@@ -39,7 +39,7 @@ FLAG_HELP = {
     "head_layers": "FedProx-C: number of top layers (the classifier) each client fine-tunes"
                    " on the received global model, the rest frozen",
     "fine_tune": "FedProx-C: head (the classifier fine-tuned, default) or model (the"
-                 " client's proximal local model of the round; fedavg_c.py)",
+                 " client's proximal local model of the round; docs/algorithms/fedavg_c.md)",
 }
 
 

@@ -44,7 +44,7 @@ class PartialFedConfig(NamedTuple):
 FLAG_HELP = {
     "strategy": "PartialFed loading strategy: fix (PartialFed-Fix: load all but the top"
                 " local_layers from the global model) or adaptive (each client learns a"
-                " per-layer loading probability; see partialfed.py)",
+                " per-layer loading probability; docs/algorithms/partialfed.md)",
     "local_layers": "PartialFed-Fix: number of top layers each client keeps instead of"
                     " loading the global ones",
     "temperature": "PartialFed-Adaptive: temperature of the relaxed loading choice in the"

@@ -219,11 +219,8 @@ def summarize(row: str, runs: list[sweep.RowRun], paper: dict,
 
 def _best_val_acc(results_path: str) -> float:
   """Acc at the run's round of best mean validation accuracy (results.json's best_val)."""
-  try:
-    with open(results_path) as f:
-      return json.load(f)["best_val"]["acc"]
-  except (OSError, KeyError, TypeError, ValueError):  # a record without it
-    return np.nan
+  with open(results_path) as f:
+    return json.load(f)["best_val"]["acc"]
 
 
 def _paper_columns(row: str, paper: dict, extra: Mapping[str, str]) -> dict:
@@ -298,12 +295,11 @@ def reproduce(request: Request, options: sweep.Options = sweep.Options()) -> Tab
   runs: dict[str, list[sweep.RowRun]] = {row: [] for row in rows}
   unfinished: dict[str, list[str]] = {row: [] for row in rows}  # "seed 1: not started"
   outcomes = sweep.run_configs([row_run for _, _, row_run in planned], options)
-  for (seed, row, row_run), (results, read, why) in zip(planned, outcomes):
+  for (seed, row, row_run), (results, _, why) in zip(planned, outcomes):
     if results is None:
       unfinished[row].append(sweep.seed_unfinished(seed, why or ""))
-    else:  # one read may have been written before a metric changed
-      runs[row].append(sweep.read_row_run(
-          row_run.workdir, results=results_lib.resummarize(results) if read else results))
+    else:
+      runs[row].append(sweep.read_row_run(row_run.workdir, results=results))
   if not any(runs.values()):
     raise ConfigError(f"--finished_only: no row of --table={request.table} is finished in"
                       f" {workdir} (for these rows and seeds)")

@@ -90,15 +90,12 @@ def _per_round(directory: str, results: dict, metric: BestRound) -> np.ndarray:
 def read_row_run(directory: str, metric: BestRound | None = None,
                  results: dict | None = None) -> RowRun:
   """A finished row's numbers from its workdir: with `metric`, its best-round accuracy;
-  else the final round's Acc, R-Acc and PTR of `results` (default: its results.json,
-  recomputed by today's metrics: results.resummarize)."""
+  else the final round's Acc, R-Acc and PTR of `results` (default: its results.json)."""
   if results is None:
     with open(os.path.join(directory, "results.json")) as f:
       results = json.load(f)
-    if metric is None:
-      results = results_lib.resummarize(results)  # written before a metric changed, maybe
   with open(os.path.join(directory, "timing.json")) as f:
-    cost = results_lib.run_cost(json.load(f), results.get("platform"))
+    cost = results_lib.run_cost(json.load(f))
   path = os.path.join(directory, "results.json")
   if metric is None:
     return RowRun(path, **cost, acc=results["acc"], r_acc=results["r_acc"],
