@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
 from fedora_jax import metrics
+from fedora_jax import results as results_lib
 
 TIE_OF_ROUNDED = 2e-6
 
@@ -62,7 +63,7 @@ def summarized_again(report: dict) -> dict:
 
 def migrated_results(report: dict) -> dict | None:
   """The current form of a results.json document, or None if it is current."""
-  if report.get("task", "classification") != "classification" or report.get("ptr") is None:
+  if results_lib.task_of(report) != "classification" or report.get("ptr") is None:
     return None  # a regression, or a run without a LOCAL reference: nothing to count
   again = summarized_again(report)
   if (again["ptr"], again["best_val"]["ptr"]) == (report["ptr"], report["best_val"]["ptr"]):
