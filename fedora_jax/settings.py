@@ -203,6 +203,10 @@ def _algorithm(given: Mapping[str, Any], train) -> AlgorithmConfig:
   dp = {field: given[setting] for setting, field in DP_SETTINGS.items() if setting in given}
   if dp:
     plugins["dp"] = dp_lib.DpConfig(**dp)
+  for field, plugin in registered.only_under.items():
+    if field in own and plugin not in plugins:
+      raise ConfigError(f"--{setting_name(name, field)} only acts under --{plugin}, which"
+                        " this run does not use")
   algorithms.check_plugins(name, **plugins)
   return AlgorithmConfig(name=name, config=config, **plugins)
 

@@ -152,6 +152,8 @@ BAD_INPUT = [
     (["--fedora_p=0"], "fedora_p must be >= 1"),
     (["--fedora_lambda_value=0.1"], "--fedora_lambda_value only acts with"
      " --fedora_lambda_rule=constant; this run's is authors"),
+    (["--algorithm=fedprox", "--fedprox_ala_anchor=theta_hat"],
+     "--fedprox_ala_anchor only acts under --ala, which this run does not use"),
     (["--num_clients=4", "--new_clients=1", "--fedora_similarity=gradients"],
      "it has no gradients similarity to them"),
     (["--max_pad_ratio=0.5"], "--max_pad_ratio"),

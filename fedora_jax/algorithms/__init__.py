@@ -5,7 +5,8 @@ turns every field into a flag `--<name>_<field>` (help text from `flag_help`); a
 entry may rename a field's flag (`flag_names`: coaching's --coach_lambda, FedALA reading
 the --ala_* flags of the ALA plug-in), name presets of its fields (`presets`, picked by
 `--<name>_variant`: FEDORA's paper and authors' settings), take fields from the client
-training (`train_fields`: FEDORA's lr) and tie a field to another's value (`only_with`).
+training (`train_fields`: FEDORA's lr), tie a field to another's value (`only_with`) or to
+a plug-in (`only_under`: FedProx's ala_anchor acts only under --ala).
 
 Plug-ins wrap a registered host (`build`, `Plugged`): ALA (ala.py, --ala) in front of the
 client update of a host that sends a global model, ConFREE (confree.py,
@@ -60,6 +61,7 @@ class Registered(NamedTuple):
   preset_help: str = ""
   train_fields: tuple[str, ...] = ()  # fields copied from the client training (TrainConfig)
   only_with: dict[str, tuple[str, Any]] = {}  # field -> (field, value) it only acts with
+  only_under: dict[str, str] = {}  # field -> the plug-in (AlgorithmConfig field) it acts under
   # Whether the algorithm serves clients held out of training (FEDORA's Algorithm 2,
   # ExperimentConfig.new_clients): its check of the config that does (one-line error);
   # None: it does not.
@@ -88,7 +90,8 @@ REGISTRY: dict[str, Registered] = {
                          only_with=fedora.ONLY_WITH, new_clients=fedora.check_new_clients,
                          round_cost=fedora.round_cost, torch_loop=True,
                          ignores=("client_weights",)),
-    "fedprox": Registered(fedprox.FedProxConfig, fedprox.fedprox, fedprox.FLAG_HELP),
+    "fedprox": Registered(fedprox.FedProxConfig, fedprox.fedprox, fedprox.FLAG_HELP,
+                          only_under={"ala_anchor": "ala"}),
     "fedavg_ft": Registered(fedavg_ft.FedAvgFTConfig, fedavg_ft.fedavg_ft),
     "fedprox_ft": Registered(fedprox_ft.FedProxFTConfig, fedprox_ft.fedprox_ft,
                              fedprox_ft.FLAG_HELP),
