@@ -94,6 +94,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
         lambda: paper_gaps.fedora(_json("results/fedora1/rfmnist/table.json")),
     "results/fedora3/rmnist/table.json":
         lambda: paper_gaps.fedora(_json("results/fedora3/rmnist/table.json")),
+    "results/fedora3/rfmnist/table.json":
+        lambda: paper_gaps.fedora(_json("results/fedora3/rfmnist/table.json")),
     "results/fedora4/rmnist/table.json":
         lambda: paper_gaps.fedora(_json("results/fedora4/rmnist/table.json")),
     "results/fedora5/rmnist/table.json":
