@@ -4,6 +4,7 @@ tiny table end to end, the best-round metric, and the refused requests."""
 import csv
 import fcntl
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from experiments import reproduce
 from fedora_jax import algorithms, metrics, sweep
 from fedora_jax.data import datasets, partitions
 from fedora_jax.errors import ConfigError, FedoraError
-from fedora_jax.sweep import fedora_tables, paper_render, paper_specs, paper_tables
+from fedora_jax.sweep import fedora_tables, paper_render, paper_specs, paper_tables, tables
 from fedora_jax.models import MODELS
 from test_main import ROOT
 
@@ -161,6 +162,30 @@ def test_a_plugin_row_runs_with_its_hosts_flags():
   assert fedrep_local not in references(table, "cifar10_c20_p30", "fedrod")
   assert references(TABLES["fedala1"], "mnist_pat", "pfedme")[0] == (
       "w/mnist_pat/seed0/local/results.json")
+
+
+def test_tables_that_share_a_workdir_give_a_row_name_one_run():
+  # fedala_ala's hosts are fedala1's rows ({"row_of": ...}), so the two share a workdir,
+  # where <column>/seed<s>/<row> is a row's directory: a row name both print must run
+  # alike in a column both have, or one table's run would refuse the other's (the
+  # ALA table's Per-FedAvg and FedPHP run other forms, as perfedavg_host, fedphp_host).
+  shared = set()
+  for name in paper_specs.PAPER_FILES:
+    with open(os.path.join(tables.PAPER_DIR, name)) as f:
+      for table_name, table in json.load(f).items():
+        if not table_name.startswith("_"):  # "_about"
+          shared.update((table_name, spec["row_of"]) for spec in table["rows"].values()
+                        if "row_of" in spec)
+  assert ("fedala_ala", "fedala1") in shared
+  for one, other in shared:
+    a, b = TABLES[one], TABLES[other]
+    for column in set(a["columns"]) & set(b["columns"]):
+      assert paper_specs.cell_flags(a, column) == paper_specs.cell_flags(b, column), column
+      for row in set(paper_specs.table_rows(a)) & set(paper_specs.table_rows(b)):
+        assert (paper_specs.row_flags(a, column, row)
+                == paper_specs.row_flags(b, column, row)), (one, other, column, row)
+  assert paper_specs.row_flags(TABLES["fedala_ala"], "cifar10_dir", "perfedavg_ala") == {
+      "algorithm": "perfedavg", "perfedavg_beta": 0.005, "ala": True}
 
 
 def test_every_row_algorithm_and_column_model_is_registered():
